@@ -1,0 +1,26 @@
+"""Byte-level tokenizer for the tiny presets: ids 0..255 are bytes, then BOS, EOS, PAD."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+BOS_ID = 256
+EOS_ID = 257
+PAD_ID = 258
+BYTE_VOCAB_SIZE = 259
+
+
+class ByteTokenizer:
+    """UTF-8 bytes <-> token ids. Decoding drops special ids and replaces broken UTF-8 sequences."""
+
+    vocab_size = BYTE_VOCAB_SIZE
+    bos_id = BOS_ID
+    eos_id = EOS_ID
+    pad_id = PAD_ID
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [BOS_ID, *ids] if add_bos else ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
