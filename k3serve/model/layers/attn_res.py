@@ -1,0 +1,24 @@
+"""Block Attention Residuals (K3, MODEL.md §4): softmax mixing over depth, per token, in fp32.
+
+Sources are the embedding, the sum of each completed block's sublayer outputs, and the running partial sum of
+the current block. A mix scores each source with a learned pseudo-query against its RMS-normalised value.
+No state survives between decode steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3serve.model.layers.norm import rms_norm
+
+
+def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """sources: n tensors `[..., d]`; query `[1, d]`; norm_weight `[d]` -> `[..., d]` in the sources' dtype.
+
+    out = sum_i softmax_i(<query, RMSNorm(v_i)>) * v_i
+    """
+    v = torch.stack([s.float() for s in sources])  # [n, ..., d]
+    logits = (rms_norm(v, norm_weight, eps) * query.float().view(-1)).sum(-1)  # [n, ...]
+    weights = logits.softmax(0).unsqueeze(-1)
+    return (weights * v).sum(0).to(sources[0].dtype)

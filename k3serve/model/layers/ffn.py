@@ -1,0 +1,103 @@
+"""Dense MLP (layer 0) and the two MoE flavours (MODEL.md §5).
+
+TP: the dense MLP and the shared experts split their intermediate width (column- then row-parallel); routed
+experts are split whole across ranks (expert parallel inside the TP group); each rank adds its experts'
+weighted outputs and one all-reduce sums them. For K3 Stable LatentMoE the expert sum ``u`` lives in the
+latent space and must be fully reduced before ``routed_expert_norm``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3serve.model.config import ModelConfig
+from k3serve.model.layers.norm import glu, rms_norm
+from k3serve.model.tp import TPGroup
+
+
+class GatedMLP:
+    """`down(act(gate x) * up x)`; partial over TP ranks (caller reduces)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        self.cfg = cfg
+        self.w_gate = weights[prefix + "gate_proj.weight"]
+        self.w_up = weights[prefix + "up_proj.weight"]
+        self.w_down = weights[prefix + "down_proj.weight"]
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[N, d]` -> this rank's partial output `[N, d]`."""
+        c = self.cfg
+        h = glu(F.linear(x, self.w_gate), F.linear(x, self.w_up), c.hidden_act,
+                c.activation_situ_beta, c.activation_situ_linear_beta)
+        return F.linear(h, self.w_down)
+
+
+class DenseFFN:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup) -> None:
+        self.mlp, self.tp = GatedMLP(cfg, weights, prefix + "mlp."), tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[B, T, d]` -> `[B, T, d]`."""
+        return self.tp.all_reduce(self.mlp.partial(x))
+
+
+class MoE:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup) -> None:
+        self.cfg, self.tp = cfg, tp
+        m = prefix + "block_sparse_moe."
+        self.w_router = weights[m + "gate.weight"].float()
+        self.score_bias = weights[m + "gate.e_score_correction_bias"].float()
+        per_rank = cfg.num_experts // tp.world
+        self.expert_ids = range(tp.rank * per_rank, (tp.rank + 1) * per_rank)
+        self.experts = {e: (weights[f"{m}experts.{e}.w1.weight"], weights[f"{m}experts.{e}.w3.weight"],
+                            weights[f"{m}experts.{e}.w2.weight"]) for e in self.expert_ids}
+        self.shared = GatedMLP(cfg, weights, m + "shared_experts.") if cfg.num_shared_experts else None
+        if cfg.uses_latent_moe:
+            self.w_down = weights[m + "routed_expert_down_proj.weight"]
+            self.latent_norm = weights[m + "routed_expert_norm.weight"]
+            self.w_up = weights[m + "routed_expert_up_proj.weight"]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[N, d]` -> (expert ids `[N, k]`, weights `[N, k]` fp32).
+
+        Selection on sigmoid scores + correction bias; weights are the unbiased scores renormalised to 1,
+        times routed_scaling_factor.
+        """
+        scores = torch.sigmoid(F.linear(x.float(), self.w_router))
+        ids = torch.topk(scores + self.score_bias, self.cfg.num_experts_per_token, dim=-1).indices
+        w = scores.gather(-1, ids)
+        w = w / w.sum(-1, keepdim=True) * self.cfg.routed_scaling_factor
+        return ids, w
+
+    def _routed_partial(self, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of this rank's experts: z `[N, e_in]` -> `[N, e_in]` (fp32)."""
+        c = self.cfg
+        out = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+        for e in self.expert_ids:
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            w1, w3, w2 = self.experts[e]
+            zi = z[rows]
+            y = F.linear(glu(F.linear(zi, w1), F.linear(zi, w3), c.hidden_act,
+                             c.activation_situ_beta, c.activation_situ_linear_beta), w2)
+            out.index_add_(0, rows, y.float() * w[rows, slot].unsqueeze(-1))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[B, T, d]` -> `[B, T, d]`."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        ids, w = self.route(flat)
+        if self.cfg.uses_latent_moe:
+            u = self.tp.all_reduce(self._routed_partial(F.linear(flat, self.w_down), ids, w))
+            routed = F.linear(rms_norm(u.to(x.dtype), self.latent_norm, self.cfg.rms_norm_eps), self.w_up)
+            shared = self.tp.all_reduce(self.shared.partial(flat)) if self.shared else 0
+            out = routed + shared
+        else:
+            partial = self._routed_partial(flat, ids, w).to(x.dtype)
+            if self.shared is not None:
+                partial = partial + self.shared.partial(flat)
+            out = self.tp.all_reduce(partial)
+        return out.reshape(shape)

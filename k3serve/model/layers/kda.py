@@ -1,0 +1,75 @@
+"""Kimi Delta Attention layer (MODEL.md §2) over explicit head-contiguous state blocks.
+
+Heads are split over TP ranks (q/k/v/gate/decay projections column-parallel, ``o_proj`` row-parallel and
+all-reduced); a rank sees only its local heads' blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3serve.kernels.gate import kda_gate
+from k3serve.kernels.kda import chunk_kda, recurrent_kda
+from k3serve.kernels.short_conv import short_conv, short_conv_step
+from k3serve.model.config import ModelConfig
+from k3serve.model.layers.norm import rms_norm
+from k3serve.model.state import conv_window_channels, kda_conv_view, kda_recurrent_view, store_conv_window
+from k3serve.model.tp import TPGroup
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Per-head L2 normalisation in fp32: x `[..., K]` -> x / sqrt(sum(x^2) + eps)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class KDAAttention:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup) -> None:
+        self.cfg, self.tp = cfg, tp
+        self.heads = cfg.kda_num_heads // tp.world
+        self.k = cfg.kda_head_dim
+        w = lambda n: weights[prefix + n]  # noqa: E731
+        self.w_q, self.w_k, self.w_v = w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")
+        self.conv_w = [w(f"{x}_conv1d.weight").squeeze(1) for x in "qkv"]  # each [H_local*K, W]
+        a_log = w("A_log")
+        self.a_log = a_log.reshape(-1).float()  # [H_local] (checkpoint quirks already sliced by the loader)
+        self.dt_bias = w("dt_bias").float()
+        self.w_f_a, self.w_f_b = w("f_a_proj.weight"), w("f_b_proj.weight")
+        self.w_b = w("b_proj.weight")
+        if cfg.use_full_rank_gate:
+            self.w_g, self.w_g_a, self.w_g_b = w("g_proj.weight"), None, None
+        else:
+            self.w_g, self.w_g_a, self.w_g_b = None, w("g_a_proj.weight"), w("g_b_proj.weight")
+        self.o_norm = w("o_norm.weight")
+        self.w_o = w("o_proj.weight")
+
+    def forward(self, x: torch.Tensor, blocks: torch.Tensor, decode: bool) -> torch.Tensor:
+        """x `[B, T, d]`; blocks `[B, H_local, block_floats]` fp32 (updated in place). Returns `[B, T, d]`."""
+        cfg, h, k = self.cfg, self.heads, self.k
+        bsz, t, _ = x.shape
+        conv = kda_conv_view(blocks, k, cfg.conv_window)
+        qkv = []
+        for i, w_proj in enumerate((self.w_q, self.w_k, self.w_v)):
+            raw = F.linear(x, w_proj)  # [B, T, H*K]
+            window = conv_window_channels(conv, i)
+            if decode:
+                y, new_window = short_conv_step(raw[:, 0].float(), self.conv_w[i], window)
+                y = y.unsqueeze(1)
+            else:
+                y, new_window = short_conv(raw.float(), self.conv_w[i], window)
+            store_conv_window(conv, i, new_window)
+            qkv.append(y.view(bsz, t, h, k))
+        q, kk, v = l2_normalize(qkv[0]), l2_normalize(qkv[1]), qkv[2].float()
+        z = F.linear(F.linear(x, self.w_f_a), self.w_f_b)  # [B, T, H*K]
+        g = kda_gate(z.float(), self.a_log, self.dt_bias, cfg.gate_lower_bound)  # [B, T, H, K] fp32
+        beta = torch.sigmoid(F.linear(x, self.w_b).float())  # [B, T, H]
+        state = kda_recurrent_view(blocks, k)
+        kernel = recurrent_kda if decode else chunk_kda
+        o, final = kernel(q, kk, v, g.view(bsz, t, h, k), beta, initial_state=state, output_final_state=True)
+        state.copy_(final)
+        o = rms_norm(o.float(), self.o_norm, cfg.rms_norm_eps)  # [B, T, H, K]
+        gate = F.linear(x, self.w_g) if self.w_g is not None else F.linear(F.linear(x, self.w_g_a), self.w_g_b)
+        o = o * torch.sigmoid(gate.float().view(bsz, t, h, k))
+        out = F.linear(o.flatten(2).to(x.dtype), self.w_o)
+        return self.tp.all_reduce(out)

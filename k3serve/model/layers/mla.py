@@ -1,0 +1,95 @@
+"""Gated NoPE MLA layer (MODEL.md §3).
+
+Prefill (and the reference's decode) decompress the cached latent with ``kv_b_proj``; engine decode uses the
+absorbed form over pages: ``q_lat_h = W_UK_h^T q_nope_h`` scores against ``[c | k_pe]`` rows, the context stays in
+latent space, then ``W_UV_h`` maps it out. Both give the same result to fp32 rounding. Heads are split over TP
+ranks; the latent (``kv_a_proj_with_mqa``) is computed identically on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from k3serve.kernels.mla_decode import paged_mla_decode
+from k3serve.model.config import ModelConfig
+from k3serve.model.layers.norm import rms_norm
+from k3serve.model.state import ForwardBatch
+from k3serve.model.tp import TPGroup
+
+
+class MLAAttention:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup,
+                 mla_idx: int) -> None:
+        self.cfg, self.tp, self.mla_idx = cfg, tp, mla_idx
+        self.heads = cfg.num_attention_heads // tp.world
+        w = lambda n: weights[prefix + n]  # noqa: E731
+        if cfg.q_lora_rank:
+            self.w_q_a, self.q_a_norm, self.w_q = w("q_a_proj.weight"), w("q_a_layernorm.weight"), w("q_b_proj.weight")
+        else:
+            self.w_q_a, self.q_a_norm, self.w_q = None, None, w("q_proj.weight")
+        self.w_kv_a, self.kv_a_norm = w("kv_a_proj_with_mqa.weight"), w("kv_a_layernorm.weight")
+        kv_b = w("kv_b_proj.weight").view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        self.w_uk = kv_b[:, : cfg.qk_nope_head_dim]  # [H_local, nope, rank]
+        self.w_uv = kv_b[:, cfg.qk_nope_head_dim:]  # [H_local, v, rank]
+        self.w_gate = w("g_proj.weight") if cfg.mla_use_output_gate else None
+        self.w_o = w("o_proj.weight")
+        self.scale = 1.0 / math.sqrt(cfg.qk_head_dim)
+
+    def latent_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[B, T, d]` -> cached rows `[B, T, rank + rope]` = [RMSNorm(c_kv) | k_pe]."""
+        kv = F.linear(x, self.w_kv_a)
+        c = rms_norm(kv[..., : self.cfg.kv_lora_rank], self.kv_a_norm, self.cfg.rms_norm_eps)
+        return torch.cat([c, kv[..., self.cfg.kv_lora_rank:]], dim=-1)
+
+    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[B, T, d]` -> (q_nope `[B, T, H, nope]`, q_pe `[B, T, H, rope]`)."""
+        if self.w_q_a is not None:
+            q = F.linear(rms_norm(F.linear(x, self.w_q_a), self.q_a_norm, self.cfg.rms_norm_eps), self.w_q)
+        else:
+            q = F.linear(x, self.w_q)
+        q = q.view(*x.shape[:2], self.heads, self.cfg.qk_head_dim)
+        return q[..., : self.cfg.qk_nope_head_dim], q[..., self.cfg.qk_nope_head_dim:]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x `[B, T, d]` -> `[B, T, d]`; writes this call's latent rows into batch.latent first."""
+        cfg = self.cfg
+        bsz, t, _ = x.shape
+        batch.latent.write(self.mla_idx, self.latent_rows(x), batch.start_positions)
+        q_nope, q_pe = self.queries(x)
+        if batch.decode and batch.latent.paged:
+            attn = self._decode_absorbed(q_nope[:, 0], q_pe[:, 0], batch).unsqueeze(1)
+        else:
+            attn = torch.stack([self._decompressed(q_nope[b], q_pe[b], batch, b) for b in range(bsz)])
+        attn = attn.flatten(2)  # [B, T, H_local * v]
+        if self.w_gate is not None:
+            attn = attn * torch.sigmoid(F.linear(x, self.w_gate).float())
+        out = F.linear(attn.to(x.dtype), self.w_o)
+        return self.tp.all_reduce(out)
+
+    def _decompressed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, b: int) -> torch.Tensor:
+        """One request: q_nope `[T, H, nope]`, q_pe `[T, H, rope]` -> attention output `[T, H, v]` fp32."""
+        cfg = self.cfg
+        t = q_nope.shape[0]
+        start = batch.start_positions[b]
+        rows = batch.latent.read(self.mla_idx, b, start + t).float()  # [L, rank + rope]
+        c, k_pe = rows[:, : cfg.kv_lora_rank], rows[:, cfg.kv_lora_rank:]
+        k_nope = torch.einsum("lr,hnr->lhn", c, self.w_uk.float())
+        v = torch.einsum("lr,hvr->lhv", c, self.w_uv.float())
+        scores = (torch.einsum("thn,lhn->htl", q_nope.float(), k_nope)
+                  + torch.einsum("thr,lr->htl", q_pe.float(), k_pe)) * self.scale
+        q_pos = torch.arange(start, start + t).unsqueeze(1)
+        k_pos = torch.arange(start + t).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        return torch.einsum("htl,lhv->thv", scores.softmax(-1), v)
+
+    def _decode_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q_nope `[B, H, nope]`, q_pe `[B, H, rope]` -> `[B, H, v]` fp32 via the paged latent kernel."""
+        latent = batch.latent
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), self.w_uk.float())
+        seq_lens = torch.tensor([s + 1 for s in batch.start_positions], device=q_lat.device)
+        ctx = paged_mla_decode(q_lat, q_pe.float(), latent.layer_pages(self.mla_idx), latent.block_tables,
+                               seq_lens, self.scale)
+        return torch.einsum("bhr,hvr->bhv", ctx.float(), self.w_uv.float())

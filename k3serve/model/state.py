@@ -1,0 +1,149 @@
+"""Explicit per-request state the model forward reads and updates.
+
+KDA state: one block of fp32 values per (request, KDA layer, head), head-contiguous, so a TP rank's heads are a
+view and one head is the unit of transfer (DESIGN.md §4). S is stored **[K, V]** (key-major, as fla):
+
+```
+ block[b, layer, h] (block_floats = K*V + 3*(W-1)*K fp32 values):
+ ┌──────────────── S_h: K x V ────────────────┬─ conv q_h ─┬─ conv k_h ─┬─ conv v_h ─┐
+ │ S[i, j] at i*V + j                          │ (W-1) x K  │ (W-1) x K  │ (W-1) x K  │
+ └─────────────────────────────────────────────┴────────────┴────────────┴────────────┘
+   conv windows hold the last W-1 RAW (pre-conv) projections of h's channels, oldest first:
+   conv x_h[t, d] at K*V + x*(W-1)*K + t*K + d   (x = 0 q, 1 k, 2 v)
+```
+
+MLA state: the 576-wide (``kv_lora_rank + qk_rope_head_dim``) latent row per token per MLA layer, behind the
+:class:`LatentCache` interface: :class:`DenseLatentCache` (the reference: plain growing tensors, attention
+decompressed) and :class:`PagedLatentCache` (engines: rows in a page pool addressed by block tables, decode
+attention in the absorbed form by the paged kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from k3serve.model.config import ModelConfig
+
+
+# ----------------------------------------------------------------------------------------------- KDA blocks
+def kda_recurrent_view(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """S of every head: blocks `[B, H, block_floats]` -> view `[B, H, K, V]` (V = K)."""
+    b, h, _ = blocks.shape
+    return blocks[..., : k * k].unflatten(-1, (k, k))
+
+
+def kda_conv_view(blocks: torch.Tensor, k: int, window: int) -> torch.Tensor:
+    """Conv windows: blocks `[B, H, block_floats]` -> view `[B, H, 3 (q,k,v), W-1, K]`."""
+    return blocks[..., k * k:].unflatten(-1, (3, window, k))
+
+
+def conv_window_channels(conv: torch.Tensor, which: int) -> torch.Tensor:
+    """One projection's window in channel layout: conv `[B, H, 3, W-1, K]` -> `[B, W-1, H*K]` (copy)."""
+    x = conv[:, :, which]  # [B, H, W-1, K]
+    return x.permute(0, 2, 1, 3).flatten(2)
+
+
+def store_conv_window(conv: torch.Tensor, which: int, window: torch.Tensor) -> None:
+    """Inverse of :func:`conv_window_channels`: window `[B, W-1, H*K]` into conv `[B, H, 3, W-1, K]`."""
+    b, h, _, w, k = conv.shape
+    conv[:, :, which].copy_(window.view(b, w, h, k).permute(0, 2, 1, 3))
+
+
+def new_kda_blocks(cfg: ModelConfig, batch: int, heads: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Zeroed KDA state for `batch` fresh requests: one `[batch, heads, block_floats]` fp32 tensor per KDA layer."""
+    return [torch.zeros(batch, heads, cfg.kda_head_block_floats, dtype=torch.float32, device=device)
+            for _ in range(cfg.num_kda_layers)]
+
+
+# ------------------------------------------------------------------------------------------- MLA latents
+class LatentCache(Protocol):
+    """Per-request MLA latent rows. Positions come from ForwardBatch.start_positions."""
+
+    paged: bool
+
+    def write(self, mla_idx: int, rows: torch.Tensor, starts: list[int]) -> None:
+        """Store rows `[B, T, D]` of MLA layer `mla_idx` at positions starts[b] .. starts[b]+T-1."""
+
+    def read(self, mla_idx: int, b: int, length: int) -> torch.Tensor:
+        """Rows 0..length-1 of request b: `[length, D]`."""
+
+
+class DenseLatentCache:
+    """Growing per-request tensors; the reference generator's cache (no pages, no sharing)."""
+
+    paged = False
+
+    def __init__(self, num_mla_layers: int, batch: int) -> None:
+        self._rows: list[list[torch.Tensor | None]] = [[None] * batch for _ in range(num_mla_layers)]
+
+    def write(self, mla_idx: int, rows: torch.Tensor, starts: list[int]) -> None:
+        for b, start in enumerate(starts):
+            old = self._rows[mla_idx][b]
+            have = 0 if old is None else old.shape[0]
+            if have != start:
+                raise ValueError(f"dense latent cache: request {b} has {have} rows, write starts at {start}")
+            new = rows[b]
+            self._rows[mla_idx][b] = new.clone() if old is None else torch.cat([old, new])
+
+    def read(self, mla_idx: int, b: int, length: int) -> torch.Tensor:
+        rows = self._rows[mla_idx][b]
+        if rows is None or rows.shape[0] < length:
+            raise ValueError(f"dense latent cache: request {b} has fewer than {length} rows")
+        return rows[:length]
+
+
+@dataclass
+class PagedLatentCache:
+    """Latent rows in a shared page pool.
+
+    pool `[num_pages, num_mla_layers, page_size, D]`; block_tables `[B, max_pages]` (int64) maps a request's
+    logical page i (tokens i*page_size ..) to a physical page. Token p of request b lives at
+    ``pool[block_tables[b, p // page_size], layer, p % page_size]``.
+    """
+
+    pool: torch.Tensor
+    block_tables: torch.Tensor
+    paged: bool = True
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.shape[2]
+
+    def _slots(self, b: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + count, device=self.pool.device)
+        pages = self.block_tables[b, pos // self.page_size]
+        return pages, pos % self.page_size
+
+    def write(self, mla_idx: int, rows: torch.Tensor, starts: list[int]) -> None:
+        t = rows.shape[1]
+        for b, start in enumerate(starts):
+            pages, offs = self._slots(b, start, t)
+            self.pool[pages, mla_idx, offs] = rows[b].to(self.pool.dtype)
+
+    def read(self, mla_idx: int, b: int, length: int) -> torch.Tensor:
+        pages, offs = self._slots(b, 0, length)
+        return self.pool[pages, mla_idx, offs]
+
+    def layer_pages(self, mla_idx: int) -> torch.Tensor:
+        """Strided view `[num_pages, page_size, D]` of one MLA layer (input of the paged decode kernel)."""
+        return self.pool[:, mla_idx]
+
+
+# ---------------------------------------------------------------------------------------------- the batch
+@dataclass
+class ForwardBatch:
+    """What one forward call reads and updates: B requests, T new tokens each.
+
+    kda_blocks: per KDA layer `[B, H_local, block_floats]` fp32, updated in place.
+    latent: the MLA rows; this call writes positions start_positions[b] .. + T - 1.
+    start_positions: tokens each request already has in its state (``num_computed_tokens``).
+    decode: T == 1 for every request; MLA uses the paged absorbed kernel when the cache is paged.
+    """
+
+    kda_blocks: list[torch.Tensor]
+    latent: LatentCache
+    start_positions: list[int]
+    decode: bool = False
