@@ -1,0 +1,66 @@
+"""Chunked-prefill planning: which token ranges of which requests run in one prefill step.
+
+A pure function so the scheduling rules are unit-tested without a model:
+
+* every step has a token budget; short-class requests go first, so a 2K prompt never waits behind a 1M one
+  for more than one step;
+* while any long-class request is running it keeps a minimum share of each step (it cannot starve);
+* a chunk never crosses a KDA checkpoint boundary: the state at the boundary must exist between two chunks to
+  be copied into the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ChunkCandidate:
+    request_id: str
+    is_long: bool
+    num_computed: int
+    prompt_len: int
+    boundaries: tuple[int, ...]  # checkpoint positions still ahead, ascending
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    request_id: str
+    start: int
+    end: int  # exclusive
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def _chunks_for(c: ChunkCandidate, budget: int) -> tuple[list[ChunkWork], int]:
+    work, pos = [], c.num_computed
+    while budget > 0 and pos < c.prompt_len:
+        end = min(c.prompt_len, pos + budget)
+        nxt = next((b for b in c.boundaries if b > pos), None)
+        if nxt is not None:
+            end = min(end, nxt)
+        work.append(ChunkWork(c.request_id, pos, end))
+        budget -= end - pos
+        pos = end
+    return work, budget
+
+
+def plan_chunks(candidates: list[ChunkCandidate], token_budget: int, long_min_share: float = 0.25) -> list[ChunkWork]:
+    """Chunks for one step, shorts first (candidates keep their arrival order within a class)."""
+    if token_budget <= 0:
+        raise ValueError("token_budget must be positive")
+    shorts = [c for c in candidates if not c.is_long]
+    longs = [c for c in candidates if c.is_long]
+    reserve = int(token_budget * long_min_share) if longs else 0
+    budget = token_budget - reserve
+    plan: list[ChunkWork] = []
+    for c in shorts:
+        work, budget = _chunks_for(c, budget)
+        plan += work
+    budget += reserve
+    for c in longs:
+        work, budget = _chunks_for(c, budget)
+        plan += work
+    return plan

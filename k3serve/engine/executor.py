@@ -1,0 +1,157 @@
+"""Executors run worker ops on every rank of a TP group and return the per-rank results.
+
+* :class:`LocalExecutor`: TP=1 in the calling process (tests, the CLI, a Ray actor hosting a TP=1 group).
+* :class:`MultiprocExecutor`: TP=T worker processes joined by one torch.distributed group (gloo on CPU, nccl on
+  CUDA) that rendezvous through a temporary file, so no port is picked or leaked.
+
+Ray actors (cluster/) host the same :class:`~k3serve.engine.worker.ModelWorker`; the driver logic above this
+interface does not change.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from k3serve.engine.ops import PoolConfig
+from k3serve.engine.worker import ModelWorker
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs to build its worker."""
+
+    checkpoint: str
+    tp: int
+    pools: PoolConfig
+    device: str = "cpu"
+    torch_threads: int = 1  # several ranks share few cores: oversubscription makes every rank crawl
+
+
+class Executor(Protocol):
+    tp: int
+
+    def run(self, op: object) -> list[object]:
+        """Execute `op` on every rank; results in rank order."""
+
+    def run_each(self, ops: list[object]) -> list[object]:
+        """Execute ops[r] on rank r (ops that carry rank-specific data, e.g. a KDA head slice)."""
+
+    def close(self) -> None: ...
+
+
+def build_worker(spec: WorkerSpec, rank: int, init_file: str | None) -> ModelWorker:
+    from k3serve.model.loader import load_model
+    from k3serve.model.tp import SINGLE, init_tp_group
+
+    tp = SINGLE if spec.tp == 1 else init_tp_group(rank, spec.tp, init_file)
+    return ModelWorker(load_model(spec.checkpoint, tp, spec.device), spec.pools)
+
+
+class LocalExecutor:
+    def __init__(self, spec: WorkerSpec) -> None:
+        if spec.tp != 1:
+            raise ValueError("LocalExecutor runs TP=1 only; use MultiprocExecutor")
+        self.tp = 1
+        self.worker = build_worker(spec, 0, None)
+
+    def run(self, op: object) -> list[object]:
+        return [self.worker.execute(op)]
+
+    def run_each(self, ops: list[object]) -> list[object]:
+        if len(ops) != 1:
+            raise ValueError("LocalExecutor has one rank")
+        return [self.worker.execute(ops[0])]
+
+    def close(self) -> None:
+        pass
+
+
+def _rank_main(spec: WorkerSpec, rank: int, init_file: str, conn) -> None:
+    torch.set_num_threads(spec.torch_threads)
+    try:
+        worker = build_worker(spec, rank, init_file)
+        conn.send(("ready", None))
+    except BaseException:  # report the failure to the driver instead of hanging it
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            op = conn.recv()
+        except EOFError:
+            return
+        if op is None:
+            return
+        try:
+            conn.send(("ok", worker.execute(op)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class WorkerFailure(RuntimeError):
+    """A rank raised or died; the message carries its traceback."""
+
+
+class MultiprocExecutor:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.tp = spec.tp
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="k3serve-tp-")
+        init_file = str(Path(self._dir) / "rendezvous")
+        self._conns, self._procs = [], []
+        for rank in range(spec.tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(spec, rank, init_file, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect("start")
+
+    def _collect(self, what: str) -> list[object]:
+        results, errors = [], []
+        for rank, conn in enumerate(self._conns):
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                status, value = "error", f"rank {rank} exited"
+            if status == "error":
+                errors.append(f"rank {rank}: {value}")
+            results.append(value)
+        if errors:
+            raise WorkerFailure(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+        return results
+
+    def run(self, op: object) -> list[object]:
+        return self.run_each([op] * self.tp)
+
+    def run_each(self, ops: list[object]) -> list[object]:
+        if len(ops) != self.tp:
+            raise ValueError(f"{len(ops)} ops for {self.tp} ranks")
+        for conn, op in zip(self._conns, ops):
+            conn.send(op)
+        return self._collect(type(ops[0]).__name__)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        for f in Path(self._dir).glob("*"):
+            f.unlink(missing_ok=True)
+        os.rmdir(self._dir)
+
+
+def make_executor(spec: WorkerSpec) -> Executor:
+    return LocalExecutor(spec) if spec.tp == 1 else MultiprocExecutor(spec)

@@ -1,0 +1,94 @@
+"""Plain-data operations the engine driver sends to every TP rank's worker.
+
+The driver (scheduler, allocators, prefix cache) decides *which* slot and pages a request uses; workers hold
+the tensors and execute these ops identically on every rank, each on its own heads. Every op is a frozen
+dataclass of Python ints/tuples, cheap to pickle to a worker process or a Ray actor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Capacity of one worker's pools (the same on every rank of a group)."""
+
+    kda_slots: int
+    mla_pages: int
+    page_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.kda_slots <= 0 or self.mla_pages <= 0 or self.page_size <= 0:
+            raise ValueError(f"pool sizes must be positive: {self}")
+
+    @staticmethod
+    def kda_slot_bytes(num_kda_layers: int, heads_local: int, block_floats: int) -> int:
+        return num_kda_layers * heads_local * block_floats * 4
+
+    @staticmethod
+    def page_bytes(num_mla_layers: int, page_size: int, latent_dim: int, elem_bytes: int) -> int:
+        return num_mla_layers * page_size * latent_dim * elem_bytes
+
+
+@dataclass(frozen=True)
+class ResetSlots:
+    """Zero the KDA state (recurrent + conv windows) of these slots: a fresh request."""
+
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CopySlot:
+    """dst <- src for every KDA layer and head (checkpoint save, or restore into a private slot)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Run `token_ids` of one request at positions start .. start+len-1 from the state in `slot`.
+
+    block_table: the request's pages (page i holds positions i*page_size ..); must cover start+len tokens.
+    Returns the last token's logits `[vocab]` when want_logits, else None.
+    """
+
+    slot: int
+    token_ids: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+    want_logits: bool
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One decode step for B requests: token b at position starts[b] with state slots[b]. Returns `[B, vocab]`."""
+
+    slots: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    starts: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class ExportState:
+    """Read a request's state for a handoff: KDA `[L_kda, H_local, block]` and MLA rows `[L_mla, n, D]`."""
+
+    slot: int
+    block_table: tuple[int, ...]
+    num_tokens: int
+    include_mla: bool = True
+
+
+@dataclass(frozen=True)
+class InstallState:
+    """Write a handoff's state: KDA blocks into `slot`, MLA rows into the pages of `block_table`.
+
+    kda `[L_kda, H_local, block]` fp32 and mla `[L_mla, num_tokens, D]` are tensors (the only non-plain op).
+    """
+
+    slot: int
+    block_table: tuple[int, ...]
+    kda: object
+    mla: object

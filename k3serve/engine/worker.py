@@ -1,0 +1,86 @@
+"""One TP rank's worker: the model shard plus the two state stores it owns.
+
+```
+ kda_store  [kda_slots, L_kda, H_local, block_floats] fp32   one slot per running request or checkpoint
+ page_store [mla_pages, L_mla, page_size, D]          dtype  MLA latent rows, identical on every rank
+```
+A slot's blocks for one layer, ``kda_store[slot, layer]``, are the head-contiguous transfer units.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3serve.engine.ops import (CopySlot, DecodeBatch, ExportState, InstallState, PoolConfig, PrefillChunk,
+                                ResetSlots)
+from k3serve.model.model import HybridModel
+from k3serve.model.state import ForwardBatch, PagedLatentCache
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelWorker:
+    def __init__(self, model: HybridModel, pools: PoolConfig) -> None:
+        cfg = model.cfg
+        self.model, self.pools = model, pools
+        dev = model.device
+        self.kda_store = torch.zeros(pools.kda_slots, cfg.num_kda_layers, model.kda_heads_local,
+                                     cfg.kda_head_block_floats, dtype=torch.float32, device=dev)
+        self.page_store = torch.zeros(pools.mla_pages, cfg.num_mla_layers, pools.page_size, cfg.mla_latent_dim,
+                                      dtype=_DTYPES.get(cfg.torch_dtype, torch.float32), device=dev)
+
+    def execute(self, op: object) -> object:
+        handler = getattr(self, "_" + type(op).__name__, None)
+        if handler is None:
+            raise TypeError(f"worker cannot execute {type(op).__name__}")
+        return handler(op)
+
+    # ------------------------------------------------------------------------------------------------ ops
+    def _ResetSlots(self, op: ResetSlots) -> None:
+        self.kda_store[list(op.slots)] = 0.0
+
+    def _CopySlot(self, op: CopySlot) -> None:
+        self.kda_store[op.dst].copy_(self.kda_store[op.src])
+
+    def _block_table(self, tables: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+        width = max(1, max(len(t) for t in tables))
+        bt = torch.zeros(len(tables), width, dtype=torch.long)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        return bt.to(self.page_store.device)
+
+    def _PrefillChunk(self, op: PrefillChunk) -> torch.Tensor | None:
+        # a view of the slot: the forward updates the pool in place
+        blocks = [self.kda_store[op.slot: op.slot + 1, layer] for layer in range(self.model.cfg.num_kda_layers)]
+        latent = PagedLatentCache(self.page_store, self._block_table((op.block_table,)))
+        ids = torch.tensor([op.token_ids], dtype=torch.long, device=self.model.device)
+        logits = self.model.forward(ids, ForwardBatch(blocks, latent, [op.start], decode=False))
+        return logits[0].cpu() if op.want_logits else None
+
+    def _DecodeBatch(self, op: DecodeBatch) -> torch.Tensor:
+        slots = torch.tensor(op.slots, dtype=torch.long, device=self.kda_store.device)
+        # gather (copy) the batch's blocks, run, scatter back: slots are not adjacent in the pool
+        blocks = [self.kda_store[slots, layer] for layer in range(self.model.cfg.num_kda_layers)]
+        latent = PagedLatentCache(self.page_store, self._block_table(op.block_tables))
+        ids = torch.tensor(op.token_ids, dtype=torch.long, device=self.model.device).unsqueeze(1)
+        logits = self.model.forward(ids, ForwardBatch(blocks, latent, list(op.starts), decode=True))
+        for layer, b in enumerate(blocks):
+            self.kda_store[slots, layer] = b
+        return logits.cpu()
+
+    def _ExportState(self, op: ExportState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kda = self.kda_store[op.slot].cpu().clone()
+        if not op.include_mla:
+            return kda, None
+        latent = PagedLatentCache(self.page_store, self._block_table((op.block_table,)))
+        rows = torch.stack([latent.read(i, 0, op.num_tokens) for i in range(self.model.cfg.num_mla_layers)])
+        return kda, rows.cpu().clone()
+
+    def _InstallState(self, op: InstallState) -> None:
+        kda, mla = op.kda, op.mla
+        if tuple(kda.shape) != tuple(self.kda_store.shape[1:]):
+            raise ValueError(f"KDA state shape {tuple(kda.shape)} != slot shape {tuple(self.kda_store.shape[1:])}")
+        self.kda_store[op.slot].copy_(kda)
+        latent = PagedLatentCache(self.page_store, self._block_table((op.block_table,)))
+        for i in range(mla.shape[0]):
+            latent.write(i, mla[i].unsqueeze(0).to(self.page_store.device), [0])

@@ -1,0 +1,220 @@
+"""The prefill role: prefix-cache lookup, chunked prefill, first token, handoff.
+
+One :class:`PrefillEngine` drives one prefill TP group through an :class:`~k3serve.engine.executor.Executor`.
+Per request:
+
+```
+ admit:   lookup (longest hash-block match clamped to the deepest KDA checkpoint)
+          slot <- copy of the checkpoint (or zeros); pages <- shared hit pages + fresh pages for the rest
+ chunks:  plan_chunks(...) each step; a chunk ending on a checkpoint boundary is followed by
+          CopySlot(slot -> new checkpoint slot)
+ finish:  sample the first token at position len(prompt); ExportState -> Handoff;
+          register full blocks + checkpoints in the prefix cache; release the slot and the request's pages
+```
+Capacity comes from the pools; a request that does not fit now waits (after evicting cold cache entries); one
+that can never fit is refused with RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from k3serve.engine.allocators import PageAllocator, SlotAllocator
+from k3serve.engine.chunk_plan import ChunkCandidate, plan_chunks
+from k3serve.engine.executor import Executor
+from k3serve.engine.handoff import Handoff
+from k3serve.engine.ops import CopySlot, ExportState, PoolConfig, PrefillChunk, ResetSlots
+from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy
+from k3serve.engine.requests import PrefillRequest, RequestFailure
+from k3serve.engine.sampling import SamplingError, is_stop, sample_token
+from k3serve.model.config import ModelConfig
+from k3serve.model.reference import PromptError, validate_prompt
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    pools: PoolConfig
+    cache: PrefixCachePolicy = field(default_factory=PrefixCachePolicy)
+    step_token_budget: int = 2048
+    long_threshold: int = 8192  # uncached prompt tokens from which a request is in the "long" class
+    long_min_share: float = 0.25
+    enable_prefix_cache: bool = True
+
+
+@dataclass
+class _Running:
+    req: PrefillRequest
+    slot: int
+    pages: list[int]
+    cached_tokens: int
+    num_computed: int
+    is_long: bool
+    boundaries: list[int]
+    checkpoints: dict[int, int] = field(default_factory=dict)
+    started_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.prompt_ids)
+
+
+class PrefillEngine:
+    def __init__(self, cfg: ModelConfig, executor: Executor, config: PrefillConfig, seed: int) -> None:
+        if config.pools.page_size != config.cache.page_size:
+            raise ValueError("pool page_size must equal the prefix cache policy's page_size")
+        self.cfg, self.executor, self.config = cfg, executor, config
+        self.slots = SlotAllocator(config.pools.kda_slots)
+        self.pages = PageAllocator(config.pools.mla_pages)
+        self.cache = HybridPrefixCache(config.cache, self.pages, self.slots, seed)
+        self.waiting: deque[PrefillRequest] = deque()
+        self.running: list[_Running] = []
+        self.failures: list[RequestFailure] = []
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0}
+
+    # ------------------------------------------------------------------------------------------ intake
+    def add_request(self, req: PrefillRequest) -> None:
+        """Queue a request; invalid ones are refused at once (see :attr:`failures`)."""
+        try:
+            validate_prompt(list(req.prompt_ids), self.cfg.vocab_size, self.cfg.max_position_embeddings)
+            req.params.validate(self.cfg.vocab_size)
+        except (PromptError, SamplingError) as e:
+            self.failures.append(RequestFailure(req.request_id, "INVALID_ARGUMENT", str(e)))
+            return
+        need = self._pages_for(len(req.prompt_ids))
+        if need > self.pages.capacity:
+            self.failures.append(RequestFailure(
+                req.request_id, "RESOURCE_EXHAUSTED",
+                f"prompt of {len(req.prompt_ids)} tokens needs {need} MLA pages; this prefill group has "
+                f"{self.pages.capacity}"))
+            return
+        self.waiting.append(req)
+
+    def cancel(self, request_id: str) -> bool:
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                return True
+        for run in self.running:
+            if run.req.request_id == request_id:
+                self._release(run, keep_checkpoints=False)
+                self.running.remove(run)
+                return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_failures(self) -> list[RequestFailure]:
+        out, self.failures = self.failures, []
+        return out
+
+    # -------------------------------------------------------------------------------------------- step
+    def step(self) -> list[Handoff]:
+        """Admit what fits, run one budgeted step of chunks, return the requests that finished prefill."""
+        self._admit()
+        if not self.running:
+            return []
+        self.stats["steps"] += 1
+        by_id = {r.req.request_id: r for r in self.running}
+        cands = [ChunkCandidate(r.req.request_id, r.is_long, r.num_computed, r.prompt_len, tuple(r.boundaries))
+                 for r in self.running]
+        done: list[Handoff] = []
+        for work in plan_chunks(cands, self.config.step_token_budget, self.config.long_min_share):
+            run = by_id[work.request_id]
+            last = work.end == run.prompt_len
+            op = PrefillChunk(run.slot, run.req.prompt_ids[work.start: work.end], work.start,
+                              tuple(run.pages), want_logits=last)
+            logits = self.executor.run(op)[0]
+            run.num_computed = work.end
+            self.stats["computed_tokens"] += work.num_tokens
+            if work.end in run.boundaries:
+                run.boundaries.remove(work.end)
+                self._save_checkpoint(run, work.end)
+            if last:
+                done.append(self._finish(run, logits))
+        return done
+
+    def run_to_completion(self) -> list[Handoff]:
+        out: list[Handoff] = []
+        while self.has_work:
+            before = (len(self.waiting), len(self.running))
+            out += self.step()
+            if not self.running and self.waiting and before == (len(self.waiting), 0):
+                raise RuntimeError("prefill made no progress: pools too small for the waiting requests")
+        return out
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.config.pools.page_size)
+
+    def _admit(self) -> None:
+        while self.waiting:
+            req = self.waiting[0]
+            run = self._try_start(req)
+            if run is None:
+                return
+            self.waiting.popleft()
+            self.running.append(run)
+
+    def _try_start(self, req: PrefillRequest) -> _Running | None:
+        prompt = list(req.prompt_ids)
+        hit = self.cache.lookup(prompt) if self.config.enable_prefix_cache else None
+        cached = hit.num_tokens if hit else 0
+        fresh = self._pages_for(len(prompt)) - (len(hit.pages) if hit else 0)
+        if self.slots.num_free < 1 or self.pages.num_free < fresh:
+            self.cache.evict(pages_needed=fresh, slots_needed=1)
+        if self.slots.num_free < 1 or self.pages.num_free < fresh:
+            if hit:
+                self.pages.decref(hit.pages)
+                self.cache.release(hit)
+            return None
+        slot = self.slots.alloc()
+        pages = (list(hit.pages) if hit else []) + self.pages.alloc(fresh)
+        if hit and hit.checkpoint_slot is not None:
+            self.executor.run(CopySlot(hit.checkpoint_slot, slot))
+        else:
+            self.executor.run(ResetSlots((slot,)))
+        if hit:
+            self.cache.release(hit)
+        self.stats["prompt_tokens"] += len(prompt)
+        self.stats["cached_tokens"] += cached
+        bounds = self.cache.checkpoint_boundaries(len(prompt), cached) if self.config.enable_prefix_cache else []
+        return _Running(req, slot, pages, cached, cached, len(prompt) - cached >= self.config.long_threshold,
+                        list(bounds))
+
+    def _save_checkpoint(self, run: _Running, boundary: int) -> None:
+        if self.slots.num_free < 1:
+            self.cache.evict(slots_needed=1)
+        ckpt = self.slots.alloc()
+        if ckpt is None:
+            return  # no room: the prefix simply stays uncheckpointed
+        self.executor.run(CopySlot(run.slot, ckpt))
+        run.checkpoints[boundary] = ckpt
+
+    def _finish(self, run: _Running, logits: object) -> Handoff:
+        req, n = run.req, run.prompt_len
+        first = sample_token(logits, req.params, n)
+        results = self.executor.run(ExportState(run.slot, tuple(run.pages), n))
+        kda = tuple(r[0] for r in results)
+        mla = results[0][1]
+        stop = is_stop(first, req.params, self.cfg.eos_token_id)
+        reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
+        self._release(run, keep_checkpoints=True)
+        self.running.remove(run)
+        return Handoff(req.request_id, req.session_id, req.prompt_ids, first, req.params, n, run.cached_tokens,
+                       kda, mla, finished=bool(reason), finish_reason=reason, prefill_started_s=run.started_s,
+                       first_token_s=time.monotonic())
+
+    def _release(self, run: _Running, keep_checkpoints: bool) -> None:
+        if keep_checkpoints and self.config.enable_prefix_cache:
+            self.cache.register(list(run.req.prompt_ids[: run.num_computed]), run.pages, run.checkpoints,
+                                run.req.session_id)
+        else:
+            for ckpt in run.checkpoints.values():
+                self.slots.free(ckpt)
+        run.checkpoints = {}
+        self.pages.decref(run.pages)
+        self.slots.free(run.slot)
