@@ -1,0 +1,132 @@
+"""Policy and result types of the hybrid prefix cache (DESIGN.md §5), kept apart from the cache's mutable index.
+
+Everything here is a pure function of its arguments: where to save KDA checkpoints, and how valuable a saved
+checkpoint is when something has to go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SCHEMES = ("k3", "naive")
+
+
+@dataclass(frozen=True)
+class PrefixCachePolicy:
+    """How the prefix cache hashes prompts and where it keeps KDA checkpoints.
+
+    ``scheme="k3"``: hash blocks of ``hash_block_size`` tokens; checkpoints only at the last block end of each
+    prompt (the turn boundary) and at every ``checkpoint_every_blocks``-th block end (absolute positions, so
+    long shared documents line up across sessions).
+    ``scheme="naive"``: the baseline K3 is measured against, where hash granularity = checkpoint granularity =
+    ``naive_chunk`` and every block end is a checkpoint; a turn shorter than a chunk never gets a hit.
+    ``eviction_alpha`` weighs depth against recency in :func:`checkpoint_scores`.
+    """
+
+    scheme: str = "k3"
+    hash_block_size: int = 512
+    page_size: int = 64
+    checkpoint_every_blocks: int = 8
+    max_checkpoints_per_session: int = 4
+    naive_chunk: int = 4096
+    eviction_alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"prefix_cache.scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        for name in ("hash_block_size", "page_size", "checkpoint_every_blocks", "max_checkpoints_per_session",
+                     "naive_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"prefix_cache.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hash_block_size % self.page_size:
+            raise ValueError(f"prefix_cache.page_size ({self.page_size}) must divide hash_block_size "
+                             f"({self.hash_block_size}): a hash block owns whole MLA pages")
+        if self.scheme == "naive" and self.naive_chunk % self.page_size:
+            raise ValueError(f"prefix_cache.page_size ({self.page_size}) must divide naive_chunk "
+                             f"({self.naive_chunk})")
+        if not self.eviction_alpha >= 0.0:
+            raise ValueError(f"prefix_cache.eviction_alpha must be >= 0, got {self.eviction_alpha}")
+
+    @property
+    def block_size(self) -> int:
+        """Effective hash (and checkpoint-grid) granularity in tokens."""
+        return self.naive_chunk if self.scheme == "naive" else self.hash_block_size
+
+    @property
+    def pages_per_block(self) -> int:
+        """MLA pages owned by one hash block."""
+        return self.block_size // self.page_size
+
+    def checkpoint_boundaries(self, prompt_len: int, cached_tokens: int) -> list[int]:
+        """Block ends in ``(cached_tokens, prompt_len]`` where a prefill should save a KDA checkpoint, ascending.
+
+        k3: the last block end <= ``prompt_len`` (the next turn of this session resumes there) and every
+        ``checkpoint_every_blocks``-th block end (so a long prompt that diverges late still resumes near the
+        divergence). naive: every block end. At most ``max_checkpoints_per_session`` positions, the deepest: the
+        session budget would reject the shallower ones at ``register`` anyway (equally recent, less deep), so
+        snapshotting them would be wasted copies.
+        """
+        if prompt_len < 0 or cached_tokens < 0:
+            raise ValueError(f"negative lengths: prompt_len={prompt_len}, cached_tokens={cached_tokens}")
+        bs = self.block_size
+        first = cached_tokens // bs + 1  # first block index whose end lies strictly past cached_tokens
+        last = prompt_len // bs
+        if self.scheme == "naive":
+            ends = {k * bs for k in range(first, last + 1)}
+        else:
+            every = self.checkpoint_every_blocks
+            ends = {k * bs for k in range(first + (-first) % every, last + 1, every)}
+            if last >= first:
+                ends.add(last * bs)
+        return sorted(ends)[-self.max_checkpoints_per_session:]
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Result of :meth:`HybridPrefixCache.lookup`.
+
+    ``pages`` cover positions ``[0, num_tokens)`` and carry one reference each for the caller (decref them via
+    the PageAllocator when the request ends). ``checkpoint_slot`` is the cache's KDA checkpoint at
+    ``num_tokens``: copy it into the request's private slot, then ``release(hit)``; until then ``lease`` pins
+    it against eviction. ``matched_blocks`` is the hash-match depth before clamping to a checkpoint (stats).
+    """
+
+    num_tokens: int
+    pages: tuple[int, ...]
+    checkpoint_slot: int | None
+    matched_blocks: int
+    lease: int | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.num_tokens > 0
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A snapshot of one cached KDA checkpoint (introspection and tests)."""
+
+    slot: int
+    num_tokens: int
+    session_id: str
+    last_used: int
+    pinned: bool
+
+
+def checkpoint_scores(last_used: Sequence[int], depths: Sequence[int], alpha: float) -> list[float]:
+    """Value of each checkpoint in a candidate set; the lowest is evicted first (Marconi-style).
+
+    ``score = recency + alpha * depth / max(depths)`` with ``recency = (t - t_min) / (t_max - t_min)`` over the
+    set (1.0 when all ties). Depth stands for the prefill it saves per byte: every checkpoint costs the same bytes
+    (all KDA layers at one boundary) and saves ``depth`` tokens of prefill. Normalising both terms to [0, 1]
+    makes ``alpha`` unit-free: alpha = 1 trades the newest-vs-oldest gap against the deepest-vs-empty one.
+    """
+    if len(last_used) != len(depths):
+        raise ValueError("last_used and depths differ in length")
+    if not last_used:
+        return []
+    t_min, t_max = min(last_used), max(last_used)
+    span = t_max - t_min
+    d_max = max(depths) or 1
+    return [((t - t_min) / span if span else 1.0) + alpha * d / d_max for t, d in zip(last_used, depths)]
