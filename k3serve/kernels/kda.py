@@ -1,0 +1,88 @@
+"""Public KDA entry points: ``chunk_kda`` (prefill) and ``recurrent_kda`` (decode).
+
+Both compute, per (batch, head) and token t (MODEL.md section 2, step 6):
+    S <- Diag(exp(g_t)) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T (scale q_t)
+and return ``(o, final_state)``. They differ only in the algorithm (and thus speed profile);
+results agree to fp32 rounding.
+
+Backends (see ``_dispatch``): CUDA tensors -> Triton, CPU -> torch; ``backend=`` or the
+K3SERVE_KERNEL_BACKEND env var forces "naive" | "torch" | "triton".
+
+State layout: [B, H, K, V] fp32, i.e. S is stored [K, V] (key dim first), as in fla.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import resolve_backend
+from .kda_naive import naive_recurrent_kda
+from .kda_torch import chunk_kda_torch, recurrent_kda_torch
+
+_DOC_ARGS = """
+    Args:
+        q: [B, T, H, K] queries (fp32 or bf16), NOT normalised here.
+        k: [B, T, H, K] keys, NOT normalised here.
+        v: [B, T, H, V] values.
+        g: [B, T, H, K] log-decay (alpha = exp(g)), e.g. from ``gate.kda_gate``.
+        beta: [B, T, H] write strength, already sigmoided.
+        scale: multiplies q; default K**-0.5 (MODEL.md 2.3's factor on the L2-normalised q).
+            Pass 1.0 if q already carries it.
+        initial_state: [B, H, K, V] state before token 0, any strides (a view into a state
+            pool is fine); never modified.
+        output_final_state: also return the state after the last token.
+        backend: "naive" | "torch" | "triton" or None (by device / env var).
+    Returns:
+        o: [B, T, H, V] in v's dtype (math in fp32).
+        final_state: [B, H, K, V] fp32 (a new tensor), or None.
+"""
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    which = resolve_backend(backend, q.device)
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+    if which == "naive":
+        return naive_recurrent_kda(q, k, v, g, beta, **kw)
+    if which == "torch":
+        return chunk_kda_torch(q, k, v, g, beta, **kw)
+    from .kda_triton import chunk_kda_triton
+
+    return chunk_kda_triton(q, k, v, g, beta, **kw)
+
+
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    which = resolve_backend(backend, q.device)
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+    if which == "naive":
+        return naive_recurrent_kda(q, k, v, g, beta, **kw)
+    if which == "torch":
+        return recurrent_kda_torch(q, k, v, g, beta, **kw)
+    from .kda_triton import recurrent_kda_triton
+
+    return recurrent_kda_triton(q, k, v, g, beta, **kw)
+
+
+chunk_kda.__doc__ = "Chunked KDA forward (prefill).\n" + _DOC_ARGS
+recurrent_kda.__doc__ = "Token-recurrent KDA forward (decode, short inputs).\n" + _DOC_ARGS

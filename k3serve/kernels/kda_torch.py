@@ -1,0 +1,279 @@
+"""Vectorised torch KDA for the CPU: a chunked (WY) form for prefill and a token loop.
+
+Chunked form (MODEL.md section 2, "Chunked form"), per head and chunk of C tokens with
+state S at the chunk start, G_i = sum_{s<=i} g_s (cumulative within the chunk):
+    Gamma_ij = exp(G_i - G_j)                         (j <= i only; masked BEFORE exp)
+    L_ij     = beta_i sum_d k_i[d] k_j[d] Gamma_ij[d]  (j < i)
+    Aqk_ij   =        sum_d q_i[d] k_j[d] Gamma_ij[d]  (j <= i)
+    W = (I + L)^-1 Diag(beta) (exp(G) * K),  U = (I + L)^-1 Diag(beta) V
+    Vn = U - W S;  O = (Q * exp(G)) S + Aqk Vn
+    S <- Diag(exp(G_last)) S + (K * exp(G_last - G))^T Vn
+
+The chunk is split into sub-chunks of ``sub_chunk`` rows for the decayed scores (Gamma):
+  * row i in sub-chunk I against an EARLIER column j (j < r, r = first row of I):
+    exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), both exponents <= 0 (G is
+    non-increasing), so this is one batched matmul;
+  * inside sub-chunk I (the diagonal block), either
+      - "centred" (fast): exp(G_i - G_m) * exp(G_m - G_j) through the middle row m, used
+        when every |G_i - G_m| <= _MAX_HALF_SPAN (always true for the K3 gate, g > -5, at
+        sub_chunk = 16: at most 8 steps * 5 = 40), or
+      - "pairwise" (exact for any decay, e.g. large Kimi-Linear decays): the [sub, sub, K]
+        Gamma tensor with the upper triangle masked before exp.
+
+Numerics:
+  * G and all its differences are fp64 and drop to fp32 just before exp: in fp32,
+    G_i - G_j loses |G| * 2^-24 (|G| reaches hundreds per chunk), ~1e-5 relative error.
+  * Decay factors <= 1 below _TINY (1e-15) are flushed to exactly 0, and exp never sees
+    arguments below log(_TINY) - 1. x86 CPUs handle subnormal operands and underflowing
+    products in microcode: without the flush, exps of -300 and matmuls on products like
+    1e-20 * 1e-20 ran 20-60x slower (measured). Dropped terms are < 1e-15 relative.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._kda_common import check_kda_inputs, default_scale
+
+# Upper bound on fp32 elements of the intra-chunk temporaries processed at once; bounds peak
+# memory for long prompts.
+_INTRA_BUDGET = 1 << 23
+# Centred diagonal blocks need every factor exp(+-(G_i - G_m)) inside fp32's normal range with
+# room for the product with q, k: exp(60) = 1.1e26, exp(-60) = 8.8e-27.
+_MAX_HALF_SPAN = 60.0
+_LOG_TINY = -34.5
+_TINY = math.exp(_LOG_TINY)   # ~1.0e-15: products of two flushed factors stay >= 1e-30
+
+
+def _to_chunks(x: torch.Tensor, NT: int, C: int) -> torch.Tensor:
+    """[B, T, H, D] -> fp32 [NT, B*H, C, D] (a new tensor), zero-padded along T (zeros are
+    inert in KDA). Chunk-major so the sequential inter-chunk pass slices contiguous blocks."""
+    B, T, H, D = x.shape
+    x = x.to(torch.float32)
+    if NT * C != T:
+        x = F.pad(x, (0, 0, 0, 0, 0, NT * C - T))
+    return x.view(B, NT, C, H, D).permute(1, 0, 3, 2, 4).contiguous().view(NT, B * H, C, D)
+
+
+def _exp_flush(e: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 exp(e) for e <= 0 (fp64 in), with results < _TINY and entries where ~keep set to 0.
+
+    Clamped before exp (exp of very negative numbers or -inf takes a slow path) and
+    thresholded after it, so no subnormal reaches a matmul.
+    """
+    f = e.to(torch.float32, copy=True)
+    if keep is not None:
+        f.masked_fill_(~keep, _LOG_TINY - 1.0)
+    f.clamp_(min=_LOG_TINY - 1.0).exp_()
+    return F.threshold_(f, _TINY, 0.0)
+
+
+def _flush_(x: torch.Tensor) -> torch.Tensor:
+    """In place: entries with |x| < _TINY become 0 (see module docstring)."""
+    return x.masked_fill_(x.abs() < _TINY, 0.0)
+
+
+def _own_centred(qs, ks, Gs):
+    """Diagonal blocks through the middle row m. Args: qs, ks [n, NS, sub, K] fp32,
+    Gs [n, NS, sub, K] fp64. Returns [n, NS, 2 sub, sub]: q rows then k rows (unmasked)."""
+    m = Gs.shape[2] // 2
+    Gm = Gs[:, :, m:m + 1]
+    kc = ks * (Gm - Gs).to(torch.float32).exp_()
+    fr = (Gs - Gm).to(torch.float32).exp_()
+    return torch.cat((qs * fr, ks * fr), dim=2) @ kc.transpose(-1, -2)
+
+
+def _own_pairwise(qs, ks, Gs):
+    """Diagonal blocks with the exact pairwise Gamma [n, NS, i, j, K], j > i masked before
+    exp. Same shapes as ``_own_centred``."""
+    n, NS, sub, K = qs.shape
+    tri = torch.ones(sub, sub, dtype=torch.bool, device=qs.device).tril()
+    gam = _exp_flush(Gs[:, :, :, None, :] - Gs[:, :, None, :, :], keep=tri[:, :, None])
+    own = gam.mul_(ks[:, :, None, :, :]) @ torch.stack((qs, ks), dim=-1)   # [n, NS, i, j, 2]
+    return own.permute(0, 1, 4, 2, 3).reshape(n, NS, 2 * sub, sub)
+
+
+def _earlier(qs, ks, k, Gs, G):
+    """Rows of sub-chunks 1..NS-1 against columns of earlier sub-chunks.
+
+    Args: qs, ks [n, NS, sub, K]; k [n, C, K]; Gs [n, NS, sub, K], G [n, C, K] fp64.
+    Returns: [n, NS-1, 2 sub, C - sub] (q rows then k rows), zero for j >= r.
+    """
+    n, NS, sub, K = qs.shape
+    C = NS * sub
+    Gref = Gs[:, 1:, :1]                                             # [n, NS-1, 1, K]
+    rowf = _exp_flush(Gs[:, 1:] - Gref).repeat(1, 1, 2, 1)
+    lhs = torch.cat((qs[:, 1:], ks[:, 1:]), dim=2).mul_(rowf)        # [n, NS-1, 2 sub, K]
+    # The last sub-chunk is never "earlier": keep only columns j < C - sub.
+    cols = torch.arange(C - sub, device=k.device)[None, :] < (
+        torch.arange(1, NS, device=k.device)[:, None] * sub)       # [NS-1, C-sub]: j < r_I
+    kref = _exp_flush(Gref - G[:, None, :C - sub], keep=cols[None, :, :, None])
+    kref.mul_(k[:, None, :C - sub])                                  # [n, NS-1, C-sub, K]
+    return lhs @ kref.transpose(-1, -2)
+
+
+def _intra_chunk(q, k, v, g, beta, sub: int):
+    """Chunk-local quantities for n independent chunks (no dependence on the state).
+
+    Args:
+        q: [n, C, K] (already scaled), k: [n, C, K], v: [n, C, V], g: [n, C, K],
+        beta: [n, C, 1].
+    Returns:
+        Aqk [n, C, C], W [n, C, K], U [n, C, V], Qg [n, C, K] (= q * exp(G)),
+        Kd [n, C, K] (= k * exp(G_last - G)), decay [n, K] (= exp(G_last)).
+    """
+    n, C, K = q.shape
+    NS = C // sub
+    G = g.to(torch.float64).cumsum(1)
+    Gs = G.view(n, NS, sub, K)
+    qs, ks = q.view(n, NS, sub, K), k.view(n, NS, sub, K)
+
+    Aqk = q.new_zeros(n, C, C)
+    Akk = q.new_zeros(n, C, C)
+    if NS > 1:
+        off = _earlier(qs, ks, k, Gs, G)
+        Aqk[:, sub:, :C - sub] = off[:, :, :sub].reshape(n, C - sub, C - sub)
+        Akk[:, sub:, :C - sub] = off[:, :, sub:].reshape(n, C - sub, C - sub)
+        del off
+    half_span = (Gs - Gs[:, :, sub // 2:sub // 2 + 1]).abs().max().item() if n else 0.0
+    own = (_own_centred if half_span <= _MAX_HALF_SPAN else _own_pairwise)(qs, ks, Gs)
+    # diagonal(dim1=1, dim2=3) of [n, NS, sub, NS, sub] is [n, sub, sub, NS].
+    Aqk.view(n, NS, sub, NS, sub).diagonal(dim1=1, dim2=3).copy_(own[:, :, :sub].permute(0, 2, 3, 1))
+    Akk.view(n, NS, sub, NS, sub).diagonal(dim1=1, dim2=3).copy_(own[:, :, sub:].permute(0, 2, 3, 1))
+    del own
+    _flush_(Aqk.tril_())
+    # L is strictly lower, rows scaled by beta_i; the solve treats the diagonal as 1
+    # (unitriangular), so this yields (I + L)^-1.
+    L = _flush_(Akk.tril_(-1).mul_(beta))
+    eye = torch.eye(C, device=q.device).expand(n, C, C)
+    # Invert then multiply: batched trsm with a wide right-hand side was 50x slower with
+    # two BLAS threads on CPU (measured); a C x C identity RHS is fast.
+    Tinv = _flush_(torch.linalg.solve_triangular(L, eye, upper=False, unitriangular=True))
+
+    eG = _exp_flush(G)
+    X = Tinv @ torch.cat((k * eG, v), dim=-1).mul_(beta)            # (I+L)^-1 Diag(beta)[eG*K | V]
+    G_last = G[:, -1:, :]
+    Kd = k * _exp_flush(G_last - G)
+    return Aqk, X[..., :K], X[..., K:], q * eG, Kd, _exp_flush(G_last.squeeze(1))
+
+
+def chunk_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    sub_chunk: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA forward in torch (all chunks' intra-chunk work batched together).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay; beta: [B, T, H].
+        scale: multiplies q (default K**-0.5).
+        initial_state: [B, H, K, V] (any strides; read only).
+        output_final_state: also return the final state.
+        chunk_size: C (multiple of ``sub_chunk``).
+        sub_chunk: size of the diagonal blocks computed with the exact pairwise decay.
+    Returns:
+        o [B, T, H, V] in v's dtype; final_state [B, H, K, V] fp32 or None.
+    """
+    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
+    if chunk_size % sub_chunk:
+        raise ValueError("chunk_size must be a multiple of sub_chunk")
+    scale = default_scale(scale, K)
+    C = chunk_size
+    NT = -(-T // C)
+    BH = B * H
+    qc = (_to_chunks(q, NT, C) * scale).view(NT * BH, C, K)   # not in place: may alias q
+    kc = _to_chunks(k, NT, C).view(NT * BH, C, K)
+    vc = _to_chunks(v, NT, C).view(NT * BH, C, V)
+    gc = _to_chunks(g, NT, C).view(NT * BH, C, K)
+    bc = _to_chunks(beta.unsqueeze(-1), NT, C).view(NT * BH, C, 1)
+
+    N = NT * BH
+    dev = qc.device
+    Aqk = torch.empty(N, C, C, device=dev)
+    WQ = torch.empty(N, 2 * C, K, device=dev)     # [W ; Q*exp(G)]: one matmul with S per chunk
+    U = torch.empty(N, C, V, device=dev)
+    KdT = torch.empty(N, K, C, device=dev)
+    decay = torch.empty(N, K, 1, device=dev)
+    per_chunk = C * sub_chunk * K * 2 + (C // sub_chunk) * C * K * 2 + 6 * C * C
+    step = max(1, _INTRA_BUDGET // per_chunk)
+    for s in range(0, N, step):
+        e = min(N, s + step)
+        a, w, u, qg, kd, dec = _intra_chunk(qc[s:e], kc[s:e], vc[s:e], gc[s:e], bc[s:e], sub_chunk)
+        Aqk[s:e], WQ[s:e, :C], WQ[s:e, C:], U[s:e] = a, w, qg, u
+        KdT[s:e] = kd.transpose(-1, -2)
+        decay[s:e] = dec.unsqueeze(-1)
+    del qc, kc, gc
+
+    WQ, U, KdT, decay = (x.view(NT, BH, *x.shape[1:]) for x in (WQ, U, KdT, decay))
+    if initial_state is not None:
+        S = initial_state.to(torch.float32).reshape(BH, K, V).clone()
+    else:
+        S = torch.zeros(BH, K, V, device=dev)
+    Vn = torch.empty(NT, BH, C, V, device=dev)
+    O = torch.empty(NT, BH, C, V, device=dev)
+    # The only sequential part: one [2C, K] x [K, V] and one [K, C] x [C, V] matmul per chunk.
+    for n in range(NT):
+        X = torch.bmm(WQ[n], S)
+        torch.sub(U[n], X[:, :C], out=Vn[n])
+        O[n] = X[:, C:]
+        S = torch.baddbmm(S * decay[n], KdT[n], Vn[n])
+    O = O.view(N, C, V).baddbmm_(Aqk, Vn.view(N, C, V))
+
+    o = O.view(NT, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, NT * C, H, V)[:, :T]
+    final = S.view(B, H, K, V) if output_final_state else None
+    return o.to(v.dtype), final
+
+
+def recurrent_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA, vectorised over batch and heads (decode and short inputs).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay; beta: [B, T, H].
+        scale: multiplies q (default K**-0.5).
+        initial_state: [B, H, K, V] (any strides; read only).
+        output_final_state: also return the final state.
+    Returns:
+        o [B, T, H, V] in v's dtype; final_state [B, H, K, V] fp32 or None.
+    """
+    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
+    scale = default_scale(scale, K)
+    # Time-major so each step reads contiguous [B, H, D] slices.
+    qt = (q.to(torch.float32) * scale).transpose(0, 1).contiguous()
+    kt = k.to(torch.float32).transpose(0, 1).contiguous()
+    vt = v.to(torch.float32).transpose(0, 1).contiguous()
+    at = g.to(torch.float32).exp().transpose(0, 1).contiguous()
+    bt = beta.to(torch.float32).transpose(0, 1).unsqueeze(-1).contiguous()
+    if initial_state is not None:
+        S = initial_state.to(torch.float32).clone()   # private copy: updated in place below
+    else:
+        S = torch.zeros(B, H, K, V, device=q.device)
+    o = torch.empty(T, B, H, V, device=q.device)
+    for t in range(T):
+        S.mul_(at[t].unsqueeze(-1))
+        kS = (kt[t].unsqueeze(-2) @ S).squeeze(-2)                  # S^T k   [B, H, V]
+        u = (vt[t] - kS).mul_(bt[t])
+        S.add_(kt[t].unsqueeze(-1) * u.unsqueeze(-2))
+        o[t] = (qt[t].unsqueeze(-2) @ S).squeeze(-2)
+    final = S if output_final_state else None
+    return o.transpose(0, 1).to(v.dtype), final
