@@ -110,6 +110,7 @@ class MultiprocExecutor:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, args=(spec, rank, init_file, child), daemon=True)
             proc.start()
+            child.close()  # only the rank holds its end: a dead rank then reads as EOF here, not a hang
             self._conns.append(parent)
             self._procs.append(proc)
         self._collect("start")

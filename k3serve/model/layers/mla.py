@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from k3serve.kernels.mla_decode import paged_mla_decode
+from k3serve.kernels.mla_decode import mla_decode
 from k3serve.model.config import ModelConfig
 from k3serve.model.layers.norm import rms_norm
 from k3serve.model.state import ForwardBatch
@@ -90,6 +90,6 @@ class MLAAttention:
         latent = batch.latent
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), self.w_uk.float())
         seq_lens = torch.tensor([s + 1 for s in batch.start_positions], device=q_lat.device)
-        ctx = paged_mla_decode(q_lat, q_pe.float(), latent.layer_pages(self.mla_idx), latent.block_tables,
+        ctx = mla_decode(q_lat, q_pe.float(), latent.layer_pages(self.mla_idx), latent.block_tables,
                                seq_lens, self.scale)
         return torch.einsum("bhr,hvr->bhv", ctx.float(), self.w_uv.float())

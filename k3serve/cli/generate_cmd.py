@@ -1,0 +1,80 @@
+"""``k3serve generate``: one prompt through the local disaggregated path (or the reference generator)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+app = typer.Typer(help="Generate tokens from a checkpoint (local prefill -> decode, or the reference).",
+                  invoke_without_command=True, no_args_is_help=False)
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+@app.callback()
+def generate(
+    checkpoint: str = typer.Option(..., "--checkpoint", help="checkpoint directory"),
+    prompt_ids: str = typer.Option("", "--prompt-ids", help="comma-separated token ids"),
+    prompt: str = typer.Option("", "--prompt", help="prompt text (byte tokenizer presets)"),
+    max_tokens: int = typer.Option(16, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: int = typer.Option(0, "--seed"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    prefill_tp: int = typer.Option(1, "--prefill-tp"),
+    decode_tp: int = typer.Option(1, "--decode-tp"),
+    reference: bool = typer.Option(False, "--reference", help="run the single-process reference generator"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    import torch
+
+    from k3serve.engine.requests import PrefillRequest
+    from k3serve.engine.sampling import SamplingError, SamplingParams
+    from k3serve.model.checkpoint import CheckpointError, load_config
+    from k3serve.model.config import ConfigError
+    from k3serve.model.reference import PromptError
+    from k3serve.tokenizer import ByteTokenizer
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    tok = ByteTokenizer()
+    if bool(prompt_ids) == bool(prompt):
+        _fail("give exactly one of --prompt-ids and --prompt")
+    try:
+        ids = [int(x) for x in prompt_ids.split(",") if x.strip()] if prompt_ids else tok.encode(prompt)
+    except ValueError:
+        _fail("--prompt-ids must be comma-separated integers")
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
+                            ignore_eos=ignore_eos)
+    try:
+        cfg = load_config(checkpoint)
+        if reference:
+            from k3serve.model.loader import load_model
+            from k3serve.model.reference import reference_generate
+
+            res = reference_generate(load_model(checkpoint), ids, params)
+            out_ids, reason, cached = res.token_ids, res.finish_reason, 0
+        else:
+            from k3serve.engine.pipeline import LocalPipeline
+
+            with LocalPipeline(checkpoint, prefill_tp, decode_tp) as pipe:
+                res = pipe.generate([PrefillRequest("cli-0", tuple(ids), params)])["cli-0"]
+            if res.error:
+                _fail(f"{res.error.code}: {res.error.message}")
+            out_ids, reason, cached = res.token_ids, res.finish_reason, res.cached_tokens
+    except (CheckpointError, ConfigError, PromptError, SamplingError) as e:
+        _fail(str(e))
+    result = {"token_ids": out_ids, "finish_reason": reason, "prompt_tokens": len(ids), "cached_tokens": cached,
+              "path": "reference" if reference else f"prefill_tp={prefill_tp},decode_tp={decode_tp}"}
+    if cfg.vocab_size == tok.vocab_size:
+        result["text"] = tok.decode(out_ids)
+    if as_json:
+        json.dump(result, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        typer.echo(result.get("text", " ".join(map(str, out_ids))))

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's test command: set up, then run the whole suite on the CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export TRITON_INTERPRET=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" PYTHONUNBUFFERED=1
+exec .venv/bin/python -m pytest -p no:cacheprovider -q --durations=15 "$@" tests

@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny checkpoints made once per session, thread caps for a 2-core machine."""
+
+from __future__ import annotations
+
+import os
+
+# Triton runs on the CPU only through its interpreter; set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> str:
+    from k3serve.model.checkpoint import make_checkpoint
+    from k3serve.model.presets import preset
+
+    return str(make_checkpoint(preset("tiny"), tmp_path_factory.mktemp("tiny"), seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_linear_ckpt(tmp_path_factory) -> str:
+    from k3serve.model.checkpoint import make_checkpoint
+    from k3serve.model.presets import preset
+
+    return str(make_checkpoint(preset("tiny-linear"), tmp_path_factory.mktemp("tiny_linear"), seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_ckpt):
+    from k3serve.model.loader import load_model
+
+    return load_model(tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def tiny_linear_model(tiny_linear_ckpt):
+    from k3serve.model.loader import load_model
+
+    return load_model(tiny_linear_ckpt)

@@ -1,0 +1,29 @@
+from k3serve.engine.chunk_plan import ChunkCandidate, ChunkWork, plan_chunks
+
+
+def test_short_requests_go_first_and_long_keeps_a_share():
+    long = ChunkCandidate("long", True, 0, 100_000, ())
+    shorts = [ChunkCandidate(f"s{i}", False, 0, 600, ()) for i in range(5)]
+    plan = plan_chunks([long, *shorts], token_budget=2048, long_min_share=0.25)
+    assert sum(w.num_tokens for w in plan) == 2048
+    served = [w.request_id for w in plan]
+    # 1536 tokens for shorts: s0 s1 whole, s2 partially; long gets its 512 reserve
+    assert served[:3] == ["s0", "s1", "s2"]
+    assert plan[2] == ChunkWork("s2", 0, 336)
+    assert plan[-1] == ChunkWork("long", 0, 512)
+
+
+def test_long_gets_leftover_budget_when_alone():
+    plan = plan_chunks([ChunkCandidate("long", True, 1000, 100_000, ())], token_budget=2048)
+    assert plan == [ChunkWork("long", 1000, 3048)]
+
+
+def test_chunks_stop_at_checkpoint_boundaries():
+    c = ChunkCandidate("r", False, 100, 1300, (512, 1024))
+    plan = plan_chunks([c], token_budget=4096)
+    assert plan == [ChunkWork("r", 100, 512), ChunkWork("r", 512, 1024), ChunkWork("r", 1024, 1300)]
+
+
+def test_budget_exhaustion_resumes_next_step():
+    c = ChunkCandidate("r", False, 0, 5000, ())
+    assert plan_chunks([c], token_budget=2048) == [ChunkWork("r", 0, 2048)]
