@@ -1,0 +1,90 @@
+"""Prefix-cache hits give exactly the tokens of a cold run, and never resume past a KDA checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3serve.engine.pipeline import LocalPipeline
+from k3serve.engine.requests import PrefillRequest
+from k3serve.engine.sampling import SamplingParams
+from k3serve.model.reference import reference_generate
+
+PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_ckpt):
+    with LocalPipeline(tiny_ckpt) as p:
+        yield p
+
+
+def _run(pipe, rid, prompt, session):
+    out = pipe.generate([PrefillRequest(rid, tuple(prompt), PARAMS, session_id=session)])[rid]
+    assert out.error is None
+    return out
+
+
+def _checkpoint_depths(pipe):
+    return {c.num_tokens for c in pipe.prefill.cache.checkpoints()}
+
+
+def test_second_turn_and_shared_system_prompt(pipe, tiny_model):
+    system = _tokens(1100, seed=1)
+    turn1 = system + _tokens(60, seed=2)
+    out1 = _run(pipe, "a1", turn1, "A")
+    assert out1.cached_tokens == 0
+    assert out1.token_ids == reference_generate(tiny_model, turn1, PARAMS).token_ids
+    assert 1024 in _checkpoint_depths(pipe)
+
+    turn2 = turn1 + out1.token_ids + _tokens(30, seed=3)
+    out2 = _run(pipe, "a2", turn2, "A")
+    assert out2.cached_tokens == 1024
+    assert out2.token_ids == reference_generate(tiny_model, turn2, PARAMS).token_ids
+
+    other = system + _tokens(40, seed=4)  # another session sharing the system prompt
+    out3 = _run(pipe, "b1", other, "B")
+    assert out3.cached_tokens == 1024
+    assert out3.token_ids == reference_generate(tiny_model, other, PARAMS).token_ids
+
+
+def test_prompt_ending_on_a_block_boundary(pipe, tiny_model):
+    prompt = _tokens(1024, seed=10)
+    cold = _run(pipe, "e1", prompt, "E")
+    again = _run(pipe, "e2", prompt, "E")
+    # the whole prompt is cached, but the engine needs the last token's logits: resume strictly below the end
+    assert again.cached_tokens < 1024 and again.cached_tokens % 512 == 0
+    assert again.token_ids == cold.token_ids == reference_generate(tiny_model, prompt, PARAMS).token_ids
+    longer = prompt + _tokens(7, seed=11)
+    hit = _run(pipe, "e3", longer, "E")
+    assert hit.cached_tokens == 1024
+    assert hit.token_ids == reference_generate(tiny_model, longer, PARAMS).token_ids
+
+
+def test_prompt_shorter_than_a_block_never_hits(pipe, tiny_model):
+    prompt = _tokens(300, seed=20)
+    assert _run(pipe, "s1", prompt, "S").cached_tokens == 0
+    out = _run(pipe, "s2", prompt, "S")
+    assert out.cached_tokens == 0
+    assert out.token_ids == reference_generate(tiny_model, prompt, PARAMS).token_ids
+
+
+def test_hit_is_clamped_to_the_deepest_checkpoint(pipe, tiny_model):
+    # a 2600-token prompt caches blocks 0..4 (2560 tokens) but checkpoints only its turn boundary (2560);
+    # a prompt sharing only its first 1600 tokens matches 3 blocks, and no checkpoint lies inside them
+    base = _tokens(2600, seed=30)
+    _run(pipe, "k1", base, "K")
+    assert 2560 in _checkpoint_depths(pipe) and 1536 not in _checkpoint_depths(pipe)
+    fork = base[:1600] + _tokens(100, seed=31)
+    out = _run(pipe, "k2", fork, "K2")
+    assert out.cached_tokens == 0
+    assert out.token_ids == reference_generate(tiny_model, fork, PARAMS).token_ids
+    # the fork's own turn boundary (1536) is now a checkpoint: a continuation of the fork hits there
+    cont = fork + _tokens(10, seed=32)
+    out = _run(pipe, "k3", cont, "K2")
+    assert out.cached_tokens == 1536
+    assert out.token_ids == reference_generate(tiny_model, cont, PARAMS).token_ids
