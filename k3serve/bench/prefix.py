@@ -1,0 +1,131 @@
+"""``k3serve bench prefix``: the K3 hybrid prefix cache against the naive scheme on a multi-turn agentic trace.
+
+Both schemes run the same trace through the real prefill engine (tiny model by default): sessions share a
+system prompt, then take many short turns, each turn's prompt being the previous prompt + the model's reply +
+a small user increment. Reported per scheme:
+
+* ``reuse_ratio``: tokens restored from the cache / tokens ideally reusable at token level (for each prompt the
+  longest common prefix with any earlier prompt, capped at len - 1 since the last token must be computed);
+* ``checkpoint_to_page_bytes``: bytes of KDA checkpoints held / bytes of MLA pages held at the end, at this
+  model's geometry and at full K3 geometry (69 KDA layers x 96 heads, 24 MLA layers x 576 bf16);
+* prefill tokens computed and wall time.
+
+Then TTFT of a long prefix with a small increment (default 8192 + 128), cold vs hit, K3 scheme.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+
+from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.executor import LocalExecutor, WorkerSpec
+from k3serve.engine.ops import PoolConfig
+from k3serve.engine.prefix_cache import PrefixCachePolicy
+from k3serve.engine.requests import PrefillRequest
+from k3serve.engine.sampling import SamplingParams
+from k3serve.model.checkpoint import load_config, make_checkpoint
+from k3serve.model.config import ModelConfig
+from k3serve.model.presets import preset
+from k3serve.prefill.engine import PrefillConfig, PrefillEngine
+
+K3_FULL = dict(kda_layers=69, kda_heads=96, head_dim=128, conv=3, mla_layers=24, latent=576, elem=2)
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def agentic_trace(sessions: int, turns: int, system_len: int, increment: tuple[int, int], reply: int,
+                  seed: int = 0) -> list[tuple[str, list[int]]]:
+    """(session id, prompt) in arrival order: sessions interleave turn by turn, sharing one system prompt."""
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(system_len)]
+    history = {f"s{i}": list(system) for i in range(sessions)}
+    trace = []
+    for _ in range(turns):
+        for sid, hist in history.items():
+            hist += [rng.randrange(256) for _ in range(rng.randint(*increment))]
+            trace.append((sid, list(hist)))
+            hist += [rng.randrange(256) for _ in range(reply)]  # the model's reply joins the next prompt
+    return trace
+
+
+def _engine(ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, pages: int) -> PrefillEngine:
+    pools = PoolConfig(kda_slots=64, mla_pages=pages, page_size=policy.page_size)
+    ex = LocalExecutor(WorkerSpec(ckpt, 1, pools))
+    return PrefillEngine(cfg, ex, PrefillConfig(pools, policy, step_token_budget=4096),
+                         model_fingerprint(cfg.to_hf_dict()))
+
+
+def _held_bytes(engine: PrefillEngine, cfg: ModelConfig) -> dict:
+    st = engine.cache.stats()
+    ckpt_b = st["checkpoints"] * cfg.num_kda_layers * cfg.kda_num_heads * cfg.kda_head_block_floats * 4
+    page_b = st["pages_held"] * engine.config.pools.page_size * cfg.num_mla_layers * cfg.mla_latent_dim * 4
+    f = K3_FULL
+    full_ckpt = st["checkpoints"] * f["kda_layers"] * f["kda_heads"] * (f["head_dim"] ** 2 + 3 * f["conv"] * f["head_dim"]) * 4
+    full_page = st["pages_held"] * engine.config.pools.page_size * f["mla_layers"] * f["latent"] * f["elem"]
+    return {"checkpoints": st["checkpoints"], "pages_held": st["pages_held"],
+            "checkpoint_bytes": ckpt_b, "page_bytes": page_b,
+            "checkpoint_to_page_bytes": ckpt_b / page_b if page_b else None,
+            "checkpoint_to_page_bytes_k3_full_geometry": full_ckpt / full_page if full_page else None}
+
+
+def run_trace(ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, trace: list[tuple[str, list[int]]]) -> dict:
+    engine = _engine(ckpt, cfg, policy, pages=4096)
+    params = SamplingParams(max_tokens=1)
+    reused = ideal = computed = 0
+    seen: list[list[int]] = []
+    t0 = time.monotonic()
+    for i, (sid, prompt) in enumerate(trace):
+        ideal += min(len(prompt) - 1, max((_lcp(prompt, p) for p in seen), default=0))
+        seen.append(prompt)
+        engine.add_request(PrefillRequest(f"t{i}", tuple(prompt), params, session_id=sid))
+        (h,) = engine.run_to_completion()
+        reused += h.cached_tokens
+        computed += len(prompt) - h.cached_tokens
+    out = {"reused_tokens": reused, "ideal_reusable_tokens": ideal, "reuse_ratio": reused / ideal if ideal else 0.0,
+           "prefill_tokens_computed": computed, "wall_s": time.monotonic() - t0, **_held_bytes(engine, cfg)}
+    engine.executor.close()
+    return out
+
+
+def ttft_hit_vs_cold(ckpt: str, cfg: ModelConfig, prefix_len: int, increment: int) -> dict:
+    rng = random.Random(1)
+    prefix = [rng.randrange(256) for _ in range(prefix_len)]
+    params = SamplingParams(max_tokens=1)
+    engine = _engine(ckpt, cfg, PrefixCachePolicy(), pages=4096)
+
+    def timed(rid: str, prompt: list[int]) -> tuple[float, int]:
+        t = time.monotonic()
+        engine.add_request(PrefillRequest(rid, tuple(prompt), params, session_id="ttft"))
+        (h,) = engine.run_to_completion()
+        return time.monotonic() - t, h.cached_tokens
+
+    cold_s, _ = timed("cold", prefix + [rng.randrange(256) for _ in range(increment)])
+    hit_s, cached = timed("hit", prefix + [rng.randrange(256) for _ in range(increment)])
+    engine.executor.close()
+    return {"prefix_tokens": prefix_len, "increment_tokens": increment, "cold_ttft_s": cold_s, "hit_ttft_s": hit_s,
+            "hit_cached_tokens": cached, "hit_speedup": cold_s / hit_s}
+
+
+def run_prefix_bench(preset_name: str = "tiny", sessions: int = 3, turns: int = 10, system_len: int = 4096,
+                     increment: tuple[int, int] = (32, 160), reply: int = 48, ttft_prefix: int = 8192,
+                     ttft_increment: int = 128) -> dict:
+    with tempfile.TemporaryDirectory(prefix="k3serve-bench-") as d:
+        ckpt = str(make_checkpoint(preset(preset_name), d, seed=0))
+        cfg = load_config(ckpt)
+        trace = agentic_trace(sessions, turns, system_len, increment, reply)
+        k3 = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace)
+        naive = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="naive", naive_chunk=4096), trace)
+        ttft = ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment)
+    return {"preset": preset_name,
+            "trace": {"sessions": sessions, "turns": turns, "system_prompt_tokens": system_len,
+                      "increment_tokens": list(increment), "reply_tokens": reply, "requests": len(trace),
+                      "prompt_tokens": sum(len(p) for _, p in trace)},
+            "k3": k3, "naive": naive, "ttft": ttft, "hit_speedup": ttft["hit_speedup"]}

@@ -1,0 +1,73 @@
+"""``k3serve bench ...``: measurements with JSON output (timing lives here, never in tests)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import typer
+
+app = typer.Typer(help="Benchmarks (JSON on stdout with --json).", no_args_is_help=True)
+
+
+def _emit(result: dict, as_json: bool) -> None:
+    if as_json:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        for k, v in result.items():
+            typer.echo(f"{k}: {v}")
+
+
+def _threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+@app.command("kernels")
+def kernels(t: int = typer.Option(4096, "--tokens"), heads: int = typer.Option(4, "--heads"),
+            head_dim: int = typer.Option(64, "--head-dim"), repeats: int = typer.Option(3, "--repeats"),
+            threads: int = typer.Option(2, "--threads"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Chunked vs recurrent KDA on this CPU, with the machine's matmul GFLOP/s as the ceiling."""
+    _threads(threads)
+    from k3serve.bench.kernels import run_kernel_bench
+
+    _emit(run_kernel_bench(T=t, H=heads, K=head_dim, repeats=repeats), as_json)
+
+
+@app.command("prefix")
+def prefix(preset: str = typer.Option("tiny", "--preset"), sessions: int = typer.Option(3, "--sessions"),
+           turns: int = typer.Option(10, "--turns"), system_len: int = typer.Option(4096, "--system-tokens"),
+           ttft_prefix: int = typer.Option(8192, "--ttft-prefix"), ttft_increment: int = typer.Option(128, "--ttft-increment"),
+           threads: int = typer.Option(2, "--threads"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """K3 hybrid prefix cache vs the naive scheme on a multi-turn agentic trace; TTFT hit vs cold."""
+    _threads(threads)
+    from k3serve.bench.prefix import run_prefix_bench
+
+    _emit(run_prefix_bench(preset, sessions, turns, system_len, ttft_prefix=ttft_prefix,
+                           ttft_increment=ttft_increment), as_json)
+
+
+@app.command("decode")
+def decode(preset: str = typer.Option("bench", "--preset"), context: int = typer.Option(256, "--context"),
+           steps: int = typer.Option(8, "--steps"), batches: str = typer.Option("1,8,32", "--batches"),
+           threads: int = typer.Option(2, "--threads"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Decode tokens/s by batch size and achieved memory bandwidth vs this machine's copy bandwidth."""
+    _threads(threads)
+    from k3serve.bench.decode import run_decode_bench
+
+    sizes = tuple(int(b) for b in batches.split(","))
+    _emit(run_decode_bench(preset, sizes, context, steps), as_json)
+
+
+# Benchmarks owned by other modules join this group (their module defines `app` with its commands).
+for _module in ("k3serve.cli.bench_transfer_cmd", "k3serve.cli.bench_admission_cmd"):
+    try:
+        _sub = importlib.import_module(_module).app
+    except ModuleNotFoundError as _e:
+        if _e.name != _module:
+            raise
+        continue
+    app.registered_commands.extend(_sub.registered_commands)
