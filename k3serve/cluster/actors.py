@@ -1,0 +1,147 @@
+"""Ray actors of a deployment: one ClusterActor per cluster (it owns its rank actors) and RouterActors.
+
+```
+ ClusterActor c0 ── placement group (STRICT_PACK): prefill rank 0..P-1, decode rank 0..D-1 (RankActor)
+   ├ PrefillEngine / DecodeEngine over RayExecutors
+   ├ ClusterFront: internal gRPC (port 0) for routers
+   └ agent thread: register endpoints, heartbeat load into Redis; silent once the cluster is broken
+ RouterActor r0..  ── RouterService (public gRPC, port 0) over Redis membership + pins
+```
+Rank actors are owned by their ClusterActor, so killing a cluster actor takes its whole cluster down (that is
+what the `cluster:` drill does); killing one rank actor breaks its group and the front fails its in-flight
+requests over to other clusters.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+from k3serve.cluster.deploy import DeployConfig
+from k3serve.cluster.rank_actor import ACTOR_CPU, RayExecutor, ray_worker_spec
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=ACTOR_CPU, max_restarts=0, max_concurrency=8)
+class ClusterActor:
+    def __init__(self, cluster_id: str, deploy: DeployConfig, checkpoint: str, redis_url: str) -> None:
+        import torch
+
+        torch.set_num_threads(deploy.torch_threads)
+        self.cluster_id, self.deploy, self.checkpoint, self.redis_url = cluster_id, deploy, checkpoint, redis_url
+        self.front = None
+        self.executors: dict[str, RayExecutor] = {}
+        self._stop = threading.Event()
+
+    def start(self) -> str:
+        from ray.util.placement_group import placement_group
+
+        from k3serve.decode.engine import DecodeConfig, DecodeEngine
+        from k3serve.engine.block_hash import model_fingerprint
+        from k3serve.engine.ops import PoolConfig
+        from k3serve.engine.prefix_cache import PrefixCachePolicy
+        from k3serve.model.checkpoint import load_config
+        from k3serve.prefill.engine import PrefillConfig, PrefillEngine
+
+        from k3serve.cluster.front import ClusterFront
+
+        d, c = self.deploy, self.deploy.clusters
+        cfg = load_config(self.checkpoint)
+        pg = placement_group([{"CPU": ACTOR_CPU}] * (c.prefill_tp + c.decode_tp), strategy="STRICT_PACK")
+        ray.get(pg.ready())
+        pre_pools = PoolConfig(c.prefill_pools.kda_slots, c.prefill_pools.mla_pages, c.prefill_pools.page_size)
+        dec_pools = PoolConfig(c.decode_pools.kda_slots, c.decode_pools.mla_pages, c.decode_pools.page_size)
+        self.executors["prefill"] = RayExecutor(ray_worker_spec(self.checkpoint, c.prefill_tp, pre_pools,
+                                                                d.torch_threads), pg)
+        # decode ranks take the bundles after the prefill ranks
+        self.executors["decode"] = RayExecutor(ray_worker_spec(self.checkpoint, c.decode_tp, dec_pools,
+                                                               d.torch_threads), pg, bundle_offset=c.prefill_tp)
+        policy = PrefixCachePolicy(scheme=c.prefix_scheme, page_size=c.prefill_pools.page_size)
+        prefill = PrefillEngine(cfg, self.executors["prefill"],
+                                PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget),
+                                model_fingerprint(cfg.to_hf_dict()))
+        decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch))
+        self.front = ClusterFront(self.cluster_id, prefill, decode, d.secret, c.prefill_tp, c.decode_tp)
+        endpoint = self.front.start(d.bind_host)
+        self._agent = threading.Thread(target=self._heartbeat, args=(endpoint,), daemon=True)
+        self._agent.start()
+        return endpoint
+
+    def _heartbeat(self, endpoint: str) -> None:
+        from k3serve.cluster.redis_server import connect
+        from k3serve.router.membership import Membership
+
+        ctl = self.deploy.control
+        c = self.deploy.clusters
+        members = Membership(connect(self.redis_url), ctl.namespace)
+        registered = False
+        while not self._stop.wait(ctl.heartbeat_interval_s if registered else 0.0):
+            if self.front is None or self.front.broken:
+                return  # a broken cluster goes silent: its heartbeat key expires and routers drop it
+            load = {**self.front.load, "prefill_tp": c.prefill_tp, "decode_tp": c.decode_tp}
+            try:
+                if not registered or not members.heartbeat(self.cluster_id, load, ctl.heartbeat_ttl_s):
+                    members.register(self.cluster_id, {"cluster": endpoint}, ttl_s=ctl.heartbeat_ttl_s * 20,
+                                     heartbeat_ttl_s=ctl.heartbeat_ttl_s)
+                    registered = True
+            except Exception as e:  # noqa: BLE001 - Redis down: keep serving, retry next beat
+                log.warning("heartbeat of %s failed: %s", self.cluster_id, e)
+
+    def rank_actors(self) -> dict[str, list]:
+        return {role: list(ex.actors) for role, ex in self.executors.items()}
+
+    def stats(self) -> dict:
+        return {"cluster_id": self.cluster_id, "broken": self.front.broken if self.front else "not started",
+                **(self.front.metrics if self.front else {})}
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self._stop.set()
+        if self.front is not None:
+            self.front.stop(grace_s)
+        try:
+            from k3serve.cluster.redis_server import connect
+            from k3serve.router.membership import Membership
+
+            Membership(connect(self.redis_url), self.deploy.control.namespace).deregister(self.cluster_id)
+        except Exception:  # noqa: BLE001 - best effort: the TTL removes it anyway
+            pass
+        for ex in self.executors.values():
+            ex.close()
+
+
+@ray.remote(num_cpus=ACTOR_CPU, max_restarts=0, max_concurrency=4)
+class RouterActor:
+    def __init__(self, deploy: DeployConfig, checkpoint: str, redis_url: str) -> None:
+        self.deploy, self.checkpoint, self.redis_url = deploy, checkpoint, redis_url
+        self.server = None
+
+    def start(self) -> str:
+        from k3serve.cluster.redis_server import connect
+        from k3serve.model.checkpoint import load_config
+        from k3serve.router.membership import CircuitBreaker, BreakerConfig, Membership, MembershipView
+        from k3serve.router.pins import PinStore
+        from k3serve.router.server import RouterService, start_router_server
+        from k3serve.router.validate import ModelLimits
+        from k3serve.tokenizer import BYTE_VOCAB_SIZE
+
+        d, ctl = self.deploy, self.deploy.control
+        cfg = load_config(self.checkpoint)
+        client = connect(self.redis_url)
+        view = MembershipView(Membership(client, ctl.namespace), refresh_interval_s=0.2,
+                              breaker=CircuitBreaker(BreakerConfig(cool_down_s=ctl.suspect_cooldown_s)))
+        limits = ModelLimits(cfg.vocab_size, cfg.max_position_embeddings, cfg.vocab_size == BYTE_VOCAB_SIZE)
+        self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
+                                     d.api_keys)
+        self.server, addr = start_router_server(self.service, d.bind_host)
+        return addr
+
+    def counters(self) -> dict:
+        return dict(self.service.counters)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self.server is not None:
+            self.server.stop(grace_s).wait()
+            self.service.close()

@@ -1,0 +1,154 @@
+"""The deployment file (``deploy.yaml``): clusters, their TP degrees and pools, routers, the control plane.
+
+Every section is a frozen dataclass; unknown keys are an error naming the key, so a typo never silently falls
+back to a default. Example (the embedded default, `configs/local.yaml`)::
+
+    model: {preset: tiny}             # or {checkpoint: /path/to/ckpt}
+    clusters:
+      count: 3
+      prefill_tp: 2
+      decode_tp: 1
+    routers: 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class DeployError(ValueError):
+    """A deployment file k3serve cannot run; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    preset: str = "tiny"
+    checkpoint: str = ""  # a checkpoint dir; empty: make one from `preset` at start-up
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    kda_slots: int = 64
+    mla_pages: int = 2048
+    page_size: int = 64
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    count: int = 3
+    prefill_tp: int = 2
+    decode_tp: int = 1
+    prefill_pools: PoolSpec = field(default_factory=PoolSpec)
+    decode_pools: PoolSpec = field(default_factory=PoolSpec)
+    max_decode_batch: int = 64
+    step_token_budget: int = 2048
+    prefix_scheme: str = "k3"
+    ids: tuple[str, ...] = ()  # explicit cluster ids; default c0, c1, ...
+
+    @property
+    def cluster_ids(self) -> tuple[str, ...]:
+        return self.ids or tuple(f"c{i}" for i in range(self.count))
+
+
+@dataclass(frozen=True)
+class RequestClassSpec:
+    name: str
+    max_uncached_tokens: int  # requests with more uncached prompt tokens fall in the next class
+    inflight_token_budget: int
+    max_concurrent: int
+    queue_limit: int = 64
+    max_wait_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class ControlSpec:
+    redis_url: str = ""  # empty: REDIS_URL, else a private redis-server started by `serve`
+    namespace: str = "k3serve"
+    heartbeat_ttl_s: float = 3.0
+    heartbeat_interval_s: float = 0.5
+    pin_ttl_s: float = 3600.0
+    suspect_cooldown_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    clusters: ClusterSpec = field(default_factory=ClusterSpec)
+    routers: int = 1
+    bind_host: str = "127.0.0.1"
+    secret: str = ""  # cluster secret for internal endpoints; empty: generated per deployment
+    api_keys: tuple[str, ...] = ()
+    control: ControlSpec = field(default_factory=ControlSpec)
+    request_classes: tuple[RequestClassSpec, ...] = (
+        RequestClassSpec("short", 4096, inflight_token_budget=32768, max_concurrent=32),
+        RequestClassSpec("long", 1 << 30, inflight_token_budget=65536, max_concurrent=4, queue_limit=16,
+                         max_wait_s=30.0),
+    )
+    torch_threads: int = 1
+
+    def with_secret(self) -> "DeployConfig":
+        return self if self.secret else dataclasses.replace(self, secret=secrets.token_hex(16))
+
+    def validate(self) -> None:
+        c = self.clusters
+        if c.count < 1 and not c.ids:
+            raise DeployError("clusters.count must be >= 1")
+        if c.prefill_tp < 1 or c.decode_tp < 1:
+            raise DeployError("clusters.prefill_tp and clusters.decode_tp must be >= 1")
+        if self.routers < 1:
+            raise DeployError("routers must be >= 1")
+        if c.prefill_pools.page_size != c.decode_pools.page_size:
+            raise DeployError("prefill_pools.page_size must equal decode_pools.page_size")
+        if not self.request_classes:
+            raise DeployError("request_classes must not be empty")
+        names = [rc.name for rc in self.request_classes]
+        if len(set(names)) != len(names):
+            raise DeployError("request_classes names must be unique")
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise DeployError(f"{where} must be a mapping")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise DeployError(f"unknown key {where}.{key} (known: {', '.join(sorted(fields))})")
+        nested = {"model": ModelSpec, "clusters": ClusterSpec, "control": ControlSpec,
+                  "prefill_pools": PoolSpec, "decode_pools": PoolSpec}.get(key)
+        if nested is not None:
+            value = _build(nested, value, f"{where}.{key}")
+        elif key == "request_classes":
+            value = tuple(_build(RequestClassSpec, v, f"{where}.request_classes[{i}]") for i, v in enumerate(value))
+        elif key in ("ids", "api_keys"):
+            value = tuple(str(v) for v in value)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise DeployError(f"{where}: {e}") from None
+
+
+def load_deploy(path: str | Path | None) -> DeployConfig:
+    """Parse a deploy.yaml (None: the embedded defaults)."""
+    if path is None:
+        cfg = DeployConfig()
+    else:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise DeployError(f"no deployment file at {path}") from None
+        except yaml.YAMLError as e:
+            raise DeployError(f"{path} is not valid YAML: {e}") from None
+        cfg = _build(DeployConfig, raw, "deploy")
+    cfg.validate()
+    return cfg

@@ -1,0 +1,151 @@
+"""Bring a whole deployment up and down: Ray, Redis, the checkpoint, clusters, routers.
+
+Used by ``k3serve serve``, ``k3serve drill`` and the end-to-end tests. With no ``RAY_ADDRESS`` it starts a
+local Ray instance; with no Redis URL (deploy file or ``REDIS_URL``) it starts a private redis-server; with no
+checkpoint in the deploy file it makes one from the preset (on a shared path when Ray spans several nodes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+
+from k3serve.cluster.deploy import DeployConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Deployment:
+    deploy: DeployConfig
+    workdir: str = ""
+    checkpoint: str = ""
+    redis_url: str = ""
+    cluster_endpoints: dict[str, str] = field(default_factory=dict)
+    router_addresses: list[str] = field(default_factory=list)
+    clusters: dict[str, object] = field(default_factory=dict)  # cluster id -> ClusterActor handle
+    routers: list[object] = field(default_factory=list)
+    _redis: object = None
+    _own_ray: bool = False
+    _tmp: object = None
+
+    # ------------------------------------------------------------------------------------------- start
+    def start(self, timeout_s: float = 300.0) -> "Deployment":
+        from k3serve.cluster.actors import ClusterActor, RouterActor
+
+        self.deploy = self.deploy.with_secret()
+        if not self.workdir:
+            self._tmp = tempfile.TemporaryDirectory(prefix="k3serve-deploy-")
+            self.workdir = self._tmp.name
+        self._start_ray()
+        self._start_redis()
+        self.checkpoint = self._checkpoint()
+        handles = {cid: ClusterActor.remote(cid, self.deploy, self.checkpoint, self.redis_url)
+                   for cid in self.deploy.clusters.cluster_ids}
+        endpoints = ray.get([h.start.remote() for h in handles.values()], timeout=timeout_s)
+        self.clusters = handles
+        self.cluster_endpoints = dict(zip(handles, endpoints))
+        self.routers = [RouterActor.remote(self.deploy, self.checkpoint, self.redis_url)
+                        for _ in range(self.deploy.routers)]
+        self.router_addresses = ray.get([r.start.remote() for r in self.routers], timeout=timeout_s)
+        self.wait_healthy(len(handles), timeout_s=30.0)
+        return self
+
+    def _start_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        address = os.environ.get("RAY_ADDRESS")
+        env = {"env_vars": {"OMP_NUM_THREADS": str(self.deploy.torch_threads), "TOKENIZERS_PARALLELISM": "false"}}
+        if address:
+            ray.init(address=address, runtime_env=env, log_to_driver=False)
+        else:
+            # a local instance stays on loopback: rank rendezvous and gRPC never leave this machine
+            ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False,
+                     runtime_env=env, _node_ip_address="127.0.0.1")
+            self._own_ray = True
+
+    def _start_redis(self) -> None:
+        url = self.deploy.control.redis_url or os.environ.get("REDIS_URL", "")
+        if url:
+            self.redis_url = url
+            return
+        from k3serve.cluster.redis_server import RedisServer
+
+        self._redis = RedisServer()
+        self.redis_url = self._redis.start(Path(self.workdir) / "redis")
+
+    def _checkpoint(self) -> str:
+        if self.deploy.model.checkpoint:
+            return self.deploy.model.checkpoint
+        from k3serve.model.checkpoint import make_checkpoint
+        from k3serve.model.presets import preset
+
+        out = Path(self.workdir) / f"ckpt-{self.deploy.model.preset}"
+        return str(make_checkpoint(preset(self.deploy.model.preset), out, seed=self.deploy.model.seed))
+
+    def wait_healthy(self, n: int, timeout_s: float) -> None:
+        from k3serve.cluster.redis_server import connect
+        from k3serve.router.membership import Membership
+
+        members = Membership(connect(self.redis_url), self.deploy.control.namespace)
+        deadline = time.monotonic() + timeout_s
+        while len(members.healthy_clusters()) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(members.healthy_clusters())} of {n} clusters registered")
+            time.sleep(0.1)
+
+    # -------------------------------------------------------------------------------------------- faults
+    def kill_cluster(self, cluster_id: str) -> None:
+        ray.kill(self.clusters[cluster_id], no_restart=True)
+
+    def kill_rank(self, cluster_id: str, role: str, rank: int = 0) -> None:
+        actors = ray.get(self.clusters[cluster_id].rank_actors.remote())
+        ray.kill(actors[role][rank], no_restart=True)
+
+    def kill_router(self, index: int) -> None:
+        ray.kill(self.routers[index], no_restart=True)
+
+    # --------------------------------------------------------------------------------------------- stop
+    def stop(self) -> None:
+        """Drain and stop routers, then clusters, then Redis and (if we started it) Ray."""
+        for r in self.routers:
+            try:
+                ray.get(r.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - a killed router is already gone
+                pass
+        for h in self.clusters.values():
+            try:
+                ray.get(h.stop.remote(), timeout=20)
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        for r in self.routers:
+            try:
+                ray.kill(r, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        if self._redis is not None:
+            self._redis.stop()
+        if self._own_ray:
+            ray.shutdown()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> "Deployment":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def with_overrides(self, **changes) -> "Deployment":
+        return dataclasses.replace(self, deploy=dataclasses.replace(self.deploy, **changes))

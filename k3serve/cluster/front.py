@@ -1,0 +1,189 @@
+"""The cluster front: one per cluster, it runs the prefill and decode engines and serves the internal
+``k3serve.internal.v1.Cluster`` gRPC API to routers.
+
+```
+ router ──Generate──▶ gRPC handler thread ──inbox──▶ engine thread: prefill.step ─handoff─▶ decode.submit/step
+        ◀──stream──── per-request queue ◀──────────── token events / failures ◀─────────────────────┘
+```
+The engine thread is the only one that touches the engines. A worker failure (a dead rank) fails every
+in-flight request with UNAVAILABLE, so routers fail over at once, and marks the front broken: it stops
+heartbeating and refuses new work until rebuilt.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from k3serve.cluster.auth import AUTH_KEY, verify_token
+from k3serve.decode.engine import DecodeEngine
+from k3serve.engine.executor import WorkerFailure
+from k3serve.engine.requests import PrefillRequest, RequestFailure
+from k3serve.engine.sampling import SamplingParams
+from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
+from k3serve.prefill.engine import PrefillEngine
+
+log = logging.getLogger(__name__)
+
+_CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT, "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+          "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE, "CANCELLED": grpc.StatusCode.CANCELLED}
+
+
+@dataclass(frozen=True)
+class _Out:
+    tokens: tuple[int, ...] = ()
+    finish_reason: str = ""
+    cached_tokens: int = -1
+    error: RequestFailure | None = None
+
+
+def sampling_from_proto(s) -> SamplingParams:
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed,
+                          max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+class ClusterFront(cluster_pb2_grpc.ClusterServicer):
+    def __init__(self, cluster_id: str, prefill: PrefillEngine, decode: DecodeEngine, secret: str,
+                 prefill_tp: int, decode_tp: int) -> None:
+        self.cluster_id, self.prefill, self.decode = cluster_id, prefill, decode
+        self.secret, self.prefill_tp, self.decode_tp = secret, prefill_tp, decode_tp
+        self._inbox: queue.Queue = queue.Queue()
+        self._outs: dict[str, queue.Queue] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.broken: str = ""
+        self.metrics = {"requests": 0.0, "completed": 0.0, "failed": 0.0, "prefix_hit_tokens": 0.0}
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{cluster_id}", daemon=True)
+        self._server: grpc.Server | None = None
+
+    # -------------------------------------------------------------------------------------------- serve
+    def start(self, host: str = "127.0.0.1") -> str:
+        self._thread.start()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
+                                   options=[("grpc.max_receive_message_length", 8 << 20)])
+        cluster_pb2_grpc.add_ClusterServicer_to_server(self, self._server)
+        port = self._server.add_insecure_port(f"{host}:0")
+        self._server.start()
+        return f"{host}:{port}"
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop accepting, let in-flight requests drain for grace_s, then stop the engine thread."""
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def load(self) -> dict[str, float]:
+        with self._lock:
+            running = len(self._outs)
+        return {"running_requests": running, "broken": 1.0 if self.broken else 0.0}
+
+    # ---------------------------------------------------------------------------------------------- rpc
+    def Generate(self, request, context):
+        if not verify_token(self.secret, dict(context.invocation_metadata()).get(AUTH_KEY, "")):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid cluster credentials")
+        if self.broken:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cluster {self.cluster_id} is down: {self.broken}")
+        req = request.request
+        rid = req.request_id
+        out: queue.Queue = queue.Queue()
+        with self._lock:
+            if rid in self._outs:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running here")
+            self._outs[rid] = out
+        self.metrics["requests"] += 1
+        self._inbox.put(("add", PrefillRequest(rid, tuple(req.prompt_token_ids), sampling_from_proto(req.sampling),
+                                               req.session_id)))
+        context.add_callback(lambda: self._inbox.put(("cancel", rid)))
+        try:
+            while True:
+                item: _Out = out.get()
+                if item.error is not None:
+                    self.metrics["failed"] += 1
+                    context.abort(_CODES.get(item.error.code, grpc.StatusCode.INTERNAL), item.error.message)
+                yield cluster_pb2.ClusterGenerateResponse(token_ids=item.tokens, finish_reason=item.finish_reason,
+                                                          cached_tokens=max(item.cached_tokens, 0))
+                if item.finish_reason:
+                    self.metrics["completed"] += 1
+                    return
+        finally:
+            with self._lock:
+                self._outs.pop(rid, None)
+
+    def Status(self, request, context):
+        if not verify_token(self.secret, dict(context.invocation_metadata()).get(AUTH_KEY, "")):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid cluster credentials")
+        with self._lock:
+            running = len(self._outs)
+        return cluster_pb2.ClusterState(cluster_id=self.cluster_id, running_requests=running,
+                                        prefill_tp=self.prefill_tp, decode_tp=self.decode_tp,
+                                        metrics={k: float(v) for k, v in self.metrics.items()})
+
+    # ------------------------------------------------------------------------------------------- engine
+    def _send(self, rid: str, item: _Out) -> None:
+        with self._lock:
+            out = self._outs.get(rid)
+        if out is not None:
+            out.put(item)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            kind, value = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if kind == "add":
+                self.prefill.add_request(value)
+            elif kind == "cancel":
+                self.prefill.cancel(value) or self.decode.cancel(value)
+            try:
+                kind, value = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            idle = not (self.prefill.has_work or self.decode.has_work)
+            self._drain_inbox(block=idle)
+            try:
+                self._step()
+            except WorkerFailure as e:
+                self._fail_all(f"worker failure: {e}".splitlines()[0])
+                return
+            except Exception as e:  # noqa: BLE001 - an engine bug must not leave clients hanging
+                log.exception("engine step failed")
+                self._fail_all(f"internal error: {e}")
+                return
+
+    def _step(self) -> None:
+        for f in self.prefill.take_failures() + self.decode.take_failures():
+            self._send(f.request_id, _Out(error=f))
+        for h in self.prefill.step():
+            self.metrics["prefix_hit_tokens"] += h.cached_tokens
+            for ev in self.decode.submit(h):
+                self._send(ev.request_id, _Out(ev.token_ids, ev.finish_reason, h.cached_tokens))
+        for ev in self.decode.step():
+            self._send(ev.request_id, _Out(ev.token_ids, ev.finish_reason))
+
+    def _fail_all(self, why: str) -> None:
+        self.broken = why
+        with self._lock:
+            rids = list(self._outs)
+        for rid in rids:
+            self._send(rid, _Out(error=RequestFailure(rid, "UNAVAILABLE", f"cluster {self.cluster_id}: {why}")))
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)

@@ -1,0 +1,102 @@
+"""Ray hosting of engine workers: one actor per TP rank, and an executor that fans ops out to them.
+
+A TP group's actors are created first (cheap), then ``setup`` on every rank joins one torch.distributed group
+(gloo on CPU, nccl on CUDA) at a TCP address that rank 0 picked on its own node, and loads that rank's slice
+of the checkpoint. Actors reserve a sliver of CPU so placement groups can pack them; the real threads are
+capped by ``torch_threads``.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import replace
+
+import ray
+import torch
+
+from k3serve.engine.executor import WorkerFailure, WorkerSpec
+from k3serve.engine.worker import ModelWorker
+
+ACTOR_CPU = 0.01
+
+
+@ray.remote(num_cpus=ACTOR_CPU, max_restarts=0)
+class RankActor:
+    def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        self.spec, self.rank = spec, rank
+        self.worker: ModelWorker | None = None
+        torch.set_num_threads(spec.torch_threads)
+
+    def free_address(self) -> str:
+        """A TCP rendezvous address on this actor's node (rank 0 only)."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return f"tcp://{ip}:{s.getsockname()[1]}"
+
+    def setup(self, init_method: str | None) -> bool:
+        import torch.distributed as dist
+
+        from k3serve.model.loader import load_model
+        from k3serve.model.tp import SINGLE, TPGroup
+
+        if self.spec.tp == 1:
+            tp = SINGLE
+        else:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.spec.tp)
+            tp = TPGroup(self.rank, self.spec.tp)
+        self.worker = ModelWorker(load_model(self.spec.checkpoint, tp, self.spec.device), self.spec.pools)
+        return True
+
+    def execute(self, op: object) -> object:
+        if self.worker is None:
+            raise RuntimeError("rank not set up")
+        return self.worker.execute(op)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+class RayExecutor:
+    """The Executor interface over a group of RankActors (see engine/executor.py)."""
+
+    def __init__(self, spec: WorkerSpec, placement_group=None, bundle_offset: int = 0) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.tp = spec.tp
+        opts = {}
+        self.actors = []
+        for rank in range(spec.tp):
+            if placement_group is not None:
+                opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group,
+                                                                                 bundle_offset + rank)}
+            self.actors.append(RankActor.options(**opts).remote(spec, rank))
+        init = ray.get(self.actors[0].free_address.remote()) if spec.tp > 1 else None
+        try:
+            ray.get([a.setup.remote(init) for a in self.actors])
+        except Exception as e:
+            self.close()
+            raise WorkerFailure(f"TP group failed to start: {e}") from e
+
+    def run(self, op: object) -> list[object]:
+        return self.run_each([op] * self.tp)
+
+    def run_each(self, ops: list[object]) -> list[object]:
+        try:
+            return ray.get([a.execute.remote(op) for a, op in zip(self.actors, ops)])
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            raise WorkerFailure(f"{type(ops[0]).__name__} failed: {e}") from e
+
+    def pids(self) -> list[int]:
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    def close(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+
+
+def ray_worker_spec(checkpoint: str, tp: int, pools, torch_threads: int) -> WorkerSpec:
+    return replace(WorkerSpec(checkpoint, tp, pools), torch_threads=torch_threads)

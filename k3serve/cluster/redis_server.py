@@ -1,0 +1,265 @@
+"""A private redis-server for tests and for ``k3serve serve`` when no ``REDIS_URL`` is given (DESIGN.md §8).
+
+The server is ephemeral by construction: no RDB snapshots, no AOF, its files live in a directory we own, and it
+listens on 127.0.0.1 (a port the OS picked) or on a unix socket only. Router state in it (pins, reservations,
+heartbeats) is all lease-based, so losing it on exit loses nothing that is not rebuilt within one TTL.
+
+    server = RedisServer()
+    url = server.start(tmpdir)        # "redis://127.0.0.1:PORT/0" or "unix:///.../redis.sock?db=0"
+    client = connect(url)             # bounded timeouts and retries, see connect()
+    ...
+    server.stop()                     # idempotent; also runs on garbage collection and interpreter exit
+
+``RedisServer`` is also a context manager (``with RedisServer() as server: server.url``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+__all__ = ["RedisServer", "RedisServerError", "RedisServerNotFound", "connect"]
+
+_INSTALL_HINT = (
+    "install it with `apt-get install -y redis-server` (the project's setup script does this), "
+    "or point REDIS_URL at an existing server"
+)
+# sun_path is 108 bytes on Linux including the NUL; a longer path makes bind() fail with a cryptic error.
+_MAX_UNIX_PATH = 100
+_PR_SET_PDEATHSIG = 1
+
+
+class RedisServerError(RuntimeError):
+    """redis-server could not be started (the message carries the tail of its log)."""
+
+
+class RedisServerNotFound(RedisServerError, FileNotFoundError):
+    """The redis-server binary is not installed or not on PATH."""
+
+
+def connect(url: str, *, timeout_s: float = 1.0, retries: int = 1, **kwargs) -> redis.Redis:
+    """A redis-py client for router/agent use: short socket timeouts and few retries.
+
+    redis-py 8's default retries a failed command 10 times with backoff, so a dead Redis would stall every
+    routing decision for seconds; the router instead wants to notice at once and fall back to its last known
+    membership (router/membership.py). ``decode_responses=True`` because every value we store is text.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    kwargs.setdefault("decode_responses", True)
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(ExponentialBackoff(cap=min(0.2, timeout_s), base=0.01), retries),
+        **kwargs,
+    )
+
+
+def _free_port(host: str) -> int:
+    """A port that was free a moment ago; the caller retries if another process grabs it first."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM the child when the parent dies, so a crashed test run leaks no redis-server.
+
+    Linux only; PDEATHSIG fires when the *thread* that forked exits, so start the server from a long-lived
+    thread (the main thread in tests and in ``k3serve serve``).
+    """
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _terminate(proc: subprocess.Popen, owned_dirs: list[str]) -> None:
+    """Stop the process (SIGTERM, then SIGKILL) and remove directories we created; safe to call twice."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+    for d in owned_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    owned_dirs.clear()
+
+
+class RedisServer:
+    """One private redis-server process.
+
+    ``unix_socket=False`` (default) listens on ``host`` at a free TCP port (found by binding port 0, retried on a
+    collision); ``unix_socket=True`` listens only on a socket file (TCP disabled with ``--port 0``), which
+    avoids port races entirely but reaches only this machine.
+    """
+
+    def __init__(
+        self,
+        tmpdir: str | os.PathLike | None = None,
+        *,
+        unix_socket: bool = False,
+        host: str = "127.0.0.1",
+        binary: str = "redis-server",
+        startup_timeout_s: float = 10.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self._tmpdir = None if tmpdir is None else Path(tmpdir)
+        self._unix_socket = unix_socket
+        self._host = host
+        self._binary = binary
+        self._startup_timeout_s = startup_timeout_s
+        self._extra_args = tuple(extra_args)
+        self._proc: subprocess.Popen | None = None
+        self._url: str | None = None
+        self._owned_dirs: list[str] = []
+        self._finalizer: weakref.finalize | None = None
+        self.port: int | None = None
+        self.unix_socket_path: str | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, tmpdir: str | os.PathLike | None = None) -> str:
+        """Start the server (its dir, log and socket go under ``tmpdir``) and return its URL once it answers PING."""
+        if self._proc is not None:
+            raise RedisServerError(f"already started at {self._url}")
+        exe = shutil.which(self._binary)
+        if exe is None:
+            raise RedisServerNotFound(f"{self._binary!r} not found on PATH; {_INSTALL_HINT}")
+        if tmpdir is not None:
+            self._tmpdir = Path(tmpdir)
+        if self._tmpdir is None:
+            self._tmpdir = Path(tempfile.mkdtemp(prefix="k3s-redis-"))
+            self._owned_dirs.append(str(self._tmpdir))
+        self._tmpdir.mkdir(parents=True, exist_ok=True)
+
+        attempts = 1 if self._unix_socket else 5
+        for attempt in range(attempts):
+            try:
+                return self._start_once(exe)
+            except RedisServerError:
+                # Most likely another process took the probed port before redis bound it: try a new port.
+                if attempt == attempts - 1:
+                    for d in self._owned_dirs:
+                        shutil.rmtree(d, ignore_errors=True)
+                    self._owned_dirs.clear()
+                    raise
+        raise RedisServerError("unreachable")  # the loop either returns or re-raises
+
+    def _start_once(self, exe: str) -> str:
+        assert self._tmpdir is not None
+        log = self._tmpdir / "redis.log"
+        args = [
+            exe,
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self._tmpdir),
+            "--logfile", str(log),
+            "--daemonize", "no",
+            "--databases", "16",
+        ]  # fmt: skip
+        if self._unix_socket:
+            sock = self._tmpdir / "redis.sock"
+            if len(str(sock)) > _MAX_UNIX_PATH:
+                short = tempfile.mkdtemp(prefix="k3s-rs-")
+                self._owned_dirs.append(short)
+                sock = Path(short) / "redis.sock"
+            args += ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
+            self.unix_socket_path, self.port = str(sock), None
+            url = f"unix://{sock}?db=0"
+        else:
+            port = _free_port(self._host)
+            args += ["--port", str(port), "--bind", self._host]
+            self.port, self.unix_socket_path = port, None
+            url = f"redis://{self._host}:{port}/0"
+        args += list(self._extra_args)
+
+        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=preexec
+        )
+        deadline = time.monotonic() + self._startup_timeout_s
+        client = connect(url, timeout_s=0.5, retries=0)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                    raise RedisServerError(
+                        f"redis-server exited with {proc.returncode} while starting on {url}: "
+                        f"{err.strip()} {_tail(log)}".strip()
+                    )
+                try:
+                    if client.ping():
+                        break
+                except redis.RedisError:
+                    pass
+                if time.monotonic() > deadline:
+                    _terminate(proc, [])
+                    raise RedisServerError(
+                        f"redis-server did not answer PING on {url} within {self._startup_timeout_s}s: {_tail(log)}"
+                    )
+                time.sleep(0.02)
+        finally:
+            client.close()
+        self._proc, self._url = proc, url
+        # Stop the server even if the caller forgets: on GC and at interpreter exit.
+        self._finalizer = weakref.finalize(self, _terminate, proc, self._owned_dirs)
+        return url
+
+    def stop(self) -> None:
+        """Stop the server and delete directories it created; idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._proc = None
+
+    @property
+    def url(self) -> str:
+        if self._url is None or self._proc is None:
+            raise RedisServerError("redis-server is not running (call start() first)")
+        return self._url
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def client(self, **kwargs) -> redis.Redis:
+        """A client for this server (``connect(self.url, **kwargs)``)."""
+        return connect(self.url, **kwargs)
+
+    def __enter__(self) -> RedisServer:
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"RedisServer(url={self._url!r}, running={self.running()})"
+
+
+def _tail(path: Path, n: int = 10) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "log tail: " + " | ".join(lines[-n:]) if lines else ""

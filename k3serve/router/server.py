@@ -1,0 +1,193 @@
+"""The public router: ``k3serve.v1.Router`` over the clusters of a deployment.
+
+Stateless apart from Redis: membership (heartbeats), session pins and admission live there, so any number of
+replicas make the same decisions. Per request:
+
+```
+ validate ─▶ session key ─▶ pin (HRW primary/secondary, kept in Redis) ─▶ stream from the serving cluster
+                                                      │ gRPC failure: breaker marks it suspect at once,
+                                                      ▼ pin moves to the next survivor in HRW order
+                              resubmit prompt + tokens already streamed, max_tokens - streamed, same seed
+```
+Randomness is keyed by (seed, absolute position), so the resumed stream continues exactly as an
+uninterrupted run would have: no gap, no duplicate.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from k3serve.cluster.auth import auth_metadata
+from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
+from k3serve.router.hashing import rank_clusters, session_key
+from k3serve.router.membership import MembershipView
+from k3serve.router.pins import NoHealthyCluster, PinStore
+from k3serve.router.validate import InvalidRequest, ModelLimits, ValidRequest, validate_generate
+from k3serve.tokenizer import ByteTokenizer
+from k3serve.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 4 << 20
+_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(self, view: MembershipView, pins: PinStore, limits: ModelLimits, secret: str,
+                 api_keys: tuple[str, ...] = (), request_timeout_s: float = 600.0) -> None:
+        self.view, self.pins, self.limits, self.secret = view, pins, limits, secret
+        self.api_keys = frozenset(api_keys)
+        self.timeout_s = request_timeout_s
+        self._channels: dict[str, tuple[str, grpc.Channel]] = {}
+        self._lock = threading.Lock()
+        self._tok = ByteTokenizer() if limits.byte_tokenizer else None
+        self.counters = {"requests": 0, "completed": 0, "failed": 0, "failovers": 0, "invalid": 0}
+
+    # --------------------------------------------------------------------------------------------- api
+    def Generate(self, request, context) -> Iterator[router_pb2.GenerateResponse]:
+        self._check_api_key(context)
+        try:
+            req = validate_generate(request, self.limits)
+        except InvalidRequest as e:
+            self.counters["invalid"] += 1
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.counters["requests"] += 1
+        yield from self._generate(req, context)
+
+    def ClusterStatus(self, request, context):
+        self._check_api_key(context)
+        snap = self.view.snapshot()
+        out = router_pb2.ClusterStatusResponse(membership_stale=snap.stale)
+        for c in snap.clusters:
+            state = self.view.state(c.id, snap)
+            out.clusters.append(router_pb2.ClusterInfo(
+                cluster_id=c.id, healthy=c.alive and state.name != "SUSPECT", suspect=state.name == "SUSPECT",
+                endpoint=c.endpoints.get("cluster", ""), running_requests=int(c.load.get("running_requests", 0)),
+                inflight_tokens=int(c.load.get("inflight_tokens", 0)),
+                prefill_tp=int(c.load.get("prefill_tp", 0)), decode_tp=int(c.load.get("decode_tp", 0))))
+        return out
+
+    # ------------------------------------------------------------------------------------------ routing
+    def _check_api_key(self, context) -> None:
+        if not self.api_keys:
+            return
+        auth = dict(context.invocation_metadata()).get("authorization", "")
+        if not auth.startswith("Bearer ") or auth[len("Bearer "):] not in self.api_keys:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer ...)")
+
+    def _stub(self, cluster_id: str) -> cluster_pb2_grpc.ClusterStub | None:
+        info = self.view.get(cluster_id)
+        if info is None or "cluster" not in info.endpoints:
+            return None
+        addr = info.endpoints["cluster"]
+        with self._lock:
+            cached = self._channels.get(cluster_id)
+            if cached is None or cached[0] != addr:
+                if cached is not None:
+                    cached[1].close()
+                cached = (addr, grpc.insecure_channel(addr))
+                self._channels[cluster_id] = cached
+        return cluster_pb2_grpc.ClusterStub(cached[1])
+
+    def _next_cluster(self, key: str, tried: set[str]) -> str | None:
+        for c in rank_clusters(key, self.view.routable()):
+            if c not in tried:
+                return c
+        return None
+
+    def _generate(self, req: ValidRequest, context) -> Iterator[router_pb2.GenerateResponse]:
+        key = session_key(req.session_id, req.prompt_ids)
+        try:
+            pin = self.pins.resolve(key, self.view.routable())
+        except NoHealthyCluster:
+            self.counters["failed"] += 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy cluster is registered")
+        cluster: str | None = pin.serving
+        streamed: list[int] = []
+        tried: set[str] = set()
+        failovers, cached = 0, 0
+        while cluster is not None:
+            stub = self._stub(cluster)
+            sampling = router_pb2.SamplingParams(
+                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                max_tokens=req.max_tokens - len(streamed), stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos)
+            inner = router_pb2.GenerateRequest(request_id=req.request_id, session_id=req.session_id,
+                                               prompt_token_ids=list(req.prompt_ids) + streamed, sampling=sampling)
+            try:
+                if stub is None:
+                    raise ConnectionError(f"cluster {cluster} has no endpoint")
+                call = stub.Generate(cluster_pb2.ClusterGenerateRequest(request=inner, absolute_offset=len(streamed)),
+                                     metadata=auth_metadata(self.secret), timeout=self.timeout_s)
+                context.add_callback(call.cancel)
+                for resp in call:
+                    if not streamed and not failovers:
+                        cached = resp.cached_tokens
+                    streamed += resp.token_ids
+                    msg = router_pb2.GenerateResponse(token_ids=resp.token_ids, finish_reason=resp.finish_reason)
+                    if self._tok is not None:
+                        msg.text = self._tok.decode(resp.token_ids)
+                    if resp.finish_reason:
+                        msg.usage.CopyFrom(router_pb2.Usage(
+                            prompt_tokens=len(req.prompt_ids), cached_tokens=cached, completion_tokens=len(streamed),
+                            cluster_id=cluster, failovers=failovers))
+                        self.view.mark_ok(cluster)
+                        self.counters["completed"] += 1
+                        yield msg
+                        return
+                    yield msg
+                raise ConnectionError(f"cluster {cluster} ended the stream without finishing")
+            except grpc.RpcError as e:
+                if not context.is_active():
+                    return  # the client went away; its cancel reached the cluster through the callback
+                if e.code() in _PASS_THROUGH:
+                    self.counters["failed"] += 1
+                    context.abort(e.code(), e.details())
+                log.warning("cluster %s failed request %s: %s %s", cluster, req.request_id, e.code(), e.details())
+            except ConnectionError as e:
+                log.warning("%s", e)
+            self.view.mark_suspect(cluster)
+            tried.add(cluster)
+            nxt = self._next_cluster(key, tried)
+            if nxt is not None:
+                failovers += 1
+                self.counters["failovers"] += 1
+                try:
+                    self.pins.move(key, nxt, expected_serving=cluster)
+                except Exception:  # noqa: BLE001 - Redis down: keep serving on the computed choice
+                    log.warning("could not move pin of %s (Redis unreachable?)", key)
+            cluster = nxt
+        self.counters["failed"] += 1
+        context.abort(grpc.StatusCode.UNAVAILABLE,
+                      f"every cluster failed this request (tried {sorted(tried)}); retry later")
+
+    def close(self) -> None:
+        with self._lock:
+            for _, ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+def start_router_server(service: RouterService, host: str = "127.0.0.1", port: int = 0,
+                        max_workers: int = 64) -> tuple[grpc.Server, str]:
+    """Serve the router, the standard health service and reflection; returns (server, "host:port")."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    router_pb2_grpc.add_RouterServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health.SERVICE_NAME,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+    return server, f"{host}:{bound}"
