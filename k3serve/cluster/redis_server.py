@@ -1,13 +1,15 @@
 """A private redis-server for tests and for ``k3serve serve`` when no ``REDIS_URL`` is given (DESIGN.md §8).
 
 The server is ephemeral by construction: no RDB snapshots, no AOF, its files live in a directory we own, and it
-listens on 127.0.0.1 (a port the OS picked) or on a unix socket only. Router state in it (pins, reservations,
-heartbeats) is all lease-based, so losing it on exit loses nothing that is not rebuilt within one TTL.
+listens on 127.0.0.1 (a port the OS picked, or ``port=``) or on a unix socket only. Losing its contents is
+survivable by design: heartbeats re-register clusters, reservations are leases, and sessions without a pin go
+where HRW sends them (usually where they already were).
 
     server = RedisServer()
     url = server.start(tmpdir)        # "redis://127.0.0.1:PORT/0" or "unix:///.../redis.sock?db=0"
     client = connect(url)             # bounded timeouts and retries, see connect()
     ...
+    server.pause(); server.resume()   # fault drills: kill it, later start an empty one at the same URL
     server.stop()                     # idempotent; also runs on garbage collection and interpreter exit
 
 ``RedisServer`` is also a context manager (``with RedisServer() as server: server.url``).
@@ -15,7 +17,6 @@ heartbeats) is all lease-based, so losing it on exit loses nothing that is not r
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import shutil
@@ -79,14 +80,28 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _load_prctl():
+    """libc's prctl, resolved once in the parent: the preexec_fn below runs between fork and exec, where loading
+    a library (dlopen takes locks another thread may have held at fork time) could deadlock."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
 def _die_with_parent() -> None:
     """preexec_fn: SIGTERM the child when the parent dies, so a crashed test run leaks no redis-server.
 
     Linux only; PDEATHSIG fires when the *thread* that forked exits, so start the server from a long-lived
     thread (the main thread in tests and in ``k3serve serve``).
     """
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _terminate(proc: subprocess.Popen, owned_dirs: list[str]) -> None:
@@ -98,6 +113,10 @@ def _terminate(proc: subprocess.Popen, owned_dirs: list[str]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+    _terminate_dirs(owned_dirs)
+
+
+def _terminate_dirs(owned_dirs: list[str]) -> None:
     for d in owned_dirs:
         shutil.rmtree(d, ignore_errors=True)
     owned_dirs.clear()
@@ -117,6 +136,7 @@ class RedisServer:
         *,
         unix_socket: bool = False,
         host: str = "127.0.0.1",
+        port: int | None = None,
         binary: str = "redis-server",
         startup_timeout_s: float = 10.0,
         extra_args: tuple[str, ...] = (),
@@ -124,6 +144,7 @@ class RedisServer:
         self._tmpdir = None if tmpdir is None else Path(tmpdir)
         self._unix_socket = unix_socket
         self._host = host
+        self._fixed_port = port
         self._binary = binary
         self._startup_timeout_s = startup_timeout_s
         self._extra_args = tuple(extra_args)
@@ -131,13 +152,14 @@ class RedisServer:
         self._url: str | None = None
         self._owned_dirs: list[str] = []
         self._finalizer: weakref.finalize | None = None
+        self._paused_url: str | None = None
         self.port: int | None = None
         self.unix_socket_path: str | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, tmpdir: str | os.PathLike | None = None) -> str:
         """Start the server (its dir, log and socket go under ``tmpdir``) and return its URL once it answers PING."""
-        if self._proc is not None:
+        if self._proc is not None or self._paused_url is not None:
             raise RedisServerError(f"already started at {self._url}")
         exe = shutil.which(self._binary)
         if exe is None:
@@ -149,20 +171,18 @@ class RedisServer:
             self._owned_dirs.append(str(self._tmpdir))
         self._tmpdir.mkdir(parents=True, exist_ok=True)
 
-        attempts = 1 if self._unix_socket else 5
+        attempts = 1 if self._unix_socket or self._fixed_port is not None else 5
         for attempt in range(attempts):
             try:
-                return self._start_once(exe)
+                return self._start_once(exe, self._fixed_port)
             except RedisServerError:
                 # Most likely another process took the probed port before redis bound it: try a new port.
                 if attempt == attempts - 1:
-                    for d in self._owned_dirs:
-                        shutil.rmtree(d, ignore_errors=True)
-                    self._owned_dirs.clear()
+                    _terminate_dirs(self._owned_dirs)
                     raise
         raise RedisServerError("unreachable")  # the loop either returns or re-raises
 
-    def _start_once(self, exe: str) -> str:
+    def _start_once(self, exe: str, port: int | None, sock_path: str | None = None) -> str:
         assert self._tmpdir is not None
         log = self._tmpdir / "redis.log"
         args = [
@@ -175,7 +195,7 @@ class RedisServer:
             "--databases", "16",
         ]  # fmt: skip
         if self._unix_socket:
-            sock = self._tmpdir / "redis.sock"
+            sock = Path(sock_path) if sock_path else self._tmpdir / "redis.sock"
             if len(str(sock)) > _MAX_UNIX_PATH:
                 short = tempfile.mkdtemp(prefix="k3s-rs-")
                 self._owned_dirs.append(short)
@@ -184,28 +204,32 @@ class RedisServer:
             self.unix_socket_path, self.port = str(sock), None
             url = f"unix://{sock}?db=0"
         else:
-            port = _free_port(self._host)
+            port = _free_port(self._host) if port is None else port
             args += ["--port", str(port), "--bind", self._host]
             self.port, self.unix_socket_path = port, None
             url = f"redis://{self._host}:{port}/0"
         args += list(self._extra_args)
 
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=preexec
-        )
+        preexec = _die_with_parent if _PRCTL is not None else None
+        # stdout/stderr to a file, not a pipe: nobody would drain a pipe once the server runs. Config errors go
+        # there (before --logfile takes effect).
+        errfile = self._tmpdir / "redis.stderr"
+        with open(errfile, "wb") as err_out:
+            proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=err_out, stderr=subprocess.STDOUT,
+                                    preexec_fn=preexec)  # fmt: skip
         deadline = time.monotonic() + self._startup_timeout_s
         client = connect(url, timeout_s=0.5, retries=0)
         try:
             while True:
                 if proc.poll() is not None:
-                    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                    err = errfile.read_text(errors="replace")
                     raise RedisServerError(
                         f"redis-server exited with {proc.returncode} while starting on {url}: "
                         f"{err.strip()} {_tail(log)}".strip()
                     )
                 try:
-                    if client.ping():
+                    # Our process, not whatever else answers on this port (a fixed or raced port may be taken).
+                    if int(client.info("server")["process_id"]) == proc.pid:
                         break
                 except redis.RedisError:
                     pass
@@ -222,11 +246,47 @@ class RedisServer:
         self._finalizer = weakref.finalize(self, _terminate, proc, self._owned_dirs)
         return url
 
+    def pause(self) -> None:
+        """Kill the server process (as if Redis crashed) but keep its address and directory for ``resume``."""
+        if self._proc is None or self._finalizer is None:
+            raise RedisServerError("pause() needs a running server")
+        self._finalizer.detach()
+        _terminate(self._proc, [])  # not our directories: resume() uses them
+        self._proc = self._finalizer = None
+        self._paused_url = self._url
+
+    def resume(self) -> str:
+        """Start an empty server at the address ``pause`` left, so clients reconnect with the same URL. All data
+        is gone, as after a crash without persistence: heartbeats re-register clusters, pins are recomputed by HRW,
+        budgets start empty."""
+        if self._paused_url is None:
+            raise RedisServerError("resume() needs a paused server")
+        exe = shutil.which(self._binary)
+        if exe is None:
+            raise RedisServerNotFound(f"{self._binary!r} not found on PATH; {_INSTALL_HINT}")
+        prev, self._paused_url = self._paused_url, None
+        try:
+            url = self._start_once(exe, self.port, self.unix_socket_path)
+        except RedisServerError:
+            _terminate_dirs(self._owned_dirs)
+            raise
+        if url != prev:
+            self.stop()
+            raise RedisServerError(f"resumed at {url}, not at the previous {prev}")
+        return url
+
+    def restart(self) -> str:
+        """``pause()`` then ``resume()``: an empty server at the same address."""
+        self.pause()
+        return self.resume()
+
     def stop(self) -> None:
         """Stop the server and delete directories it created; idempotent."""
         if self._finalizer is not None:
             self._finalizer()
-        self._proc = None
+        elif self._paused_url is not None:  # paused: only our directories are left to remove
+            _terminate_dirs(self._owned_dirs)
+        self._proc = self._paused_url = None
 
     @property
     def url(self) -> str:
