@@ -23,9 +23,11 @@ app = typer.Typer(
 # ---- other developers: add your sub-app here (one line each); the module may not exist yet. ----
 SUBCOMMANDS: list[tuple[str, str]] = [
     ("k3serve.cli.checkpoint_cmd", "checkpoint"),  # make / inspect checkpoints
-    ("k3serve.cli.generate_cmd", "generate"),  # TODO(generate owner): k3serve/cli/generate_cmd.py
-    ("k3serve.cli.bench_cmd", "bench"),  # TODO(bench owner): k3serve/cli/bench_cmd.py
-    ("k3serve.cli.serve_cmd", "serve"),  # TODO(serve owner): k3serve/cli/serve_cmd.py
+    ("k3serve.cli.generate_cmd", "generate"),  # local prefill -> decode, or the reference
+    ("k3serve.cli.bench_cmd", "bench"),  # measurements, JSON output
+    ("k3serve.cli.serve_cmd", "serve"),  # run the cluster service
+    ("k3serve.cli.drill_cmd", "drill"),  # failover drills
+    ("k3serve.cli.status_cmd", "status"),  # clusters, health, load, pins
 ]
 # -------------------------------------------------------------------------------------------------
 

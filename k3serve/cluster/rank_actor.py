@@ -9,6 +9,7 @@ capped by ``torch_threads``.
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
 from dataclasses import replace
 
 import ray
@@ -44,7 +45,9 @@ class RankActor:
             tp = SINGLE
         else:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.spec.tp)
+            # a bounded collective timeout: a rank whose peer died must not hang for gloo's default 30 minutes
+            dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.spec.tp,
+                                     timeout=timedelta(seconds=60))
             tp = TPGroup(self.rank, self.spec.tp)
         self.worker = ModelWorker(load_model(self.spec.checkpoint, tp, self.spec.device), self.spec.pools)
         return True
@@ -85,8 +88,14 @@ class RayExecutor:
         return self.run_each([op] * self.tp)
 
     def run_each(self, ops: list[object]) -> list[object]:
+        refs = [a.execute.remote(op) for a, op in zip(self.actors, ops)]
         try:
-            return ray.get([a.execute.remote(op) for a, op in zip(self.actors, ops)])
+            # surface the first failure at once: the surviving ranks may be stuck in a collective with the dead one
+            pending = refs
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                ray.get(ready)
+            return ray.get(refs)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
             raise WorkerFailure(f"{type(ops[0]).__name__} failed: {e}") from e
 

@@ -49,6 +49,20 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._lock = threading.Lock()
         self._tok = ByteTokenizer() if limits.byte_tokenizer else None
         self.counters = {"requests": 0, "completed": 0, "failed": 0, "failovers": 0, "invalid": 0}
+        # membership is read by a background thread, so the request path never waits on Redis; the first read
+        # happens before serving (a router that never read Redis would see no cluster at all)
+        self.view.refresh()
+        self._closed = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh_loop, name="membership", daemon=True)
+        self._refresher.start()
+
+    def _refresh_loop(self) -> None:
+        while not self._closed.wait(self.view.refresh_interval_s):
+            self.view.refresh()
+
+    def _routable(self) -> list[str]:
+        # inline refresh only if the background reader fell far behind
+        return self.view.routable(self.view.snapshot(max_age_s=max(2.0, 10 * self.view.refresh_interval_s)))
 
     # --------------------------------------------------------------------------------------------- api
     def Generate(self, request, context) -> Iterator[router_pb2.GenerateResponse]:
@@ -97,7 +111,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return cluster_pb2_grpc.ClusterStub(cached[1])
 
     def _next_cluster(self, key: str, tried: set[str]) -> str | None:
-        for c in rank_clusters(key, self.view.routable()):
+        for c in rank_clusters(key, self._routable()):
             if c not in tried:
                 return c
         return None
@@ -105,10 +119,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def _generate(self, req: ValidRequest, context) -> Iterator[router_pb2.GenerateResponse]:
         key = session_key(req.session_id, req.prompt_ids)
         try:
-            pin = self.pins.resolve(key, self.view.routable())
+            pin = self.pins.resolve(key, self._routable())
         except NoHealthyCluster:
             self.counters["failed"] += 1
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy cluster is registered")
+            snap = self.view.snapshot()
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"no healthy cluster: alive {snap.alive_ids()}, stale={snap.stale} ({snap.error}), "
+                          f"suspect {[c for c in snap.alive_ids() if not self.view.breaker.allows(c)]}")
         cluster: str | None = pin.serving
         streamed: list[int] = []
         tried: set[str] = set()
@@ -169,6 +186,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                       f"every cluster failed this request (tried {sorted(tried)}); retry later")
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             for _, ch in self._channels.values():
                 ch.close()

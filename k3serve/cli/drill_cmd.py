@@ -1,0 +1,47 @@
+"""``k3serve drill``: start a deployment, run a multi-turn workload, inject a fault, report (JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+app = typer.Typer(help="Failover drill through the router with a fault injected mid-run.",
+                  invoke_without_command=True, no_args_is_help=False)
+
+
+@app.callback()
+def drill(config: str = typer.Option("configs/local.yaml", "--config"),
+          kill: str = typer.Option("cluster:c0", "--kill", help="cluster:ID | decode:ID | prefill:ID | router | redis | none"),
+          at_s: float = typer.Option(3.0, "--at"),
+          sessions: int = typer.Option(24, "--sessions"),
+          turns: int = typer.Option(3, "--turns"),
+          max_tokens: int = typer.Option(24, "--max-tokens"),
+          as_json: bool = typer.Option(False, "--json")) -> None:
+    from k3serve.cluster.deploy import DeployError, load_deploy
+    from k3serve.cluster.deployment import Deployment
+    from k3serve.cluster.drill import Fault, run_drill
+
+    try:
+        deploy = load_deploy(config)
+        fault = None if kill == "none" else Fault.parse(kill)
+        if fault is not None and fault.target and fault.target not in deploy.clusters.cluster_ids:
+            raise ValueError(f"--kill {kill}: no cluster {fault.target!r} in {list(deploy.clusters.cluster_ids)}")
+        if fault is not None and fault.kind == "router" and deploy.routers < 2:
+            raise ValueError("--kill router needs at least 2 routers in the deploy file")
+    except (DeployError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    with Deployment(deploy) as dep:
+        typer.echo(f"drill: deployment up, routers {dep.router_addresses}; running {sessions} sessions x {turns} turns,"
+                   f" fault {kill} at {at_s}s", err=True)
+        result = run_drill(dep, fault, at_s, sessions, turns, max_tokens)
+    if as_json:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        for k, v in result.items():
+            typer.echo(f"{k}: {v}")
+    ok = result["failed"] == 0 and result["mismatches"] == 0
+    raise typer.Exit(0 if ok else 1)

@@ -1,0 +1,214 @@
+"""Failover drills: a multi-turn workload through the routers with a fault injected mid-run.
+
+Each session runs its turns one after another (prompt = history + reply + a new user message); sessions run
+concurrently. At ``at_s`` the drill kills a cluster, one of its decode or prefill ranks, a router, or Redis.
+Afterwards every completed request is checked against the single-process reference generator on the same
+prompt and sampling parameters (the fault-free run), and the report says how the killed cluster's sessions
+spread over the survivors.
+
+Clients retry on another router replica when theirs fails, resuming with prompt + tokens already received
+and the remaining max_tokens (randomness is keyed by position, so the continuation is exact).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+
+from k3serve.cluster.deployment import Deployment
+from k3serve.router.hashing import rank_clusters, session_key
+from k3serve.v1 import router_pb2, router_pb2_grpc
+
+FAULT_KINDS = ("cluster", "decode", "prefill", "router", "redis")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    target: str = ""  # a cluster id for cluster/decode/prefill
+
+    @staticmethod
+    def parse(spec: str) -> "Fault":
+        kind, _, target = spec.partition(":")
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"--kill must be one of cluster:ID, decode:ID, prefill:ID, router, redis; got {spec!r}")
+        if kind in ("cluster", "decode", "prefill") and not target:
+            raise ValueError(f"--kill {kind} needs a cluster id, e.g. {kind}:c0")
+        return Fault(kind, target)
+
+
+@dataclass
+class RequestRecord:
+    session: str
+    turn: int
+    prompt: list[int]
+    params: router_pb2.SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    cluster_id: str = ""
+    failovers: int = 0
+    router_retries: int = 0
+    retry_reasons: list[str] = field(default_factory=list)
+    error: str = ""
+    start_s: float = 0.0
+    end_s: float = 0.0
+
+
+class DrillClient:
+    """One session's client: sends a request to a router and resumes on another one if its router dies."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.stubs = [router_pb2_grpc.RouterStub(grpc.insecure_channel(a)) for a in addresses]
+
+    def generate(self, rec: RequestRecord, first_router: int, timeout_s: float = 120.0) -> None:
+        attempts = 0
+        router = first_router
+        while True:
+            remaining = rec.params.max_tokens - len(rec.tokens)
+            params = router_pb2.SamplingParams()
+            params.CopyFrom(rec.params)
+            params.max_tokens = remaining
+            req = router_pb2.GenerateRequest(request_id=f"{rec.session}-t{rec.turn}-a{attempts}", session_id=rec.session,
+                                             prompt_token_ids=rec.prompt + rec.tokens, sampling=params)
+            try:
+                for resp in self.stubs[router].Generate(req, timeout=timeout_s):
+                    rec.tokens += resp.token_ids
+                    if resp.finish_reason:
+                        rec.cluster_id = resp.usage.cluster_id
+                        rec.failovers += resp.usage.failovers
+                        return
+                raise grpc.RpcError("stream ended early")
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                attempts += 1
+                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) or attempts > 4:
+                    rec.error = f"{code}: {e.details() if hasattr(e, 'details') else e}"
+                    return
+                rec.router_retries += 1
+                rec.retry_reasons.append(f"{code}: {e.details() if hasattr(e, 'details') else e}"[:200])
+                router = (router + 1) % len(self.stubs)
+                time.sleep(0.2)
+
+
+def _session_params(i: int, max_tokens: int) -> router_pb2.SamplingParams:
+    if i % 2:  # half the sessions sample with a seed: failover must keep seeded outputs exact too
+        return router_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=max_tokens,
+                                         ignore_eos=True)
+    return router_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fault: Fault | None, at_s: float,
+                 seed: int = 0) -> tuple[list[RequestRecord], float]:
+    """Run the sessions; inject `fault` at `at_s`. Returns (records, fault time on the monotonic clock)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(200)]
+    records: list[RequestRecord] = []
+    lock = threading.Lock()
+    client = DrillClient(dep.router_addresses)
+    t0 = time.monotonic()
+    fault_at = [float("nan")]
+
+    def session(i: int) -> None:
+        srng = random.Random(seed * 7919 + i)
+        history = list(system)
+        for turn in range(turns):
+            history += [srng.randrange(256) for _ in range(srng.randint(8, 40))]
+            rec = RequestRecord(f"drill-s{i}", turn, list(history), _session_params(i, max_tokens),
+                                start_s=time.monotonic())
+            client.generate(rec, first_router=i % len(client.stubs))
+            rec.end_s = time.monotonic()
+            with lock:
+                records.append(rec)
+            if rec.error:
+                return
+            history += rec.tokens
+
+    def inject() -> None:
+        time.sleep(at_s)
+        fault_at[0] = time.monotonic()
+        if fault.kind == "cluster":
+            dep.kill_cluster(fault.target)
+        elif fault.kind in ("decode", "prefill"):
+            dep.kill_rank(fault.target, fault.kind)
+        elif fault.kind == "router":
+            dep.kill_router(0)
+        elif fault.kind == "redis":
+            dep.pause_redis()
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(sessions)]
+    if fault is not None:
+        threads.append(threading.Thread(target=inject))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if fault is not None and fault.kind == "redis":
+        dep.resume_redis()
+    return records, fault_at[0] - t0 if fault else 0.0
+
+
+def check_against_reference(checkpoint: str, records: list[RequestRecord]) -> int:
+    """Number of completed requests whose tokens differ from the single-process reference."""
+    from k3serve.engine.sampling import SamplingParams
+    from k3serve.model.loader import load_model
+    from k3serve.model.reference import reference_generate
+
+    model = load_model(checkpoint)
+    bad = 0
+    for r in records:
+        if r.error:
+            continue
+        p = r.params
+        ref = reference_generate(model, r.prompt, SamplingParams(
+            temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed, max_tokens=p.max_tokens,
+            ignore_eos=p.ignore_eos))
+        bad += ref.token_ids != r.tokens
+    return bad
+
+
+def report(dep: Deployment, records: list[RequestRecord], fault: Fault | None, fault_s: float, t0: float,
+           mismatches: int) -> dict:
+    clusters = list(dep.deploy.clusters.cluster_ids)
+    out = {"requests": len(records), "completed": sum(not r.error for r in records),
+           "failed": sum(bool(r.error) for r in records), "failed_over": sum(r.failovers > 0 for r in records),
+           "router_retries": sum(r.router_retries for r in records), "mismatches": mismatches,
+           "fault": f"{fault.kind}:{fault.target}" if fault else None, "fault_at_s": fault_s,
+           "errors": sorted({r.error for r in records if r.error})[:5],
+           "retry_reasons": sorted({x for r in records for x in r.retry_reasons})[:5]}
+    if fault is not None and fault.kind in ("cluster", "decode", "prefill"):
+        dead = fault.target
+        survivors = [c for c in clusters if c != dead]
+        # sessions whose HRW primary is the failed cluster: where did their requests finish after the fault?
+        moved: dict[str, str] = {}
+        for r in sorted(records, key=lambda r: r.end_s):
+            if r.error or r.end_s - t0 < fault_s:
+                continue
+            if rank_clusters(session_key(r.session, r.prompt), clusters)[0] == dead and r.cluster_id != dead:
+                moved[r.session] = r.cluster_id
+        spread = Counter(moved.values())
+        fair = len(moved) / len(survivors) if survivors else 0
+        out["failed_cluster_sessions"] = len(moved)
+        out["survivor_sessions"] = {c: spread.get(c, 0) for c in survivors}
+        out["max_survivor_share_over_fair"] = (max(spread.values()) / fair) if spread and fair else 0.0
+        first = [r.end_s - t0 - fault_s for r in records if r.failovers > 0 and not r.error]
+        out["recovery_s"] = min(first) if first else 0.0
+    else:
+        out["max_survivor_share_over_fair"] = 0.0
+        retried = [r.end_s - t0 - fault_s for r in records if (r.router_retries or r.failovers) and not r.error]
+        out["recovery_s"] = min(retried) if retried else 0.0
+    return out
+
+
+def run_drill(dep: Deployment, fault: Fault | None, at_s: float, sessions: int, turns: int,
+              max_tokens: int) -> dict:
+    t0 = time.monotonic()
+    records, fault_s = run_workload(dep, sessions, turns, max_tokens, fault, at_s)
+    mismatches = check_against_reference(dep.checkpoint, records)
+    out = report(dep, records, fault, fault_s, t0, mismatches)
+    out["wall_s"] = time.monotonic() - t0
+    out["sessions"], out["turns"], out["max_tokens"] = sessions, turns, max_tokens
+    return out
