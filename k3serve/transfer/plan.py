@@ -63,3 +63,44 @@ def reshard_kda(parts: list[torch.Tensor], d: int) -> list[torch.Tensor]:
     for r in routes:
         out[r.dst_rank][:, r.dst_local] = parts[r.src_rank][:, r.src_local]
     return out
+
+
+@dataclass(frozen=True)
+class HeadSpan:
+    """Heads [start, start + count) go from prefill rank src to decode rank dst: contiguous at both ends."""
+
+    src_rank: int
+    dst_rank: int
+    start: int
+    count: int
+
+
+def head_spans(heads: int, p: int, d: int) -> list[HeadSpan]:
+    """head_routes merged into maximal runs per (src, dst): one span per overlapping pair of rank ranges.
+
+    e.g. H = 8, P = 2, D = 4 -> (0->0 h0-1) (0->1 h2-3) (1->2 h4-5) (1->3 h6-7); P = 4, D = 2 -> each prefill
+    rank's two heads are one span into the decode rank that holds them.
+    """
+    spans: list[HeadSpan] = []
+    for r in head_routes(heads, p, d):
+        last = spans[-1] if spans else None
+        if last and (last.src_rank, last.dst_rank) == (r.src_rank, r.dst_rank) and last.start + last.count == r.head:
+            spans[-1] = HeadSpan(last.src_rank, last.dst_rank, last.start, last.count + 1)
+        else:
+            spans.append(HeadSpan(r.src_rank, r.dst_rank, r.head, 1))
+    return spans
+
+
+def page_ranges(num_pages: int, p: int, pages_per_range: int) -> list[list[tuple[int, int]]]:
+    """(first page, page count) ranges each prefill rank sends, assigned round-robin.
+
+    e.g. 5 pages, P = 2, 2 pages per range -> [[(0, 2), (4, 1)], [(2, 2)]]; with 1 page per range this is
+    page_senders() in range form.
+    """
+    if p <= 0 or pages_per_range <= 0 or num_pages < 0:
+        raise PlanError(f"page_ranges needs p > 0, pages_per_range > 0, num_pages >= 0 (got {p}, "
+                        f"{pages_per_range}, {num_pages})")
+    out: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    for i, first in enumerate(range(0, num_pages, pages_per_range)):
+        out[i % p].append((first, min(pages_per_range, num_pages - first)))
+    return out
