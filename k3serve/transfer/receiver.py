@@ -1,0 +1,156 @@
+"""A decode rank's transfer receiver: the gRPC ``k3serve.transfer.v1.Transfer`` service over a StagingStore.
+
+```
+ prefill rank p ──Push(open, chunk.., manifest)──▶ TransferReceiver (decode rank r) ──▶ StagingStore
+                                                     │ Cancel(tid) / Status(tid)
+ decode driver ── InstallStaged(slot, table, tid) ─▶ ModelWorker.staging.take(tid) ─▶ kda_store / page_store
+```
+Binds the configured interface (loopback by default) on the configured port (0 = any free port; read
+``port``/``endpoint`` after start). Authentication happens in an interceptor (auth.py) before any message
+is read. Error codes: UNAUTHENTICATED (signature), INVALID_ARGUMENT (malformed/oversized/misplanned; the message
+names the field), DATA_LOSS (CRC or manifest mismatch: the sender retries), FAILED_PRECONDITION (cancelled or
+expired transfer), RESOURCE_EXHAUSTED (staging full), ABORTED (stream ended before its manifest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from k3serve.transfer.v1 import transfer_pb2 as pb
+from k3serve.transfer.auth import AuthConfig, AuthInterceptor, signed_transfer_id
+from k3serve.transfer.plan import PlanError
+from k3serve.transfer.staging import INSTALLED, VERIFIED, StagingLimits, StagingStore, TransferRejected
+from k3serve.transfer.wire import STATE_CODES, WireError, decode, spec_from_pb
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Transfer"].full_name
+PUSH, CANCEL, STATUS = (f"/{SERVICE}/{m}" for m in ("Push", "Cancel", "Status"))
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    auth: AuthConfig
+    host: str = "127.0.0.1"  # the interface to bind ("0.0.0.0" / "[::]" only on a private network)
+    port: int = 0  # 0: any free port, reported by TransferReceiver.port
+    rank: int = 0  # this decode rank
+    tp: int = 1  # decode TP degree
+    limits: StagingLimits = StagingLimits()
+    max_workers: int = 16  # concurrent streams served
+    gc_interval_s: float = 1.0  # how often idle transfers are expired
+
+    def for_rank(self, rank: int, tp: int) -> "ReceiverConfig":
+        return dataclasses.replace(self, rank=rank, tp=tp)
+
+
+class TransferReceiver:
+    """Starts serving in the constructor; ``stop()`` (or use as a context manager) shuts it down."""
+
+    def __init__(self, config: ReceiverConfig, expect_geometry: tuple | None = None) -> None:
+        if not 0 <= config.rank < config.tp:
+            raise ValueError(f"receiver rank {config.rank} not in [0, {config.tp})")
+        self.config = config
+        self.store = StagingStore(config.rank, config.tp, config.limits, expect_geometry)
+        max_msg = 2 * config.limits.max_chunk_bytes + (1 << 20)  # oversized-but-parseable -> INVALID_ARGUMENT
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"transfer-rx{config.rank}"),
+            interceptors=(AuthInterceptor(config.auth),),
+            options=[("grpc.max_receive_message_length", max_msg), ("grpc.so_reuseport", 0)])
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Push": grpc.stream_unary_rpc_method_handler(self._push, None, pb.PushAck.SerializeToString),
+            "Cancel": grpc.unary_unary_rpc_method_handler(self._cancel, pb.CancelRequest.FromString,
+                                                          pb.CancelAck.SerializeToString),
+            "Status": grpc.unary_unary_rpc_method_handler(self._status, pb.StatusRequest.FromString,
+                                                          pb.StatusReply.SerializeToString),
+        }),))
+        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"transfer receiver could not bind {config.host}:{config.port}")
+        self._server.start()
+        self._stop = threading.Event()
+        self._gc = threading.Thread(target=self._gc_loop, name=f"transfer-gc{config.rank}", daemon=True)
+        self._gc.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def stop(self, grace: float | None = 0.5) -> None:
+        self._stop.set()
+        self._server.stop(grace).wait()
+        self._gc.join(timeout=5)
+
+    def __enter__(self) -> "TransferReceiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _gc_loop(self) -> None:
+        while not self._stop.wait(self.config.gc_interval_s):
+            self.store.expire()
+
+    # ------------------------------------------------------------------------------------------- RPCs
+    def _push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushAck:
+        try:
+            return self._serve_push(request_iterator, signed_transfer_id(context))
+        except TransferRejected as e:
+            context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        except (WireError, PlanError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except grpc.RpcError:  # the sender went away mid-stream (cancelled, deadline, dead): nobody to answer
+            return pb.PushAck()
+
+    def _serve_push(self, messages, signed: str) -> pb.PushAck:
+        it = iter(messages)
+        first = next(it, None)
+        if first is None:
+            raise TransferRejected("INVALID_ARGUMENT", "stream: empty; the first message must be `open`")
+        msg, _ = decode(first)
+        if msg.WhichOneof("body") != "open":
+            raise TransferRejected("INVALID_ARGUMENT", "stream: the first message must be `open`")
+        try:
+            spec = spec_from_pb(msg.open.spec)
+        except PlanError as e:
+            raise TransferRejected("INVALID_ARGUMENT", f"open.spec: {e}") from e
+        if spec.transfer_id != signed:
+            raise TransferRejected("UNAUTHENTICATED", "open.spec.transfer_id is not the transfer id this call "
+                                   "was signed for")
+        src, dst = msg.open.src_rank, msg.open.dst_rank
+        ack = pb.PushAck(transfer_id=spec.transfer_id, src_rank=src, dst_rank=dst)
+        state = self.store.open(spec, src, dst)
+        if state in (VERIFIED, INSTALLED):  # idempotent: acknowledge, apply nothing
+            ack.state, ack.duplicate = STATE_CODES[state], True
+            return ack
+        for raw in it:
+            m, payload = decode(raw)
+            body = m.WhichOneof("body")
+            if body == "chunk":
+                ack.chunks_applied += self.store.write(spec, src, m.chunk, payload)
+            elif body == "manifest":
+                ack.state = STATE_CODES[self.store.finish(spec, src, m.manifest)]
+                return ack
+            else:
+                raise TransferRejected("INVALID_ARGUMENT", f"message.body: expected chunk or manifest, got {body}")
+        raise TransferRejected("ABORTED", f"stream from prefill rank {src} ended before its manifest")
+
+    def _cancel(self, req: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelAck:
+        if req.transfer_id != signed_transfer_id(context) or not req.transfer_id:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "transfer_id is not the one this call was signed for")
+        return pb.CancelAck(transfer_id=req.transfer_id, freed=self.store.cancel(req.transfer_id))
+
+    def _status(self, req: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        if req.transfer_id != signed_transfer_id(context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "transfer_id is not the one this call was signed for")
+        n, nbytes = self.store.occupancy()
+        state = self.store.status(req.transfer_id) if req.transfer_id else "unknown"
+        return pb.StatusReply(transfer_id=req.transfer_id, state=STATE_CODES[state], staged_transfers=n,
+                              staged_bytes=nbytes, decode_rank=self.config.rank, decode_tp=self.config.tp)
+
+
+def attach(worker, receiver: TransferReceiver) -> None:
+    """Let a ModelWorker install this receiver's verified transfers (InstallStaged)."""
+    worker.staging = receiver.store

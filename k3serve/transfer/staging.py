@@ -1,0 +1,306 @@
+"""A decode rank's staging area: per-transfer buffers that become installable only once verified.
+
+```
+ open(spec, src)   first stream of a transfer allocates  kda [L_kda, H/D, block] fp32 + mla [L_mla, n, D]
+ write(chunk)      header == plan[src][seq] and CRC32C ok  ->  payload copied at chunk.dst_byte
+ finish(manifest)  every chunk of src present, manifest matches  ->  src done;  all P srcs done -> VERIFIED
+ take(tid)         VERIFIED only: hands the buffers to InstallStaged and forgets them (tombstone INSTALLED)
+ cancel / expire   drop the buffers (tombstone CANCELLED / EXPIRED: later streams of that id are refused)
+```
+Idempotent by transfer id: a stream for a VERIFIED or INSTALLED transfer is acknowledged as a duplicate and
+nothing is applied. Nothing here trusts the sender's description of a chunk: the receiver derives the whole
+plan from the spec and each header must match its plan entry exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from k3serve.transfer.v1 import transfer_pb2 as pb
+from k3serve.transfer.chunks import KDA, ChunkRef, stream_plan
+from k3serve.transfer.spec import DTYPES, TransferSpec
+from k3serve.transfer.wire import PB_TO_KIND, crc32c, digest_crcs
+
+RECEIVING, VERIFIED, INSTALLED, CANCELLED, EXPIRED, UNKNOWN = (
+    "receiving", "verified", "installed", "cancelled", "expired", "unknown")
+
+
+class TransferRejected(Exception):
+    """A stream or chunk the receiver refuses; `code` is a grpc.StatusCode name, the message names the field."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class StagingLimits:
+    max_chunk_bytes: int = 4 << 20
+    max_staging_bytes: int = 8 << 30
+    ttl_s: float = 120.0  # a transfer idle this long (unverified, or verified but never installed) is dropped
+    tombstone_s: float = 600.0  # finished transfer ids are remembered this long (idempotency)
+    max_tombstones: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.max_chunk_bytes < 4096 or self.max_staging_bytes <= 0 or self.ttl_s <= 0 or self.tombstone_s <= 0:
+            raise ValueError(f"invalid staging limits: {self}")
+
+
+@dataclass(frozen=True)
+class StagedState:
+    """A verified transfer's state for one decode rank: what InstallStaged copies into the pools."""
+
+    transfer_id: str
+    request_id: str
+    kda: torch.Tensor  # [L_kda, H/D, block] fp32
+    mla: torch.Tensor  # [L_mla, num_tokens, D]
+
+
+@dataclass
+class StagingCounters:
+    chunks: int = 0
+    bytes: int = 0
+    duplicates: int = 0
+    crc_failures: int = 0
+    rejected: int = 0
+    verified: int = 0
+    installed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    crc_s: float = 0.0
+    place_s: float = 0.0
+
+
+@dataclass
+class _Transfer:
+    spec: TransferSpec
+    kda: torch.Tensor
+    mla: torch.Tensor
+    plans: dict[int, tuple[ChunkRef, ...]]
+    crcs: dict[int, list[int | None]]
+    touched: float
+    done: set[int] = field(default_factory=set)
+    verified: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.kda.numel() * 4 + self.mla.numel() * self.mla.element_size()
+
+
+class StagingStore:
+    """Thread-safe: several senders' streams write one transfer concurrently (disjoint byte ranges)."""
+
+    def __init__(self, rank: int, tp: int, limits: StagingLimits = StagingLimits(),
+                 expect_geometry: tuple | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rank, self.tp, self.limits = rank, tp, limits
+        self.expect_geometry = expect_geometry  # StateGeometry.without_tokens() of the decode model, if known
+        self.counters = StagingCounters()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._live: dict[str, _Transfer] = {}
+        self._tombs: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    # ------------------------------------------------------------------------------------------ streams
+    def open(self, spec: TransferSpec, src: int, dst: int) -> str:
+        """Register a stream; returns the transfer's state (VERIFIED/INSTALLED: a duplicate, apply nothing)."""
+        if dst != self.rank or spec.decode_tp != self.tp:
+            raise self._reject("INVALID_ARGUMENT", f"open.dst_rank: stream for decode rank {dst} of "
+                               f"{spec.decode_tp} reached rank {self.rank} of {self.tp}")
+        if not 0 <= src < spec.prefill_tp:
+            raise self._reject("INVALID_ARGUMENT", f"open.src_rank {src} not in [0, {spec.prefill_tp})")
+        if self.expect_geometry is not None and spec.geometry.without_tokens() != self.expect_geometry:
+            raise self._reject("INVALID_ARGUMENT", f"open.spec: state geometry {spec.geometry} does not match "
+                               f"this decode model {self.expect_geometry}")
+        self.expire()
+        with self._lock:
+            tomb = self._tombs.get(spec.transfer_id)
+            if tomb is not None:
+                if tomb[0] == INSTALLED:
+                    self.counters.duplicates += 1
+                    return INSTALLED
+                raise self._reject("FAILED_PRECONDITION", f"transfer {spec.transfer_id} was {tomb[0]}")
+            t = self._live.get(spec.transfer_id)
+            if t is not None:
+                if t.spec != spec:
+                    raise self._reject("INVALID_ARGUMENT", "open.spec differs from the spec this transfer was "
+                                       f"opened with ({spec} != {t.spec})")
+                t.touched = self._clock()
+                if t.verified:
+                    self.counters.duplicates += 1
+                return VERIFIED if t.verified else RECEIVING
+            need = spec.geometry.rank_bytes(self.tp)
+            held = sum(x.nbytes for x in self._live.values())
+            if need > self.limits.max_staging_bytes:
+                raise self._reject("INVALID_ARGUMENT", f"open.spec: the transfer needs {need} staging bytes; "
+                                   f"the limit is {self.limits.max_staging_bytes}")
+            if held + need > self.limits.max_staging_bytes:
+                raise self._reject("RESOURCE_EXHAUSTED", f"staging full: {held} + {need} bytes > "
+                                   f"{self.limits.max_staging_bytes}")
+            g = spec.geometry
+            plans = {s: stream_plan(spec, s, self.rank) for s in range(spec.prefill_tp)}
+            self._live[spec.transfer_id] = _Transfer(
+                spec, torch.empty(g.kda_shape(self.tp), dtype=torch.float32),
+                torch.empty(g.mla_shape(), dtype=DTYPES[g.mla_dtype]), plans,
+                {s: [None] * len(p) for s, p in plans.items()}, self._clock())
+            return RECEIVING
+
+    def write(self, spec: TransferSpec, src: int, h: pb.ChunkHeader, payload: memoryview | None) -> bool:
+        """Check one chunk against the plan and copy it into staging; False if the transfer is already verified."""
+        n = 0 if payload is None else payload.nbytes
+        lim = self.limits.max_chunk_bytes
+        if h.length > lim or n > lim:
+            raise self._reject("INVALID_ARGUMENT", f"chunk.length: {max(n, h.length)} bytes exceeds "
+                               f"max_chunk_bytes {lim}")
+        if n != h.length:
+            raise self._reject("INVALID_ARGUMENT", f"payload: {n} bytes but chunk.length says {h.length}")
+        with self._lock:
+            t = self._live_transfer(spec.transfer_id)
+            if t.verified:
+                self.counters.duplicates += 1
+                return False
+            plan = t.plans[src]
+        self._check_header(spec, plan, h)
+        c = plan[h.seq]
+        t0 = time.perf_counter()
+        got = crc32c(payload)
+        t1 = time.perf_counter()
+        if got != h.crc32c:
+            with self._lock:
+                self.counters.crc_failures += 1
+                self.counters.crc_s += t1 - t0
+            raise TransferRejected("DATA_LOSS", f"chunk.crc32c mismatch for seq {h.seq} from prefill rank {src}: "
+                                   f"header {h.crc32c:#010x}, payload {got:#010x}")
+        dst = t.kda if c.kind == KDA else t.mla
+        dst.reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length] = np.frombuffer(
+            payload, dtype=np.uint8)
+        t2 = time.perf_counter()
+        with self._lock:
+            if self._live.get(spec.transfer_id) is not t:
+                raise self._reject("FAILED_PRECONDITION", f"transfer {spec.transfer_id} was dropped mid-stream")
+            t.crcs[src][h.seq] = got
+            t.touched = self._clock()
+            k = self.counters
+            k.chunks, k.bytes, k.crc_s, k.place_s = k.chunks + 1, k.bytes + n, k.crc_s + t1 - t0, k.place_s + t2 - t1
+        return True
+
+    def finish(self, spec: TransferSpec, src: int, m: pb.Manifest) -> str:
+        """A sender's manifest: its stream is done if every chunk is present and the summary matches."""
+        with self._lock:
+            t = self._live_transfer(spec.transfer_id)
+            if t.verified:
+                return VERIFIED
+            plan, crcs = t.plans[src], t.crcs[src]
+            for name, got, want in (("transfer_id", m.transfer_id, spec.transfer_id), ("src_rank", m.src_rank, src),
+                                    ("dst_rank", m.dst_rank, self.rank), ("num_chunks", m.num_chunks, len(plan)),
+                                    ("num_bytes", m.num_bytes, sum(c.length for c in plan))):
+                if got != want:
+                    raise self._reject("INVALID_ARGUMENT", f"manifest.{name} is {got!r}, expected {want!r}")
+            missing = sum(c is None for c in crcs)
+            if missing:
+                raise self._reject("DATA_LOSS", f"manifest: {missing} of {len(plan)} chunks from prefill rank "
+                                   f"{src} never arrived")
+            if digest_crcs(crcs) != m.crc32c:
+                raise self._reject("DATA_LOSS", f"manifest.crc32c does not match the chunks received from "
+                                   f"prefill rank {src}")
+            t.done.add(src)
+            t.touched = self._clock()
+            if len(t.done) == spec.prefill_tp:
+                t.verified = True
+                self.counters.verified += 1
+            return VERIFIED if t.verified else RECEIVING
+
+    # ------------------------------------------------------------------------------------ driver side
+    def status(self, transfer_id: str) -> str:
+        with self._lock:
+            t = self._live.get(transfer_id)
+            if t is not None:
+                return VERIFIED if t.verified else RECEIVING
+            tomb = self._tombs.get(transfer_id)
+            return tomb[0] if tomb else UNKNOWN
+
+    def take(self, transfer_id: str) -> StagedState:
+        """Hand over a VERIFIED transfer's buffers and forget them; anything else raises TransferRejected."""
+        with self._lock:
+            t = self._live.get(transfer_id)
+            if t is None or not t.verified:
+                state = RECEIVING if t is not None else self._tombs.get(transfer_id, (UNKNOWN, 0.0))[0]
+                raise TransferRejected("FAILED_PRECONDITION", f"transfer {transfer_id} is {state}, not verified: "
+                                       "nothing installed")
+            del self._live[transfer_id]
+            self._tomb(transfer_id, INSTALLED)
+            self.counters.installed += 1
+        return StagedState(transfer_id, t.spec.request_id, t.kda, t.mla)
+
+    def cancel(self, transfer_id: str) -> bool:
+        """Drop a transfer's staging (if any); later streams of this id are refused. True if something was freed."""
+        with self._lock:
+            t = self._live.pop(transfer_id, None)
+            if transfer_id not in self._tombs:
+                self._tomb(transfer_id, CANCELLED)
+            if t is not None:
+                self.counters.cancelled += 1
+            return t is not None
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drop transfers idle for longer than ttl_s; returns their ids."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            old = [tid for tid, t in self._live.items() if now - t.touched > self.limits.ttl_s]
+            for tid in old:
+                del self._live[tid]
+                self._tomb(tid, EXPIRED)
+                self.counters.expired += 1
+            while self._tombs and now - next(iter(self._tombs.values()))[1] > self.limits.tombstone_s:
+                self._tombs.popitem(last=False)
+        return old
+
+    def occupancy(self) -> tuple[int, int]:
+        """(staged transfers, staged bytes)."""
+        with self._lock:
+            return len(self._live), sum(t.nbytes for t in self._live.values())
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _live_transfer(self, transfer_id: str) -> _Transfer:
+        t = self._live.get(transfer_id)
+        if t is None:
+            tomb = self._tombs.get(transfer_id)
+            raise self._reject("FAILED_PRECONDITION", f"transfer {transfer_id} is {tomb[0] if tomb else UNKNOWN}")
+        return t
+
+    def _tomb(self, transfer_id: str, state: str) -> None:
+        self._tombs[transfer_id] = (state, self._clock())
+        self._tombs.move_to_end(transfer_id)
+        while len(self._tombs) > self.limits.max_tombstones:
+            self._tombs.popitem(last=False)
+
+    def _reject(self, code: str, message: str) -> TransferRejected:
+        self.counters.rejected += 1
+        return TransferRejected(code, message)
+
+    def _check_header(self, spec: TransferSpec, plan: tuple[ChunkRef, ...], h: pb.ChunkHeader) -> None:
+        if h.transfer_id != spec.transfer_id:
+            raise self._reject("INVALID_ARGUMENT", f"chunk.transfer_id {h.transfer_id!r} is not this stream's "
+                               f"{spec.transfer_id!r}")
+        if h.request_id != spec.request_id:
+            raise self._reject("INVALID_ARGUMENT", f"chunk.request_id {h.request_id!r} != {spec.request_id!r}")
+        if h.seq >= len(plan):
+            raise self._reject("INVALID_ARGUMENT", f"chunk.seq {h.seq} beyond this stream's {len(plan)} chunks")
+        c = plan[h.seq]
+        kind = PB_TO_KIND.get(h.kind)
+        if kind != c.kind:
+            raise self._reject("INVALID_ARGUMENT", f"chunk.kind {h.kind} != planned {c.kind} (seq {h.seq})")
+        rng = "heads" if kind == KDA else "tokens"
+        got_range = (getattr(h, rng).start, getattr(h, rng).count) if h.WhichOneof("range") == rng else None
+        for name, got, want in (("layer", h.layer, c.layer), (rng, got_range, (c.start, c.count)),
+                                ("dtype", h.dtype, c.dtype), ("shape", tuple(h.shape), c.shape),
+                                ("offset", h.offset, c.offset), ("length", h.length, c.length)):
+            if got != want:
+                raise self._reject("INVALID_ARGUMENT", f"chunk.{name} is {got!r}, the plan says {want!r} "
+                                   f"(seq {h.seq})")

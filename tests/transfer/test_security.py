@@ -1,0 +1,149 @@
+"""Peers authenticate (HMAC over transfer id + timestamp, freshness window); malformed or oversized chunks are
+refused with INVALID_ARGUMENT naming the field; receivers bind the configured interface on a free port."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import grpc
+import pytest
+
+from transfer_helpers import make_spec, random_state
+from k3serve.transfer.auth import AuthConfig, AuthError, sign, verify
+from k3serve.transfer.chunks import stream_plan
+from k3serve.transfer.client import ReceiverClient, open_channel
+from k3serve.transfer.receiver import PUSH, STATUS, ReceiverConfig, TransferReceiver
+from k3serve.transfer.v1 import transfer_pb2 as pb
+from k3serve.transfer.wire import byte_view, chunk_header, crc32c, encode, encode_chunk, spec_to_pb
+
+
+def _push(endpoint: str, messages: list[bytes], metadata) -> pb.PushAck:
+    with open_channel(endpoint) as ch:
+        return ch.stream_unary(PUSH, None, pb.PushAck.FromString)(iter(messages), timeout=10, metadata=metadata)
+
+
+def _open(spec, src=0, dst=0) -> bytes:
+    return encode(pb.PushMessage(open=pb.StreamOpen(spec=spec_to_pb(spec), src_rank=src, dst_rank=dst)))
+
+
+@pytest.fixture
+def setup(receivers):
+    parts, mla = random_state(1, seed=1, tokens=200)
+    (rx,) = receivers(1, max_chunk_bytes=16384)
+    spec = make_spec("sec-1", parts, mla, 1, chunk_bytes=8192)
+    return rx, spec, parts[0], mla
+
+
+def _code(exc_info) -> grpc.StatusCode:
+    return exc_info.value.code()
+
+
+def test_unknown_secret_stale_signature_and_unknown_peer_are_unauthenticated(setup, auth):
+    rx, spec, _, _ = setup
+    stranger = AuthConfig("x" * 32, peer="test")
+    cases = {
+        "bad signature": sign(stranger, PUSH, spec.transfer_id),
+        "freshness window": sign(auth, PUSH, spec.transfer_id, now=time.time() - 10 * auth.window_s),
+        "missing": (),
+        "signed for another method": sign(auth, STATUS, spec.transfer_id),
+    }
+    for why, md in cases.items():
+        with pytest.raises(grpc.RpcError) as e:
+            _push(rx.endpoint, [_open(spec)], md)
+        assert _code(e) == grpc.StatusCode.UNAUTHENTICATED, why
+    # signed for one transfer, streaming another
+    with pytest.raises(grpc.RpcError) as e:
+        _push(rx.endpoint, [_open(spec)], sign(auth, PUSH, "other-transfer"))
+    assert _code(e) == grpc.StatusCode.UNAUTHENTICATED and "transfer_id" in e.value.details()
+    with ReceiverClient([rx.endpoint], stranger) as bad:
+        assert bad.status()[0].state == "unreachable"  # rejected
+    assert rx.store.occupancy() == (0, 0)
+
+
+def test_allowed_peers_rejects_unknown_peer(auth):
+    cfg = ReceiverConfig(dataclasses.replace(auth, allowed_peers=frozenset({"prefill-0"})))
+    with TransferReceiver(cfg) as rx:
+        with open_channel(rx.endpoint) as ch:
+            status = ch.unary_unary(STATUS, pb.StatusRequest.SerializeToString, pb.StatusReply.FromString)
+            with pytest.raises(grpc.RpcError) as e:
+                status(pb.StatusRequest(), timeout=5, metadata=sign(auth, STATUS, ""))
+            assert _code(e) == grpc.StatusCode.UNAUTHENTICATED and "unknown peer" in e.value.details()
+            ok = status(pb.StatusRequest(), timeout=5,
+                        metadata=sign(dataclasses.replace(auth, peer="prefill-0"), STATUS, ""))
+            assert ok.decode_tp == 1
+
+
+def test_verify_window_and_tampering(auth):
+    md = dict(sign(auth, PUSH, "t-1", now=1000.0))
+    assert verify(auth, PUSH, md, now=1000.0 + auth.window_s - 1) == "t-1"
+    with pytest.raises(AuthError, match="freshness"):
+        verify(auth, PUSH, md, now=1000.0 + auth.window_s + 1)
+    with pytest.raises(AuthError, match="signature"):
+        verify(auth, PUSH, {**md, "x-k3serve-transfer-id": "t-2"}, now=1000.0)
+    with pytest.raises(ValueError, match="secret"):
+        AuthConfig("short")
+    assert auth.secret not in repr(auth)
+
+
+def _chunk_messages(spec, kda, mla, edit=None, payload_edit=None) -> list[bytes]:
+    """open + the plan's first chunk (optionally with an edited header or payload)."""
+    c = stream_plan(spec, 0, 0)[0]
+    payload = byte_view(kda)[c.src_byte: c.src_byte + c.length].tobytes()
+    h = chunk_header(spec, c, crc32c(payload))
+    if edit:
+        edit(h)
+    if payload_edit:
+        payload = payload_edit(payload)
+    return [_open(spec), encode_chunk(h, payload)]
+
+
+@pytest.mark.parametrize("name,edit,payload_edit,field", [
+    ("layer", lambda h: setattr(h, "layer", 99), None, "chunk.layer"),
+    ("dtype", lambda h: setattr(h, "dtype", "bfloat16"), None, "chunk.dtype"),
+    ("heads", lambda h: setattr(h.heads, "count", 3), None, "chunk.heads"),
+    ("kind", lambda h: setattr(h, "kind", pb.KIND_MLA), None, "chunk.kind"),
+    ("shape", lambda h: h.shape.append(1), None, "chunk.shape"),
+    ("seq", lambda h: setattr(h, "seq", 10_000), None, "chunk.seq"),
+    ("transfer id", lambda h: setattr(h, "transfer_id", "another"), None, "chunk.transfer_id"),
+    ("short payload", None, lambda p: p[:-1], "payload"),
+    ("oversized", lambda h: setattr(h, "length", 20000), lambda p: p * 4, "chunk.length"),
+])
+def test_malformed_and_oversized_chunks_are_invalid_argument(setup, auth, name, edit, payload_edit, field):
+    rx, spec, kda, mla = setup
+    with pytest.raises(grpc.RpcError) as e:
+        _push(rx.endpoint, _chunk_messages(spec, kda, mla, edit, payload_edit), sign(auth, PUSH, spec.transfer_id))
+    assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT, name
+    assert field in e.value.details(), e.value.details()
+
+
+def test_malformed_streams_are_invalid_argument(setup, auth):
+    rx, spec, kda, mla = setup
+    md = sign(auth, PUSH, spec.transfer_id)
+    bad_spec = spec_to_pb(spec)
+    bad_spec.decode_tp = 3  # 8 heads over 3 ranks
+    cases = {
+        "message": [b"\xff\xff\xff"],
+        "stream": [encode(pb.PushMessage(manifest=pb.Manifest(transfer_id=spec.transfer_id)))],
+        "open.spec": [encode(pb.PushMessage(open=pb.StreamOpen(spec=bad_spec)))],
+        "open.dst_rank": [_open(spec, dst=1)],
+        "open.src_rank": [_open(spec, src=5)],
+        "manifest.num_chunks": [_open(spec), encode(pb.PushMessage(manifest=pb.Manifest(
+            transfer_id=spec.transfer_id, num_chunks=1)))],
+    }
+    for field, msgs in cases.items():
+        with pytest.raises(grpc.RpcError) as e:
+            _push(rx.endpoint, msgs, md)
+        assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), (field, e.value)
+    with pytest.raises(grpc.RpcError) as e:  # clean end of stream without a manifest
+        _push(rx.endpoint, [_open(spec)], md)
+    assert _code(e) == grpc.StatusCode.ABORTED
+    rx.store.cancel(spec.transfer_id)
+    assert rx.store.occupancy() == (0, 0)
+
+
+def test_receivers_bind_the_configured_interface_on_free_ports(auth):
+    with TransferReceiver(ReceiverConfig(auth)) as a, TransferReceiver(ReceiverConfig(auth)) as b:
+        assert a.endpoint.startswith("127.0.0.1:") and a.port > 0 and a.port != b.port
+    with pytest.raises(ValueError):
+        TransferReceiver(ReceiverConfig(auth, rank=2, tp=2))
