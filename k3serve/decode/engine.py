@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.executor import Executor
 from k3serve.engine.handoff import Handoff
-from k3serve.engine.ops import DecodeBatch, InstallState, PoolConfig
+from k3serve.engine.ops import DecodeBatch, InstallStaged, InstallState, PoolConfig
 from k3serve.engine.requests import RequestFailure, TokenEvent
 from k3serve.engine.sampling import is_stop, sample_token
 from k3serve.model.config import ModelConfig
@@ -46,6 +47,14 @@ class _Decoding:
 
 
 @dataclass(frozen=True)
+class _Staged:
+    """A request whose state waits, verified, in every rank's transfer staging under `transfer_id`."""
+
+    transfer_id: str
+    drop: Callable[[str], object] | None  # frees the staging if the request leaves before install
+
+
+@dataclass(frozen=True)
 class RequestTimings:
     ttft_s: float  # prefill start -> first token
     tpot_s: float  # mean time per output token after the first
@@ -57,7 +66,7 @@ class DecodeEngine:
         self.cfg, self.executor, self.config = cfg, executor, config
         self.slots = SlotAllocator(config.pools.kda_slots)
         self.pages = PageAllocator(config.pools.mla_pages)
-        self.waiting: deque[tuple[Handoff, list[torch.Tensor]]] = deque()
+        self.waiting: deque[tuple[Handoff, list[torch.Tensor] | _Staged]] = deque()
         self.running: dict[str, _Decoding] = {}
         self.failures: list[RequestFailure] = []
         self.timings: dict[str, RequestTimings] = {}
@@ -87,6 +96,27 @@ class DecodeEngine:
         self._admit()
         return [first]
 
+    def submit_staged(self, handoff: Handoff, transfer_id: str,
+                      drop: Callable[[str], object] | None = None) -> list[TokenEvent]:
+        """Accept a prefilled request whose state is already verified in every rank's transfer staging.
+
+        handoff: the request's metadata (its kda/mla may be empty: the state came over k3serve.transfer).
+        Installed with InstallStaged(slot, block_table, transfer_id) once a slot and pages are free. `drop`
+        (e.g. ReceiverClient.cancel) is called with transfer_id if the request leaves before install.
+        """
+        staged = _Staged(transfer_id, drop)
+        if handoff.finished or self.pages_needed(handoff) > self.pages.capacity:
+            self._drop(staged)  # nothing to install: the first token ended it, or it can never fit
+            return self.submit(handoff, kda_parts=[])
+        self.waiting.append((handoff, staged))
+        self._admit()
+        return [TokenEvent(handoff.request_id, (handoff.first_token,), False, "")]
+
+    @staticmethod
+    def _drop(staged: object) -> None:
+        if isinstance(staged, _Staged) and staged.drop is not None:
+            staged.drop(staged.transfer_id)
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_batch:
             handoff, parts = self.waiting[0]
@@ -97,7 +127,17 @@ class DecodeEngine:
             slot, pages = self.slots.alloc(), self.pages.alloc(need)
             n_pages = -(-handoff.num_tokens // self.config.pools.page_size)
             table = tuple(pages[:n_pages])
-            self.executor.run_each([InstallState(slot, table, part, handoff.mla) for part in parts])
+            if isinstance(parts, _Staged):
+                try:
+                    self.executor.run(InstallStaged(slot, table, parts.transfer_id))
+                except Exception as e:  # noqa: BLE001 - not verified on some rank: fail this request only
+                    self.pages.decref(pages)
+                    self.slots.free(slot)
+                    self._drop(parts)
+                    self.failures.append(RequestFailure(handoff.request_id, "ABORTED", f"install failed: {e}"))
+                    continue
+            else:
+                self.executor.run_each([InstallState(slot, table, part, handoff.mla) for part in parts])
             self.running[handoff.request_id] = _Decoding(handoff, slot, pages, [handoff.first_token])
 
     def cancel(self, request_id: str) -> bool:
@@ -105,6 +145,7 @@ class DecodeEngine:
         for item in list(self.waiting):
             if item[0].request_id == request_id:
                 self.waiting.remove(item)
+                self._drop(item[1])
                 return True
         run = self.running.pop(request_id, None)
         if run is None:

@@ -92,3 +92,14 @@ class InstallState:
     block_table: tuple[int, ...]
     kda: object
     mla: object
+
+
+@dataclass(frozen=True)
+class InstallStaged:
+    """Install a verified transfer from this rank's transfer staging (k3serve.transfer): its KDA blocks into
+    `slot`, its MLA rows into the pages of `block_table`, then drop the staging. Fails, installing nothing, if
+    the transfer is not verified on this rank."""
+
+    slot: int
+    block_table: tuple[int, ...]
+    transfer_id: str

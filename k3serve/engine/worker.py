@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from k3serve.engine.ops import (CopySlot, DecodeBatch, ExportState, InstallState, PoolConfig, PrefillChunk,
-                                ResetSlots)
+from k3serve.engine.ops import (CopySlot, DecodeBatch, ExportState, InstallStaged, InstallState, PoolConfig,
+                                PrefillChunk, ResetSlots)
 from k3serve.model.model import HybridModel
 from k3serve.model.state import ForwardBatch, PagedLatentCache
 
@@ -28,6 +28,7 @@ class ModelWorker:
                                      cfg.kda_head_block_floats, dtype=torch.float32, device=dev)
         self.page_store = torch.zeros(pools.mla_pages, cfg.num_mla_layers, pools.page_size, cfg.mla_latent_dim,
                                       dtype=_DTYPES.get(cfg.torch_dtype, torch.float32), device=dev)
+        self.staging = None  # a k3serve.transfer StagingStore, set by k3serve.transfer.receiver.attach
 
     def execute(self, op: object) -> object:
         handler = getattr(self, "_" + type(op).__name__, None)
@@ -84,3 +85,10 @@ class ModelWorker:
         latent = PagedLatentCache(self.page_store, self._block_table((op.block_table,)))
         for i in range(mla.shape[0]):
             latent.write(i, mla[i].unsqueeze(0).to(self.page_store.device), [0])
+
+    def _InstallStaged(self, op: InstallStaged) -> None:
+        if self.staging is None:
+            raise RuntimeError("InstallStaged: no transfer receiver is attached to this worker")
+        state = self.staging.take(op.transfer_id)  # verified only; raises (installing nothing) otherwise
+        self._InstallState(InstallState(op.slot, op.block_table, state.kda.to(self.kda_store.device),
+                                        state.mla.to(self.page_store.device)))
