@@ -113,30 +113,14 @@ class Deployment:
         ray.kill(self.routers[index], no_restart=True)
 
     def pause_redis(self) -> None:
-        """Kill the private redis-server (the `redis` drill); resume_redis starts a fresh one on the same port."""
+        """Kill the private redis-server (the `redis` drill); resume_redis brings an empty one back at the same URL."""
         if self._redis is None:
             raise RuntimeError("the redis drill needs the private redis-server (no REDIS_URL)")
-        self._redis_port = self._redis.port
-        self._redis.stop()
+        self._redis.pause()
 
     def resume_redis(self) -> None:
-        import subprocess
-
-        from k3serve.cluster.redis_server import connect
-
-        # same port, empty state: heartbeats re-register clusters and pins are recomputed by HRW
-        self._redis_proc = subprocess.Popen(
-            ["redis-server", "--port", str(self._redis_port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = connect(self.redis_url, timeout_s=0.5, retries=0)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                client.ping()
-                return
-            except Exception:  # noqa: BLE001 - still starting
-                time.sleep(0.05)
-        raise TimeoutError("redis-server did not come back")
+        # empty state on purpose: heartbeats re-register the clusters and HRW recomputes the same pins
+        self._redis.resume()
 
     # --------------------------------------------------------------------------------------------- stop
     def stop(self) -> None:
@@ -162,9 +146,6 @@ class Deployment:
                 pass
         if self._redis is not None:
             self._redis.stop()
-        if getattr(self, "_redis_proc", None) is not None:
-            self._redis_proc.kill()
-            self._redis_proc.wait()
         if self._own_ray:
             ray.shutdown()
         if self._tmp is not None:

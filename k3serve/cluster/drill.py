@@ -102,7 +102,7 @@ def _session_params(i: int, max_tokens: int) -> router_pb2.SamplingParams:
 
 
 def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fault: Fault | None, at_s: float,
-                 seed: int = 0) -> tuple[list[RequestRecord], float]:
+                 seed: int = 0, redis_down_s: float = 5.0) -> tuple[list[RequestRecord], float]:
     """Run the sessions; inject `fault` at `at_s`. Returns (records, fault time on the monotonic clock)."""
     rng = random.Random(seed)
     system = [rng.randrange(256) for _ in range(200)]
@@ -138,6 +138,8 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
             dep.kill_router(0)
         elif fault.kind == "redis":
             dep.pause_redis()
+            time.sleep(redis_down_s)
+            dep.resume_redis()
 
     threads = [threading.Thread(target=session, args=(i,)) for i in range(sessions)]
     if fault is not None:
@@ -146,8 +148,6 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
         t.start()
     for t in threads:
         t.join()
-    if fault is not None and fault.kind == "redis":
-        dep.resume_redis()
     return records, fault_at[0] - t0 if fault else 0.0
 
 

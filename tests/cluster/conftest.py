@@ -1,0 +1,32 @@
+"""A real local deployment (Ray + private redis-server + 3 clusters + 2 routers) shared by the e2e tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from k3serve.cluster.deploy import load_deploy
+
+
+def local_deploy(**cluster_changes):
+    d = load_deploy("configs/local.yaml")
+    if cluster_changes:
+        d = dataclasses.replace(d, clusters=dataclasses.replace(d.clusters, **cluster_changes))
+    return d
+
+
+@pytest.fixture(scope="package")
+def deployment():
+    from k3serve.cluster.deployment import Deployment
+
+    dep = Deployment(local_deploy()).start()
+    yield dep
+    dep.stop()
+
+
+@pytest.fixture(scope="package")
+def reference_model(deployment):
+    from k3serve.model.loader import load_model
+
+    return load_model(deployment.checkpoint)
