@@ -94,6 +94,10 @@ class DrillClient:
                 time.sleep(0.2)
 
 
+def session_names(sessions: int, seed: int) -> list[str]:
+    return [f"drill-{seed:x}-s{i}" for i in range(sessions)]
+
+
 def _session_params(i: int, max_tokens: int) -> router_pb2.SamplingParams:
     if i % 2:  # half the sessions sample with a seed: failover must keep seeded outputs exact too
         return router_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=max_tokens,
@@ -102,8 +106,11 @@ def _session_params(i: int, max_tokens: int) -> router_pb2.SamplingParams:
 
 
 def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fault: Fault | None, at_s: float,
-                 seed: int = 0, redis_down_s: float = 5.0) -> tuple[list[RequestRecord], float]:
-    """Run the sessions; inject `fault` at `at_s`. Returns (records, fault time on the monotonic clock)."""
+                 seed: int | None = None, redis_down_s: float = 5.0) -> tuple[list[RequestRecord], float]:
+    """Run the sessions; inject `fault` at `at_s`. Returns (records, the fault's time.monotonic())."""
+    # a fresh run id per drill: new sessions and prompts, so earlier runs' pins and cache entries do not apply
+    seed = random.randrange(1 << 30) if seed is None else seed
+    names = session_names(sessions, seed)
     rng = random.Random(seed)
     system = [rng.randrange(256) for _ in range(200)]
     records: list[RequestRecord] = []
@@ -117,7 +124,7 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
         history = list(system)
         for turn in range(turns):
             history += [srng.randrange(256) for _ in range(srng.randint(8, 40))]
-            rec = RequestRecord(f"drill-s{i}", turn, list(history), _session_params(i, max_tokens),
+            rec = RequestRecord(names[i], turn, list(history), _session_params(i, max_tokens),
                                 start_s=time.monotonic())
             client.generate(rec, first_router=i % len(client.stubs))
             rec.end_s = time.monotonic()
@@ -148,7 +155,7 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
         t.start()
     for t in threads:
         t.join()
-    return records, fault_at[0] - t0 if fault else 0.0
+    return records, fault_at[0] if fault else t0
 
 
 def check_against_reference(checkpoint: str, records: list[RequestRecord]) -> int:
@@ -177,6 +184,7 @@ def report(dep: Deployment, records: list[RequestRecord], fault: Fault | None, f
            "failed": sum(bool(r.error) for r in records), "failed_over": sum(r.failovers > 0 for r in records),
            "router_retries": sum(r.router_retries for r in records), "mismatches": mismatches,
            "fault": f"{fault.kind}:{fault.target}" if fault else None, "fault_at_s": fault_s,
+           "in_flight_at_fault": sum(r.start_s - t0 <= fault_s <= r.end_s - t0 for r in records) if fault else 0,
            "errors": sorted({r.error for r in records if r.error})[:5],
            "retry_reasons": sorted({x for r in records for x in r.retry_reasons})[:5]}
     if fault is not None and fault.kind in ("cluster", "decode", "prefill"):
@@ -204,9 +212,10 @@ def report(dep: Deployment, records: list[RequestRecord], fault: Fault | None, f
 
 
 def run_drill(dep: Deployment, fault: Fault | None, at_s: float, sessions: int, turns: int,
-              max_tokens: int) -> dict:
+              max_tokens: int, seed: int | None = None) -> dict:
     t0 = time.monotonic()
-    records, fault_s = run_workload(dep, sessions, turns, max_tokens, fault, at_s)
+    records, fault_abs = run_workload(dep, sessions, turns, max_tokens, fault, at_s, seed)
+    fault_s = fault_abs - t0
     mismatches = check_against_reference(dep.checkpoint, records)
     out = report(dep, records, fault, fault_s, t0, mismatches)
     out["wall_s"] = time.monotonic() - t0

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from k3serve.cluster.deploy import load_deploy
-
-
-def local_deploy(**cluster_changes):
-    d = load_deploy("configs/local.yaml")
-    if cluster_changes:
-        d = dataclasses.replace(d, clusters=dataclasses.replace(d.clusters, **cluster_changes))
-    return d
 
 
 @pytest.fixture(scope="package")
 def deployment():
     from k3serve.cluster.deployment import Deployment
 
-    dep = Deployment(local_deploy()).start()
+    dep = Deployment(load_deploy("configs/local.yaml")).start()
     yield dep
     dep.stop()
 

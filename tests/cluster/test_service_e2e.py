@@ -124,3 +124,28 @@ def test_internal_endpoint_rejects_unauthenticated_peers(deployment):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(req, metadata=(("x-k3serve-auth", "123.deadbeef"),), timeout=10))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---- faults on this shared deployment that leave every cluster alive (they run last, in file order) ----------
+
+def test_router_kill_loses_nothing_for_clients_that_retry(deployment):
+    from k3serve.cluster.drill import Fault, run_drill
+
+    out = run_drill(deployment, Fault("router"), at_s=2.0, sessions=8, turns=2, max_tokens=16)
+    assert out["failed"] == 0 and out["mismatches"] == 0 and out["completed"] == out["requests"] == 16
+    assert out["router_retries"] > 0  # the fault really hit requests in flight on the killed router
+
+
+def test_redis_outage_keeps_serving_and_recovers(deployment):
+    from k3serve.cluster.drill import Fault, run_drill
+
+    # the first router replica was killed above; the drill client falls back to the survivor
+    deployment.router_addresses = deployment.router_addresses[1:]
+    out = run_drill(deployment, Fault("redis"), at_s=1.0, sessions=6, turns=3, max_tokens=12)
+    assert out["failed"] == 0 and out["mismatches"] == 0
+    # Redis is back (empty): heartbeats re-register every cluster without a restart
+    deployment.wait_healthy(3, timeout_s=30)
+    stub = _stub(deployment.router_addresses[0])
+    tokens, last = _collect(stub, pb.GenerateRequest(session_id="after-redis", prompt_text="back",
+                                                     sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert len(tokens) == 3 and not stub.ClusterStatus(pb.ClusterStatusRequest()).membership_stale
