@@ -1,0 +1,63 @@
+"""``k3serve status``: clusters, health, load and pins of a running deployment, as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Show clusters, health, load and pins.", invoke_without_command=True, no_args_is_help=False)
+
+
+@app.callback()
+def status(router: str = typer.Option("", "--router", help="a router address host:port"),
+           endpoints_file: str = typer.Option("", "--endpoints-file", help="the file `k3serve serve` wrote"),
+           redis_url: str = typer.Option("", "--redis-url", envvar="REDIS_URL", help="count pins in this Redis"),
+           namespace: str = typer.Option("k3serve", "--namespace"),
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    import grpc
+
+    from k3serve.v1 import router_pb2, router_pb2_grpc
+
+    if endpoints_file:
+        info = json.loads(Path(endpoints_file).read_text())
+        router = router or info["routers"][0]
+        redis_url = redis_url or info.get("redis", "")
+    if not router:
+        typer.echo("error: give --router or --endpoints-file", err=True)
+        raise typer.Exit(2)
+    try:
+        resp = router_pb2_grpc.RouterStub(grpc.insecure_channel(router)).ClusterStatus(
+            router_pb2.ClusterStatusRequest(), timeout=10)
+    except grpc.RpcError as e:
+        typer.echo(f"error: router {router}: {e.code().name}: {e.details()}", err=True)
+        raise typer.Exit(1)
+    rows = [{"cluster": c.cluster_id, "healthy": c.healthy, "suspect": c.suspect, "endpoint": c.endpoint,
+             "running": c.running_requests, "prefill_tp": c.prefill_tp, "decode_tp": c.decode_tp}
+            for c in resp.clusters]
+    pins = None
+    if redis_url:
+        from k3serve.cluster.redis_server import connect
+        from k3serve.router.membership import key_prefix
+
+        client = connect(redis_url)
+        pins = sum(1 for _ in client.scan_iter(match=f"{key_prefix(namespace)}pin:*", count=1000))
+    out = {"router": router, "membership_stale": resp.membership_stale, "clusters": rows, "pinned_sessions": pins}
+    if as_json:
+        json.dump(out, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"k3serve @ {router}" + (" (membership stale: Redis unreachable)" if resp.membership_stale else ""))
+    for col in ("cluster", "health", "endpoint", "running", "TP (P/D)"):
+        table.add_column(col)
+    for r in rows:
+        health = "suspect" if r["suspect"] else ("healthy" if r["healthy"] else "dead")
+        table.add_row(r["cluster"], health, r["endpoint"], str(r["running"]), f"{r['prefill_tp']}/{r['decode_tp']}")
+    Console().print(table)
+    if pins is not None:
+        Console().print(f"pinned sessions: {pins}")
