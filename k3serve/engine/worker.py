@@ -92,3 +92,4 @@ class ModelWorker:
         state = self.staging.take(op.transfer_id)  # verified only; raises (installing nothing) otherwise
         self._InstallState(InstallState(op.slot, op.block_table, state.kda.to(self.kda_store.device),
                                         state.mla.to(self.page_store.device)))
+        self.staging.recycle(state)  # the buffers go back to the receiver's free pool

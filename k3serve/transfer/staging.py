@@ -6,7 +6,11 @@
  finish(manifest)  every chunk of src present, manifest matches  ->  src done;  all P srcs done -> VERIFIED
  take(tid)         VERIFIED only: hands the buffers to InstallStaged and forgets them (tombstone INSTALLED)
  cancel / expire   drop the buffers (tombstone CANCELLED / EXPIRED: later streams of that id are refused)
+ recycle(state)    after InstallStaged copied them: buffers go back to a bounded free pool (pool_bytes)
 ```
+Reusing staging buffers keeps page faults out of the receive path (a fresh buffer costs ~4x a reused one to
+fill). A buffer is pooled only when no stream was still writing into it when its transfer was dropped; the
+pool is not "staged" state (occupancy counts live transfers only) and is bounded.
 Idempotent by transfer id: a stream for a VERIFIED or INSTALLED transfer is acknowledged as a duplicate and
 nothing is applied. Nothing here trusts the sender's description of a chunk: the receiver derives the whole
 plan from the spec and each header must match its plan entry exactly.
@@ -47,6 +51,7 @@ class StagingLimits:
     ttl_s: float = 120.0  # a transfer idle this long (unverified, or verified but never installed) is dropped
     tombstone_s: float = 600.0  # finished transfer ids are remembered this long (idempotency)
     max_tombstones: int = 100_000
+    pool_bytes: int = 1 << 30  # free staging buffers kept for reuse (0: allocate every transfer afresh)
 
     def __post_init__(self) -> None:
         if self.max_chunk_bytes < 4096 or self.max_staging_bytes <= 0 or self.ttl_s <= 0 or self.tombstone_s <= 0:
@@ -61,6 +66,7 @@ class StagedState:
     request_id: str
     kda: torch.Tensor  # [L_kda, H/D, block] fp32
     mla: torch.Tensor  # [L_mla, num_tokens, D]
+    recyclable: bool = False  # no stream was writing into the buffers when they were handed over
 
 
 @dataclass
@@ -74,8 +80,8 @@ class StagingCounters:
     installed: int = 0
     cancelled: int = 0
     expired: int = 0
-    crc_s: float = 0.0
-    place_s: float = 0.0
+    crc_s: float = 0.0  # CPU seconds (thread time) checking CRC32C
+    place_s: float = 0.0  # CPU seconds copying payloads to their resharded offsets
 
 
 @dataclass
@@ -88,6 +94,7 @@ class _Transfer:
     touched: float
     done: set[int] = field(default_factory=set)
     verified: bool = False
+    writers: int = 0  # streams copying into the buffers right now
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +113,8 @@ class StagingStore:
         self._lock = threading.Lock()
         self._live: dict[str, _Transfer] = {}
         self._tombs: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._pool: dict[tuple, list[torch.Tensor]] = {}
+        self._pooled = 0
 
     # ------------------------------------------------------------------------------------------ streams
     def open(self, spec: TransferSpec, src: int, dst: int) -> str:
@@ -146,8 +155,8 @@ class StagingStore:
             g = spec.geometry
             plans = {s: stream_plan(spec, s, self.rank) for s in range(spec.prefill_tp)}
             self._live[spec.transfer_id] = _Transfer(
-                spec, torch.empty(g.kda_shape(self.tp), dtype=torch.float32),
-                torch.empty(g.mla_shape(), dtype=DTYPES[g.mla_dtype]), plans,
+                spec, self._alloc(g.kda_shape(self.tp), torch.float32), self._alloc(g.mla_shape(),
+                                                                                    DTYPES[g.mla_dtype]), plans,
                 {s: [None] * len(p) for s, p in plans.items()}, self._clock())
             return RECEIVING
 
@@ -168,19 +177,27 @@ class StagingStore:
             plan = t.plans[src]
         self._check_header(spec, plan, h)
         c = plan[h.seq]
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         got = crc32c(payload)
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         if got != h.crc32c:
             with self._lock:
                 self.counters.crc_failures += 1
                 self.counters.crc_s += t1 - t0
             raise TransferRejected("DATA_LOSS", f"chunk.crc32c mismatch for seq {h.seq} from prefill rank {src}: "
                                    f"header {h.crc32c:#010x}, payload {got:#010x}")
-        dst = t.kda if c.kind == KDA else t.mla
-        dst.reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length] = np.frombuffer(
-            payload, dtype=np.uint8)
-        t2 = time.perf_counter()
+        with self._lock:
+            if self._live.get(spec.transfer_id) is not t:
+                raise self._reject("FAILED_PRECONDITION", f"transfer {spec.transfer_id} was dropped mid-stream")
+            t.writers += 1
+        try:
+            dst = t.kda if c.kind == KDA else t.mla
+            dst.reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length] = np.frombuffer(
+                payload, dtype=np.uint8)
+        finally:
+            with self._lock:
+                t.writers -= 1
+        t2 = time.thread_time()
         with self._lock:
             if self._live.get(spec.transfer_id) is not t:
                 raise self._reject("FAILED_PRECONDITION", f"transfer {spec.transfer_id} was dropped mid-stream")
@@ -236,7 +253,14 @@ class StagingStore:
             del self._live[transfer_id]
             self._tomb(transfer_id, INSTALLED)
             self.counters.installed += 1
-        return StagedState(transfer_id, t.spec.request_id, t.kda, t.mla)
+        return StagedState(transfer_id, t.spec.request_id, t.kda, t.mla, recyclable=t.writers == 0)
+
+    def recycle(self, state: StagedState) -> None:
+        """Return a taken transfer's buffers once they were copied out (never touch `state` afterwards)."""
+        if state.recyclable:
+            with self._lock:
+                self._put(state.kda)
+                self._put(state.mla)
 
     def cancel(self, transfer_id: str) -> bool:
         """Drop a transfer's staging (if any); later streams of this id are refused. True if something was freed."""
@@ -246,6 +270,7 @@ class StagingStore:
                 self._tomb(transfer_id, CANCELLED)
             if t is not None:
                 self.counters.cancelled += 1
+                self._drop(t)
             return t is not None
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -254,7 +279,7 @@ class StagingStore:
         with self._lock:
             old = [tid for tid, t in self._live.items() if now - t.touched > self.limits.ttl_s]
             for tid in old:
-                del self._live[tid]
+                self._drop(self._live.pop(tid))
                 self._tomb(tid, EXPIRED)
                 self.counters.expired += 1
             while self._tombs and now - next(iter(self._tombs.values()))[1] > self.limits.tombstone_s:
@@ -262,11 +287,35 @@ class StagingStore:
         return old
 
     def occupancy(self) -> tuple[int, int]:
-        """(staged transfers, staged bytes)."""
+        """(staged transfers, staged bytes): live transfers only, not the free pool."""
         with self._lock:
             return len(self._live), sum(t.nbytes for t in self._live.values())
 
+    @property
+    def pooled_bytes(self) -> int:
+        return self._pooled
+
     # ------------------------------------------------------------------------------------------ helpers
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        free = self._pool.get((shape, dtype))
+        if free:
+            t = free.pop()
+            self._pooled -= t.numel() * t.element_size()
+            return t
+        return torch.empty(shape, dtype=dtype)
+
+    def _put(self, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        if n and self._pooled + n <= self.limits.pool_bytes:
+            self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
+            self._pooled += n
+
+    def _drop(self, t: _Transfer) -> None:
+        """A transfer left the live set: pool its buffers unless a stream is still copying into them."""
+        if t.writers == 0:
+            self._put(t.kda)
+            self._put(t.mla)
+
     def _live_transfer(self, transfer_id: str) -> _Transfer:
         t = self._live.get(transfer_id)
         if t is None:

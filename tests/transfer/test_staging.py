@@ -119,3 +119,24 @@ def test_budget_and_misrouted_streams():
     other = StagingStore(0, 2, expect_geometry=(1, 2, 3, 4, 5, "float32"))
     with pytest.raises(TransferRejected, match="geometry"):
         other.open(spec, 0, 0)
+
+
+def test_staging_buffers_are_recycled_within_the_pool_bound():
+    parts, mla = random_state(1)
+    store = StagingStore(0, 1)
+    a = make_spec("s-8a", parts, mla, 1)
+    _stream(store, a, 0, 0, parts[0], mla)
+    st = store.take(a.transfer_id)
+    assert st.recyclable and store.pooled_bytes == 0
+    ptrs = {st.kda.data_ptr(), st.mla.data_ptr()}
+    store.recycle(st)
+    assert store.pooled_bytes == a.geometry.rank_bytes(1) and store.occupancy() == (0, 0)
+    b = make_spec("s-8b", parts, mla, 1)
+    assert _stream(store, b, 0, 0, parts[0], mla) == "verified"  # reuses the pooled buffers, fully rewritten
+    st = store.take(b.transfer_id)
+    assert {st.kda.data_ptr(), st.mla.data_ptr()} == ptrs and store.pooled_bytes == 0
+    assert torch.equal(st.kda, parts[0]) and torch.equal(st.mla, mla)
+    none = StagingStore(0, 1, StagingLimits(pool_bytes=0))
+    _stream(none, a, 0, 0, parts[0], mla)
+    none.cancel(a.transfer_id)
+    assert none.pooled_bytes == 0
