@@ -1,10 +1,11 @@
 """Sender and receiver processes driven over a pipe: loopback tests and the transfer bench.
 
 ```
- driver ──pipe──▶ SenderProc  (one per prefill rank): load(key, kda, mla); send(SendJob) -> SendResult | failure
+ driver ──pipe──▶ SenderProc (one per prefill rank): load(key, kda, mla); send(SendJob) -> SendResult | failure
         │                                            socket_send(job): the same bytes over a raw TCP socket
         └─pipe──▶ ReceiverProc (one per decode rank): a TransferReceiver; digest(tid) (verified state's CRCs,
                                                        then dropped), occupancy; socket sink for the baseline
+ both: cpu() -> the process's CPU seconds so far (all threads), for the bench's time shares
 ```
 Processes are spawned (fresh interpreters, one torch thread each). A command's reply is ("ok", value) or
 ("error", traceback); a dead process reads as EOF and raises ProcDied.
@@ -156,7 +157,7 @@ def _sender_main(conn) -> None:
         return time.perf_counter() - t0
 
     conn.send(("ok", None))
-    _serve(conn, {"load": load, "send": send, "socket_send": socket_send})
+    _serve(conn, {"load": load, "send": send, "socket_send": socket_send, "cpu": time.process_time})
 
 
 class SenderProc(_Proc):
@@ -173,7 +174,9 @@ def _receiver_main(conn, config: ReceiverConfig) -> None:
     def digest(tid: str) -> tuple[int, int]:
         """CRC32C of the verified state's KDA and MLA bytes; the staging is dropped (as an install would)."""
         st = rx.store.take(tid)
-        return crc32c(byte_view(st.kda)), crc32c(byte_view(st.mla))
+        out = crc32c(byte_view(st.kda)), crc32c(byte_view(st.mla))
+        rx.store.recycle(st)
+        return out
 
     def socket_listen(conns: int, nbytes: int) -> int:
         """A raw TCP sink for `conns` connections of length-prefixed bytes, received into one buffer."""
@@ -222,7 +225,7 @@ def _receiver_main(conn, config: ReceiverConfig) -> None:
     try:
         _serve(conn, {"digest": digest, "occupancy": rx.store.occupancy, "status": rx.store.status,
                       "counters": lambda: rx.store.counters, "socket_listen": socket_listen,
-                      "socket_wait": socket_wait})
+                      "socket_wait": socket_wait, "cpu": time.process_time})
     finally:
         rx.stop(0)
 

@@ -5,11 +5,22 @@ from __future__ import annotations
 import secrets
 
 import pytest
+import torch
 
 from k3serve.transfer.auth import AuthConfig
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.sender import SenderConfig
 from k3serve.transfer.staging import StagingLimits
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """These tests run many processes on few cores: two intra-op threads per process only fight (a 300-token
+    prefill took 20 s instead of 0.2 s with two threads on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -33,8 +33,9 @@ from k3serve.transfer.wire import byte_view, crc32c
 RETRIED = {
     "drop": SenderFaults(drop_after_chunks=3),
     "corrupt": SenderFaults(corrupt_chunk=2),
-    "delay": SenderFaults(stall_after_chunks=1, stall_s=1.0),
+    "delay": SenderFaults(stall_after_chunks=1, stall_s=4.0),
 }
+DELAY_DEADLINE_S = 2.0  # the stalled attempt runs past it; a clean attempt finishes well within it
 
 
 def _send_all(endpoints, spec, parts, mla, config, faults):
@@ -63,7 +64,7 @@ def _assert_empty(rxs):
 
 @pytest.mark.parametrize("fault", sorted(RETRIED))
 def test_fault_on_first_attempt_is_retried_to_identical_bytes(fault, receivers, fast_sender):
-    config = dataclasses.replace(fast_sender, stream_timeout_s=0.5)  # the delay fault stalls for 1 s
+    config = dataclasses.replace(fast_sender, stream_timeout_s=DELAY_DEADLINE_S) if fault == "delay" else fast_sender
     parts, mla = random_state(2, seed=3)
     rxs = receivers(2)
     spec = make_spec(f"retry-{fault}", parts, mla, 2)
@@ -82,7 +83,7 @@ def test_fault_on_first_attempt_is_retried_to_identical_bytes(fault, receivers, 
 @pytest.mark.parametrize("fault,code", [("drop", "CANCELLED"), ("corrupt", "DATA_LOSS"),
                                         ("delay", "DEADLINE_EXCEEDED")])
 def test_persistent_fault_fails_cleanly_and_frees_staging(fault, code, receivers, fast_sender):
-    config = dataclasses.replace(fast_sender, stream_timeout_s=0.5)
+    config = dataclasses.replace(fast_sender, stream_timeout_s=1.0, max_attempts=2)
     faults = dataclasses.replace(RETRIED[fault], attempts=0)  # every attempt
     parts, mla = random_state(2, seed=4)
     rxs = receivers(2)

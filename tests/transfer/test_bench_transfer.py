@@ -1,0 +1,34 @@
+"""The transfer bench runs end to end at toy sizes and reports the documented keys (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from k3serve.bench.transfer import TransferBenchConfig, run_transfer_bench
+from k3serve.cli.main import app
+
+KEYS = {"p", "d", "bytes", "grpc_gbps", "socket_gbps", "ratio", "crc_share", "reshard_share", "framing_share"}
+
+
+def test_bench_reports_grpc_and_socket_side_by_side():
+    out = run_transfer_bench(TransferBenchConfig(pairs=((2, 1), (1, 2)), tokens=300, preset="tiny",
+                                                 chunk_bytes=8192, reps=1, layerwise=True))
+    assert [(r["p"], r["d"]) for r in out["runs"]] == [(2, 1), (1, 2)]
+    for r in out["runs"]:
+        assert KEYS <= set(r) and r["verified"] and r["grpc_gbps"] > 0 and r["socket_gbps"] > 0
+        assert r["ratio"] > 0 and 0 <= r["crc_share"] <= 1
+    # the same bytes: KDA once, MLA rows once per decode rank
+    mla = out["mla_bytes_per_decode_rank"]
+    assert out["runs"][0]["bytes"] == out["kda_bytes"] + mla and out["runs"][1]["bytes"] == out["kda_bytes"] + 2 * mla
+
+
+def test_cli_json_and_bad_layouts():
+    runner = CliRunner()
+    res = runner.invoke(app, ["bench", "transfer", "--pairs", "1x1", "--tokens", "128", "--preset", "tiny",
+                              "--chunk-kib", "8", "--reps", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert KEYS <= set(json.loads(res.output)["runs"][0])
+    res = runner.invoke(app, ["bench", "transfer", "--pairs", "3x1", "--preset", "tiny", "--json"])
+    assert res.exit_code == 2 and "divisible" in res.output
