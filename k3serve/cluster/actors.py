@@ -61,7 +61,8 @@ class ClusterActor:
                                                                d.torch_threads), pg, bundle_offset=c.prefill_tp)
         policy = PrefixCachePolicy(scheme=c.prefix_scheme, page_size=c.prefill_pools.page_size)
         prefill = PrefillEngine(cfg, self.executors["prefill"],
-                                PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget),
+                                PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget,
+                                              long_threshold=_long_threshold(d)),
                                 model_fingerprint(cfg.to_hf_dict()))
         decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch))
         self.front = ClusterFront(self.cluster_id, prefill, decode, d.secret, c.prefill_tp, c.decode_tp)
@@ -112,6 +113,11 @@ class ClusterActor:
             ex.close()
 
 
+def _long_threshold(d: DeployConfig) -> int:
+    """The engine's long class starts above the smallest class bound of the deploy file."""
+    return min(c.max_uncached_tokens for c in d.request_classes) + 1
+
+
 @ray.remote(num_cpus=ACTOR_CPU, max_restarts=0, max_concurrency=4)
 class RouterActor:
     def __init__(self, deploy: DeployConfig, checkpoint: str, redis_url: str) -> None:
@@ -133,13 +139,23 @@ class RouterActor:
         view = MembershipView(Membership(client, ctl.namespace), refresh_interval_s=0.2,
                               breaker=CircuitBreaker(BreakerConfig(cool_down_s=ctl.suspect_cooldown_s)))
         limits = ModelLimits(cfg.vocab_size, cfg.max_position_embeddings, cfg.vocab_size == BYTE_VOCAB_SIZE)
+        from k3serve.router.admission import ClassSpec
+        from k3serve.router.gate import AdmissionGate
+
+        classes = [ClassSpec(c.name, c.max_uncached_tokens, c.inflight_token_budget, c.max_concurrent, c.queue_limit,
+                             c.max_wait_s) for c in d.request_classes]
+        gate = AdmissionGate(client, ctl.namespace, classes, enabled=d.admission,
+                             block_size=512, context_ttl_s=ctl.pin_ttl_s)
         self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
-                                     d.api_keys)
+                                     d.api_keys, gate=gate)
         self.server, addr = start_router_server(self.service, d.bind_host)
         return addr
 
     def counters(self) -> dict:
-        return dict(self.service.counters)
+        return {**self.service.counters, **{f"admission.{k}": v for k, v in self.service.gate.counters.items()}}
+
+    def class_stats(self, clusters: list[str]) -> dict:
+        return self.service.gate.class_stats(clusters)
 
     def stop(self, grace_s: float = 2.0) -> None:
         if self.server is not None:

@@ -91,6 +91,7 @@ class DeployConfig:
         RequestClassSpec("long", 1 << 30, inflight_token_budget=65536, max_concurrent=4, queue_limit=16,
                          max_wait_s=30.0),
     )
+    admission: bool = True  # per-class budgets in the routers (off: every request goes straight through)
     torch_threads: int = 1
 
     def with_secret(self) -> "DeployConfig":

@@ -134,7 +134,15 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
                 return
             history += rec.tokens
 
+    fault_error: list[str] = []
+
     def inject() -> None:
+        try:
+            _inject()
+        except Exception as e:  # noqa: BLE001 - reported, never swallowed silently
+            fault_error.append(f"{type(e).__name__}: {e}")
+
+    def _inject() -> None:
         time.sleep(at_s)
         fault_at[0] = time.monotonic()
         if fault.kind == "cluster":
@@ -155,6 +163,8 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
         t.start()
     for t in threads:
         t.join()
+    if fault_error:
+        raise RuntimeError(f"fault injection failed: {fault_error[0]}")
     return records, fault_at[0] if fault else t0
 
 

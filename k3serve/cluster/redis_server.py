@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -210,7 +211,10 @@ class RedisServer:
             url = f"redis://{self._host}:{port}/0"
         args += list(self._extra_args)
 
-        preexec = _die_with_parent if _PRCTL is not None else None
+        # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only tie the server to the main thread, or a
+        # server (re)started from a worker thread (a drill restoring Redis) would die with that thread
+        main = threading.current_thread() is threading.main_thread()
+        preexec = _die_with_parent if _PRCTL is not None and main else None
         # stdout/stderr to a file, not a pipe: nobody would drain a pipe once the server runs. Config errors go
         # there (before --logfile takes effect).
         errfile = self._tmpdir / "redis.stderr"

@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +27,8 @@ from grpc_reflection.v1alpha import reflection
 
 from k3serve.cluster.auth import auth_metadata
 from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
+from k3serve.router.admission import AdmissionRejected
+from k3serve.router.gate import AdmissionGate
 from k3serve.router.hashing import rank_clusters, session_key
 from k3serve.router.membership import MembershipView
 from k3serve.router.pins import NoHealthyCluster, PinStore
@@ -39,10 +42,21 @@ MAX_MESSAGE_BYTES = 4 << 20
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
+@dataclass
+class _Progress:
+    """What one client request has received so far, across failovers."""
+
+    streamed: list[int] = field(default_factory=list)
+    failovers: int = 0
+    cached: int = 0
+    finished: bool = False
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, view: MembershipView, pins: PinStore, limits: ModelLimits, secret: str,
-                 api_keys: tuple[str, ...] = (), request_timeout_s: float = 600.0) -> None:
-        self.view, self.pins, self.limits, self.secret = view, pins, limits, secret
+                 api_keys: tuple[str, ...] = (), request_timeout_s: float = 600.0,
+                 gate: AdmissionGate | None = None) -> None:
+        self.view, self.pins, self.limits, self.secret, self.gate = view, pins, limits, secret, gate
         self.api_keys = frozenset(api_keys)
         self.timeout_s = request_timeout_s
         self._channels: dict[str, tuple[str, grpc.Channel]] = {}
@@ -127,66 +141,96 @@ class RouterService(router_pb2_grpc.RouterServicer):
                           f"no healthy cluster: alive {snap.alive_ids()}, stale={snap.stale} ({snap.error}), "
                           f"suspect {[c for c in snap.alive_ids() if not self.view.breaker.allows(c)]}")
         cluster: str | None = pin.serving
-        streamed: list[int] = []
+        state = _Progress()
         tried: set[str] = set()
-        failovers, cached = 0, 0
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)
+        uncached = self.gate.uncached_tokens(key, req.prompt_ids) if self.gate else len(req.prompt_ids)
         while cluster is not None:
-            stub = self._stub(cluster)
-            sampling = router_pb2.SamplingParams(
-                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                max_tokens=req.max_tokens - len(streamed), stop_token_ids=req.stop_token_ids,
-                ignore_eos=req.ignore_eos)
-            inner = router_pb2.GenerateRequest(request_id=req.request_id, session_id=req.session_id,
-                                               prompt_token_ids=list(req.prompt_ids) + streamed, sampling=sampling)
+            reservation = self._admit(cluster, req.request_id, uncached, cancelled, context)
             try:
-                if stub is None:
-                    raise ConnectionError(f"cluster {cluster} has no endpoint")
-                call = stub.Generate(cluster_pb2.ClusterGenerateRequest(request=inner, absolute_offset=len(streamed)),
-                                     metadata=auth_metadata(self.secret), timeout=self.timeout_s)
-                context.add_callback(call.cancel)
-                for resp in call:
-                    if not streamed and not failovers:
-                        cached = resp.cached_tokens
-                    streamed += resp.token_ids
-                    msg = router_pb2.GenerateResponse(token_ids=resp.token_ids, finish_reason=resp.finish_reason)
-                    if self._tok is not None:
-                        msg.text = self._tok.decode(resp.token_ids)
-                    if resp.finish_reason:
-                        msg.usage.CopyFrom(router_pb2.Usage(
-                            prompt_tokens=len(req.prompt_ids), cached_tokens=cached, completion_tokens=len(streamed),
-                            cluster_id=cluster, failovers=failovers))
-                        self.view.mark_ok(cluster)
-                        self.counters["completed"] += 1
-                        yield msg
-                        return
-                    yield msg
-                raise ConnectionError(f"cluster {cluster} ended the stream without finishing")
-            except grpc.RpcError as e:
-                if not context.is_active():
-                    return  # the client went away; its cancel reached the cluster through the callback
-                if e.code() in _PASS_THROUGH:
-                    self.counters["failed"] += 1
-                    context.abort(e.code(), e.details())
-                log.warning("cluster %s failed request %s: %s %s", cluster, req.request_id, e.code(), e.details())
-            except ConnectionError as e:
-                log.warning("%s", e)
+                done = yield from self._stream(cluster, req, state, context)
+            finally:
+                if self.gate is not None:
+                    self.gate.release(reservation)
+            if done:
+                if self.gate is not None and state.finished:
+                    self.gate.record_prompt(key, req.prompt_ids)
+                return
             self.view.mark_suspect(cluster)
             tried.add(cluster)
             nxt = self._next_cluster(key, tried)
             if nxt is not None:
-                failovers += 1
+                state.failovers += 1
                 self.counters["failovers"] += 1
                 try:
                     self.pins.move(key, nxt, expected_serving=cluster)
                 except Exception:  # noqa: BLE001 - Redis down: keep serving on the computed choice
                     log.warning("could not move pin of %s (Redis unreachable?)", key)
             cluster = nxt
+            uncached = len(req.prompt_ids) + len(state.streamed)  # nothing of this session is cached there
         self.counters["failed"] += 1
         context.abort(grpc.StatusCode.UNAVAILABLE,
                       f"every cluster failed this request (tried {sorted(tried)}); retry later")
 
+    def _admit(self, cluster: str, request_id: str, uncached: int, cancelled: threading.Event, context):
+        if self.gate is None:
+            return None
+        try:
+            return self.gate.admit(cluster, request_id, uncached, cancelled)
+        except AdmissionRejected as e:
+            self.counters["rejected"] = self.counters.get("rejected", 0) + 1
+            context.set_trailing_metadata((("retry-after-s", f"{e.retry_after_s:.2f}"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.message}; retry after {e.retry_after_s:.1f}s")
+
+    def _stream(self, cluster: str, req: ValidRequest, state: "_Progress", context):
+        """Yield the cluster's tokens to the client; True when the request is over, False to fail over."""
+        stub = self._stub(cluster)
+        sampling = router_pb2.SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+            max_tokens=req.max_tokens - len(state.streamed), stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos)
+        inner = router_pb2.GenerateRequest(request_id=req.request_id, session_id=req.session_id,
+                                           prompt_token_ids=list(req.prompt_ids) + state.streamed, sampling=sampling)
+        try:
+            if stub is None:
+                raise ConnectionError(f"cluster {cluster} has no endpoint")
+            call = stub.Generate(cluster_pb2.ClusterGenerateRequest(request=inner, absolute_offset=len(state.streamed)),
+                                 metadata=auth_metadata(self.secret), timeout=self.timeout_s)
+            context.add_callback(call.cancel)
+            for resp in call:
+                if not state.streamed and not state.failovers:
+                    state.cached = resp.cached_tokens
+                state.streamed += resp.token_ids
+                msg = router_pb2.GenerateResponse(token_ids=resp.token_ids, finish_reason=resp.finish_reason)
+                if self._tok is not None:
+                    msg.text = self._tok.decode(resp.token_ids)
+                if resp.finish_reason:
+                    msg.usage.CopyFrom(router_pb2.Usage(
+                        prompt_tokens=len(req.prompt_ids), cached_tokens=state.cached,
+                        completion_tokens=len(state.streamed), cluster_id=cluster, failovers=state.failovers))
+                    self.view.mark_ok(cluster)
+                    self.counters["completed"] += 1
+                    state.finished = True
+                    yield msg
+                    return True
+                yield msg
+            raise ConnectionError(f"cluster {cluster} ended the stream without finishing")
+        except grpc.RpcError as e:
+            if not context.is_active():
+                return True  # the client went away; its cancel reached the cluster through the callback
+            if e.code() in _PASS_THROUGH:
+                self.counters["failed"] += 1
+                context.abort(e.code(), e.details())
+            log.warning("cluster %s failed request %s: %s %s", cluster, req.request_id, e.code(), e.details())
+        except ConnectionError as e:
+            log.warning("%s", e)
+        return False
+
     def close(self) -> None:
         self._closed.set()
+        if self.gate is not None:
+            self.gate.close()
         with self._lock:
             for _, ch in self._channels.values():
                 ch.close()
