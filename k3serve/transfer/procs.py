@@ -2,9 +2,9 @@
 
 ```
  driver ──pipe──▶ SenderProc (one per prefill rank): load(key, kda, mla); send(SendJob) -> SendResult | failure
-        │                                            socket_send(job): the same bytes over a raw TCP socket
+        │                                            socket_send / grpc_send(job): the same bytes, baselines
         └─pipe──▶ ReceiverProc (one per decode rank): a TransferReceiver; digest(tid) (verified state's CRCs,
-                                                       then dropped), occupancy; socket sink for the baseline
+                                                       then dropped), occupancy; baseline sinks (baselines.py)
  both: cpu() -> the process's CPU seconds so far (all threads), for the bench's time shares
 ```
 Processes are spawned (fresh interpreters, one torch thread each). A command's reply is ("ok", value) or
@@ -14,24 +14,19 @@ Processes are spawned (fresh interpreters, one torch thread each). A command's r
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
-import struct
-import threading
 import time
 import traceback
 from dataclasses import dataclass
 
 import torch
 
+from k3serve.transfer.baselines import GrpcSink, SocketSink, grpc_source, socket_source
 from k3serve.transfer.chunks import all_layers, stream_plan
 from k3serve.transfer.faults import NO_FAULTS, SenderFaults
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.sender import SenderConfig, TransferFailed, TransferSender
 from k3serve.transfer.spec import TransferSpec
 from k3serve.transfer.wire import byte_view, crc32c
-
-_HDR = struct.Struct("<Q")
-
 
 class ProcDied(RuntimeError):
     """The helper process exited (killed, crashed) before answering."""
@@ -135,29 +130,16 @@ def _sender_main(conn) -> None:
             except TransferFailed as e:
                 return SendFailure(e.code, e.message, e.dst_rank)
 
-    def socket_send(job: SendJob, ports: tuple[int, ...], host: str) -> float:
-        """The same bytes as send(job), raw: one TCP connection per decode rank, in parallel threads."""
-        kda, mla = states[job.key]
-        views = {"kda": byte_view(kda), "mla": byte_view(mla)}
-
-        def one(dst: int) -> None:
-            plan = stream_plan(job.spec, job.rank, dst)
-            with socket.create_connection((host, ports[dst])) as s:
-                s.sendall(_HDR.pack(sum(c.length for c in plan)))
-                for c in plan:
-                    s.sendall(memoryview(views[c.kind][c.src_byte: c.src_byte + c.length]))
-                s.recv(1)  # the sink's "all received"
-
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=one, args=(d,)) for d in range(job.spec.decode_tp)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return time.perf_counter() - t0
+    def pieces(job: SendJob) -> list[list]:
+        """Per decode rank, the byte views send(job) would stream there (the baselines move the same bytes)."""
+        views = {"kda": byte_view(states[job.key][0]), "mla": byte_view(states[job.key][1])}
+        return [[views[c.kind][c.src_byte: c.src_byte + c.length] for c in stream_plan(job.spec, job.rank, d)]
+                for d in range(job.spec.decode_tp)]
 
     conn.send(("ok", None))
-    _serve(conn, {"load": load, "send": send, "socket_send": socket_send, "cpu": time.process_time})
+    _serve(conn, {"load": load, "send": send, "cpu": time.process_time,
+                  "socket_send": lambda job, ports, host: socket_source(host, ports, pieces(job)),
+                  "grpc_send": lambda job, ports, host: grpc_source(host, ports, pieces(job))})
 
 
 class SenderProc(_Proc):
@@ -169,7 +151,7 @@ class SenderProc(_Proc):
 def _receiver_main(conn, config: ReceiverConfig) -> None:
     torch.set_num_threads(1)
     rx = TransferReceiver(config)
-    sink: dict[str, object] = {}
+    sinks: dict[str, object] = {}  # baseline sinks (bench)
 
     def digest(tid: str) -> tuple[int, int]:
         """CRC32C of the verified state's KDA and MLA bytes; the staging is dropped (as an install would)."""
@@ -179,54 +161,24 @@ def _receiver_main(conn, config: ReceiverConfig) -> None:
         return out
 
     def socket_listen(conns: int, nbytes: int) -> int:
-        """A raw TCP sink for `conns` connections of length-prefixed bytes, received into one buffer."""
-        buf = torch.empty(max(1, nbytes), dtype=torch.uint8).numpy()
-        buf[:] = 0  # touch the pages now, not while timing
-        ls = socket.create_server((config.host, 0))
-        sink.update(listener=ls, done=threading.Event(), got=[0])
-        offsets = [0]
-        lock = threading.Lock()
+        sinks["socket"] = SocketSink(config.host, conns, nbytes)
+        return sinks["socket"].port
 
-        def serve() -> None:
-            def one(c: socket.socket) -> None:
-                with c:
-                    n = _HDR.unpack(c.recv(_HDR.size, socket.MSG_WAITALL))[0]
-                    with lock:
-                        off = offsets[0]
-                        offsets[0] += n
-                    view, end = memoryview(buf)[off: off + n], 0
-                    while end < n:
-                        k = c.recv_into(view[end:])
-                        if not k:
-                            break
-                        end += k
-                    with lock:
-                        sink["got"][0] += end
-                    c.sendall(b"k")
-
-            threads = []
-            for _ in range(conns):
-                c, _ = ls.accept()
-                threads.append(threading.Thread(target=one, args=(c,)))
-                threads[-1].start()
-            for t in threads:
-                t.join()
-            sink["done"].set()
-
-        threading.Thread(target=serve, daemon=True).start()
-        return ls.getsockname()[1]
-
-    def socket_wait(timeout: float) -> int:
-        sink["done"].wait(timeout)
-        sink["listener"].close()
-        return sink["got"][0]
+    def grpc_listen() -> int:
+        if "grpc" not in sinks:
+            sinks["grpc"] = GrpcSink(config.host)
+        sinks["grpc"].reset()
+        return sinks["grpc"].port
 
     conn.send(("ok", rx.endpoint))
     try:
         _serve(conn, {"digest": digest, "occupancy": rx.store.occupancy, "status": rx.store.status,
-                      "counters": lambda: rx.store.counters, "socket_listen": socket_listen,
-                      "socket_wait": socket_wait, "cpu": time.process_time})
+                      "counters": lambda: rx.store.counters, "cpu": time.process_time,
+                      "socket_listen": socket_listen, "socket_wait": lambda t: sinks["socket"].wait(t),
+                      "grpc_listen": grpc_listen, "grpc_received": lambda: sinks["grpc"].received})
     finally:
+        if "grpc" in sinks:
+            sinks["grpc"].close()
         rx.stop(0)
 
 

@@ -124,6 +124,9 @@ class StagingStore:
                                f"{spec.decode_tp} reached rank {self.rank} of {self.tp}")
         if not 0 <= src < spec.prefill_tp:
             raise self._reject("INVALID_ARGUMENT", f"open.src_rank {src} not in [0, {spec.prefill_tp})")
+        if spec.chunk_bytes > self.limits.max_chunk_bytes:
+            raise self._reject("INVALID_ARGUMENT", f"open.spec.chunk_bytes {spec.chunk_bytes} exceeds this "
+                               f"receiver's max_chunk_bytes {self.limits.max_chunk_bytes}")
         if self.expect_geometry is not None and spec.geometry.without_tokens() != self.expect_geometry:
             raise self._reject("INVALID_ARGUMENT", f"open.spec: state geometry {spec.geometry} does not match "
                                f"this decode model {self.expect_geometry}")

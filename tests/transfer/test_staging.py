@@ -116,6 +116,8 @@ def test_budget_and_misrouted_streams():
     with pytest.raises(TransferRejected, match="open.spec") as e:
         small.open(make_spec("s-7", parts, mla, 1), 0, 0)
     assert e.value.code == "INVALID_ARGUMENT"
+    with pytest.raises(TransferRejected, match="open.spec.chunk_bytes"):
+        StagingStore(0, 1, StagingLimits(max_chunk_bytes=8192)).open(make_spec("s-9", parts, mla, 1), 0, 0)
     other = StagingStore(0, 2, expect_geometry=(1, 2, 3, 4, 5, "float32"))
     with pytest.raises(TransferRejected, match="geometry"):
         other.open(spec, 0, 0)
