@@ -154,6 +154,10 @@ class RouterActor:
     def counters(self) -> dict:
         return {**self.service.counters, **{f"admission.{k}": v for k, v in self.service.gate.counters.items()}}
 
+    def set_admission(self, enabled: bool) -> None:
+        """Switch the budget gate on or off at run time (the admission bench compares both)."""
+        self.service.gate.enabled = enabled
+
     def class_stats(self, clusters: list[str]) -> dict:
         return self.service.gate.class_stats(clusters)
 

@@ -4,7 +4,9 @@ A pure function so the scheduling rules are unit-tested without a model:
 
 * every step has a token budget; short-class requests go first, so a 2K prompt never waits behind a 1M one
   for more than one step;
-* while any long-class request is running it keeps a minimum share of each step (it cannot starve);
+* while any long-class request is running it keeps a minimum share of each step (it cannot starve); in a step
+  that serves short requests the long class gets only that share, so the step stays short and the next short
+  request waits for little; steps without short work give the long class the whole budget;
 * a chunk never crosses a KDA checkpoint boundary: the state at the boundary must exist between two chunks to
   be copied into the prefix cache.
 """
@@ -59,7 +61,7 @@ def plan_chunks(candidates: list[ChunkCandidate], token_budget: int, long_min_sh
     for c in shorts:
         work, budget = _chunks_for(c, budget)
         plan += work
-    budget += reserve
+    budget = reserve if plan else budget + reserve
     for c in longs:
         work, budget = _chunks_for(c, budget)
         plan += work

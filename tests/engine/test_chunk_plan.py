@@ -13,6 +13,12 @@ def test_short_requests_go_first_and_long_keeps_a_share():
     assert plan[-1] == ChunkWork("long", 0, 512)
 
 
+def test_long_gets_only_its_share_when_shorts_ran():
+    long = ChunkCandidate("long", True, 0, 100_000, ())
+    plan = plan_chunks([long, ChunkCandidate("s", False, 0, 100, ())], token_budget=2048, long_min_share=0.25)
+    assert plan == [ChunkWork("s", 0, 100), ChunkWork("long", 0, 512)]
+
+
 def test_long_gets_leftover_budget_when_alone():
     plan = plan_chunks([ChunkCandidate("long", True, 1000, 100_000, ())], token_budget=2048)
     assert plan == [ChunkWork("long", 1000, 3048)]

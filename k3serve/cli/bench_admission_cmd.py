@@ -1,0 +1,27 @@
+"""``k3serve bench admission``: short TTFT under a long-request burst, budgets on vs off (JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+app = typer.Typer()
+
+
+@app.command("admission")
+def admission(config: str = typer.Option("configs/local.yaml", "--config"),
+              shorts: int = typer.Option(12, "--shorts"), longs: int = typer.Option(8, "--longs"),
+              long_tokens: int = typer.Option(6000, "--long-tokens"),
+              as_json: bool = typer.Option(False, "--json")) -> None:
+    """Short-request TTFT p99: unloaded, during a burst of long requests with budgets, and without."""
+    from k3serve.bench.admission import run_admission_bench
+
+    out = run_admission_bench(config, shorts=shorts, longs=longs, long_len=long_tokens)
+    if as_json:
+        json.dump(out, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        for k, v in out.items():
+            typer.echo(f"{k}: {v}")
