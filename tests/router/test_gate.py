@@ -1,0 +1,49 @@
+"""The router's admission gate: uncached-token estimate per session, class choice, reservations."""
+
+import pytest
+
+from k3serve.router.admission import AdmissionRejected, ClassSpec
+from k3serve.router.gate import AdmissionGate
+
+CLASSES = [ClassSpec("short", 4096, inflight_token_budget=10_000, max_concurrent=8, queue_limit=4, max_wait_s=0.3),
+           ClassSpec("long", None, inflight_token_budget=8192, max_concurrent=1, queue_limit=0, max_wait_s=0.0)]
+
+
+@pytest.fixture
+def gate(rclient, ns):
+    g = AdmissionGate(rclient, ns, CLASSES, lease_ttl_s=5.0)
+    yield g
+    g.close()
+
+
+def test_warm_session_counts_only_its_uncached_tokens(gate):
+    turn1 = list(range(200)) * 30  # 6000 tokens: a long request when cold
+    assert gate.uncached_tokens("s:a", turn1) == 6000
+    assert gate.request_class(6000).name == "long"
+    gate.record_prompt("s:a", turn1)
+    turn2 = turn1 + [7] * 300
+    # the cluster holds the session's KDA checkpoint at the last 512-token block end of turn 1 (5632)
+    assert gate.uncached_tokens("s:a", turn2) == 6300 - 5632
+    assert gate.request_class(gate.uncached_tokens("s:a", turn2)).name == "short"
+    # a prompt that does not extend the recorded one gets no credit
+    assert gate.uncached_tokens("s:a", [1] + turn2[1:]) == 6300
+
+
+def test_long_budget_rejects_with_retry_hint_and_release_frees(gate):
+    first = gate.admit("c0", "r1", 6000)
+    assert first is not None
+    with pytest.raises(AdmissionRejected) as err:
+        gate.admit("c0", "r2", 6000)
+    assert err.value.retry_after_s >= 0
+    assert gate.class_stats(["c0"])["long"]["rejected"] == 1
+    gate.release(first)
+    assert gate.admit("c0", "r3", 6000) is not None
+    assert gate.class_stats(["c0"])["long"]["inflight_requests"] == 1
+
+
+def test_disabled_gate_admits_everything(rclient, ns):
+    g = AdmissionGate(rclient, ns, CLASSES, enabled=False)
+    try:
+        assert g.admit("c0", "x", 10**6) is None and g.admit("c0", "y", 10**6) is None
+    finally:
+        g.close()
