@@ -44,7 +44,10 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
 
         client = connect(redis_url)
         pins = sum(1 for _ in client.scan_iter(match=f"{key_prefix(namespace)}pin:*", count=1000))
-    out = {"router": router, "membership_stale": resp.membership_stale, "clusters": rows, "pinned_sessions": pins}
+    classes = [{"class": c.name, "inflight_tokens": c.inflight_tokens, "inflight_requests": c.inflight_requests,
+                "queued": c.queued, "rejected": c.rejected} for c in resp.classes]
+    out = {"router": router, "membership_stale": resp.membership_stale, "clusters": rows, "classes": classes,
+           "pinned_sessions": pins}
     if as_json:
         json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -59,5 +62,13 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
         health = "suspect" if r["suspect"] else ("healthy" if r["healthy"] else "dead")
         table.add_row(r["cluster"], health, r["endpoint"], str(r["running"]), f"{r['prefill_tp']}/{r['decode_tp']}")
     Console().print(table)
+    if classes:
+        ct = Table(title="request classes (admission)")
+        for col in ("class", "in-flight tokens", "in-flight requests", "queued", "rejected here"):
+            ct.add_column(col)
+        for c in classes:
+            ct.add_row(c["class"], str(c["inflight_tokens"]), str(c["inflight_requests"]), str(c["queued"]),
+                       str(c["rejected"]))
+        Console().print(ct)
     if pins is not None:
         Console().print(f"pinned sessions: {pins}")

@@ -146,10 +146,17 @@ class RouterActor:
                              c.max_wait_s) for c in d.request_classes]
         gate = AdmissionGate(client, ctl.namespace, classes, enabled=d.admission,
                              block_size=512, context_ttl_s=ctl.pin_ttl_s)
+        from k3serve.router.metrics import RouterMetrics, class_stats_source
+
+        metrics = RouterMetrics(class_stats_source(gate, lambda: view.snapshot().alive_ids()))
+        self.metrics_address = metrics.serve(d.bind_host)
         self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
-                                     d.api_keys, gate=gate)
+                                     d.api_keys, gate=gate, metrics=metrics)
         self.server, addr = start_router_server(self.service, d.bind_host)
         return addr
+
+    def metrics_endpoint(self) -> str:
+        return f"http://{self.metrics_address}/metrics"
 
     def counters(self) -> dict:
         return {**self.service.counters, **{f"admission.{k}": v for k, v in self.service.gate.counters.items()}}

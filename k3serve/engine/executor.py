@@ -16,7 +16,7 @@ import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -74,25 +74,40 @@ class LocalExecutor:
         pass
 
 
-def _rank_main(spec: WorkerSpec, rank: int, init_file: str, conn) -> None:
+class RankSetup(Protocol):
+    """Optional per-rank hook run in the rank process after its worker is built (e.g. start a transfer
+    receiver next to the pools). Must be picklable. Returns (a value reported to the driver, a cleanup)."""
+
+    def __call__(self, worker: ModelWorker, rank: int, tp: int) -> tuple[object, Callable[[], None]]: ...
+
+
+def _rank_main(spec: WorkerSpec, rank: int, init_file: str, conn, setup: RankSetup | None = None) -> None:
     torch.set_num_threads(spec.torch_threads)
+    cleanup: Callable[[], None] = lambda: None  # noqa: E731
     try:
         worker = build_worker(spec, rank, init_file)
-        conn.send(("ready", None))
+        ready = None
+        if setup is not None:
+            ready, cleanup = setup(worker, rank, spec.tp)
+        conn.send(("ready", ready))
     except BaseException:  # report the failure to the driver instead of hanging it
         conn.send(("error", traceback.format_exc()))
+        cleanup()
         return
-    while True:
-        try:
-            op = conn.recv()
-        except EOFError:
-            return
-        if op is None:
-            return
-        try:
-            conn.send(("ok", worker.execute(op)))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
+    try:
+        while True:
+            try:
+                op = conn.recv()
+            except EOFError:
+                return
+            if op is None:
+                return
+            try:
+                conn.send(("ok", worker.execute(op)))
+            except BaseException:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        cleanup()
 
 
 class WorkerFailure(RuntimeError):
@@ -100,20 +115,31 @@ class WorkerFailure(RuntimeError):
 
 
 class MultiprocExecutor:
-    def __init__(self, spec: WorkerSpec) -> None:
+    """TP worker processes; `setup` (optional) runs in each rank after its worker is built, and what it
+    reports comes back in :attr:`ready` (rank order)."""
+
+    def __init__(self, spec: WorkerSpec, setup: RankSetup | None = None) -> None:
         self.tp = spec.tp
         ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="k3serve-tp-")
         init_file = str(Path(self._dir) / "rendezvous")
         self._conns, self._procs = [], []
-        for rank in range(spec.tp):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(spec, rank, init_file, child), daemon=True)
-            proc.start()
-            child.close()  # only the rank holds its end: a dead rank then reads as EOF here, not a hang
-            self._conns.append(parent)
-            self._procs.append(proc)
-        self._collect("start")
+        try:
+            for rank in range(spec.tp):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_rank_main, args=(spec, rank, init_file, child, setup), daemon=True)
+                proc.start()
+                child.close()  # only the rank holds its end: a dead rank then reads as EOF here, not a hang
+                self._conns.append(parent)
+                self._procs.append(proc)
+            self.ready: tuple[object, ...] = tuple(self._collect("start"))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self._procs)
 
     def _collect(self, what: str) -> list[object]:
         results, errors = [], []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from k3serve.router.admission import AdmissionRejected
 from k3serve.router.gate import AdmissionGate
 from k3serve.router.hashing import rank_clusters, session_key
 from k3serve.router.membership import MembershipView
+from k3serve.router.metrics import RouterMetrics
 from k3serve.router.pins import NoHealthyCluster, PinStore
 from k3serve.router.validate import InvalidRequest, ModelLimits, ValidRequest, validate_generate
 from k3serve.tokenizer import ByteTokenizer
@@ -55,8 +57,9 @@ class _Progress:
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, view: MembershipView, pins: PinStore, limits: ModelLimits, secret: str,
                  api_keys: tuple[str, ...] = (), request_timeout_s: float = 600.0,
-                 gate: AdmissionGate | None = None) -> None:
+                 gate: AdmissionGate | None = None, metrics: RouterMetrics | None = None) -> None:
         self.view, self.pins, self.limits, self.secret, self.gate = view, pins, limits, secret, gate
+        self.metrics = metrics or RouterMetrics()
         self.api_keys = frozenset(api_keys)
         self.timeout_s = request_timeout_s
         self._channels: dict[str, tuple[str, grpc.Channel]] = {}
@@ -87,7 +90,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self.counters["invalid"] += 1
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.counters["requests"] += 1
-        yield from self._generate(req, context)
+        started = time.monotonic()
+        first = True
+        outcome = "failed"
+        try:
+            for msg in self._generate(req, context):
+                if first:
+                    self.metrics.ttft.observe(time.monotonic() - started)
+                    first = False
+                if msg.finish_reason:
+                    outcome = "completed"
+                yield msg
+        finally:
+            self.metrics.requests.labels(outcome=outcome).inc()
 
     def ClusterStatus(self, request, context):
         self._check_api_key(context)
@@ -100,6 +115,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 endpoint=c.endpoints.get("cluster", ""), running_requests=int(c.load.get("running_requests", 0)),
                 inflight_tokens=int(c.load.get("inflight_tokens", 0)),
                 prefill_tp=int(c.load.get("prefill_tp", 0)), decode_tp=int(c.load.get("decode_tp", 0))))
+        if self.gate is not None:
+            for name, st in self.gate.class_stats(snap.alive_ids()).items():
+                out.classes.append(router_pb2.ClassStatus(
+                    name=name, inflight_tokens=st["inflight_tokens"], inflight_requests=st["inflight_requests"],
+                    queued=st["queued"], rejected=st["rejected"]))
         return out
 
     # ------------------------------------------------------------------------------------------ routing
@@ -163,6 +183,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if nxt is not None:
                 state.failovers += 1
                 self.counters["failovers"] += 1
+                self.metrics.failovers.inc()
                 try:
                     self.pins.move(key, nxt, expected_serving=cluster)
                 except Exception:  # noqa: BLE001 - Redis down: keep serving on the computed choice
@@ -176,10 +197,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def _admit(self, cluster: str, request_id: str, uncached: int, cancelled: threading.Event, context):
         if self.gate is None:
             return None
+        cls = self.gate.request_class(uncached).name
+        t = time.monotonic()
         try:
-            return self.gate.admit(cluster, request_id, uncached, cancelled)
+            res = self.gate.admit(cluster, request_id, uncached, cancelled)
+            self.metrics.admission_wait.labels(cls=cls).observe(time.monotonic() - t)
+            return res
         except AdmissionRejected as e:
             self.counters["rejected"] = self.counters.get("rejected", 0) + 1
+            self.metrics.rejections.labels(cls=cls).inc()
             context.set_trailing_metadata((("retry-after-s", f"{e.retry_after_s:.2f}"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.message}; retry after {e.retry_after_s:.1f}s")
 

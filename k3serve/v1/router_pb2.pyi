@@ -88,12 +88,28 @@ class ClusterInfo(_message.Message):
     decode_tp: int
     def __init__(self, cluster_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., suspect: _Optional[bool] = ..., endpoint: _Optional[str] = ..., running_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., prefill_tp: _Optional[int] = ..., decode_tp: _Optional[int] = ...) -> None: ...
 
+class ClassStatus(_message.Message):
+    __slots__ = ("name", "inflight_tokens", "inflight_requests", "queued", "rejected")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    inflight_tokens: int
+    inflight_requests: int
+    queued: int
+    rejected: int
+    def __init__(self, name: _Optional[str] = ..., inflight_tokens: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., queued: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("clusters", "pinned_sessions", "membership_stale")
+    __slots__ = ("clusters", "pinned_sessions", "membership_stale", "classes")
     CLUSTERS_FIELD_NUMBER: _ClassVar[int]
     PINNED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_STALE_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
     clusters: _containers.RepeatedCompositeFieldContainer[ClusterInfo]
     pinned_sessions: int
     membership_stale: bool
-    def __init__(self, clusters: _Optional[_Iterable[_Union[ClusterInfo, _Mapping]]] = ..., pinned_sessions: _Optional[int] = ..., membership_stale: _Optional[bool] = ...) -> None: ...
+    classes: _containers.RepeatedCompositeFieldContainer[ClassStatus]
+    def __init__(self, clusters: _Optional[_Iterable[_Union[ClusterInfo, _Mapping]]] = ..., pinned_sessions: _Optional[int] = ..., membership_stale: _Optional[bool] = ..., classes: _Optional[_Iterable[_Union[ClassStatus, _Mapping]]] = ...) -> None: ...

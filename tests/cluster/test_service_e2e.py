@@ -126,6 +126,21 @@ def test_internal_endpoint_rejects_unauthenticated_peers(deployment):
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_metrics_and_class_status_are_visible(deployment):
+    import urllib.request
+
+    import ray
+
+    stub = _stub(deployment.router_addresses[0])
+    _collect(stub, pb.GenerateRequest(prompt_text="count me", sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True)))
+    url = ray.get(deployment.routers[0].metrics_endpoint.remote())
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert 'k3serve_requests_total{outcome="completed"}' in body
+    assert "k3serve_ttft_seconds_bucket" in body and 'k3serve_class_inflight_tokens{cls="short"}' in body
+    status = stub.ClusterStatus(pb.ClusterStatusRequest())
+    assert {c.name for c in status.classes} == {"short", "long"}
+
+
 # ---- faults on this shared deployment that leave every cluster alive (they run last, in file order) ----------
 
 def test_router_kill_loses_nothing_for_clients_that_retry(deployment):
@@ -149,3 +164,4 @@ def test_redis_outage_keeps_serving_and_recovers(deployment):
     tokens, last = _collect(stub, pb.GenerateRequest(session_id="after-redis", prompt_text="back",
                                                      sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)))
     assert len(tokens) == 3 and not stub.ClusterStatus(pb.ClusterStatusRequest()).membership_stale
+
