@@ -59,13 +59,24 @@ class ClusterActor:
         # decode ranks take the bundles after the prefill ranks
         self.executors["decode"] = RayExecutor(ray_worker_spec(self.checkpoint, c.decode_tp, dec_pools,
                                                                d.torch_threads), pg, bundle_offset=c.prefill_tp)
+        handoff = None
+        if c.transfer == "grpc":
+            from k3serve.transfer.auth import AuthConfig
+            from k3serve.transfer.handoff_send import GrpcHandoff
+            from k3serve.transfer.receiver import ReceiverConfig
+
+            rx = ReceiverConfig(AuthConfig(d.secret, peer=f"decode-{self.cluster_id}"), host=d.bind_host)
+            endpoints = tuple(ray.get([a.start_receiver.remote(rx) for a in self.executors["decode"].actors]))
+            handoff = GrpcHandoff(self.cluster_id, cfg, endpoints, d.secret, c.prefill_tp, c.decode_tp,
+                                  c.prefill_pools.page_size)
         policy = PrefixCachePolicy(scheme=c.prefix_scheme, page_size=c.prefill_pools.page_size)
         prefill = PrefillEngine(cfg, self.executors["prefill"],
                                 PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget,
                                               long_threshold=_long_threshold(d)),
-                                model_fingerprint(cfg.to_hf_dict()))
+                                model_fingerprint(cfg.to_hf_dict()), transfer=handoff)
         decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch))
-        self.front = ClusterFront(self.cluster_id, prefill, decode, d.secret, c.prefill_tp, c.decode_tp)
+        self.front = ClusterFront(self.cluster_id, prefill, decode, d.secret, c.prefill_tp, c.decode_tp,
+                                  drop_transfer=handoff.cancel if handoff else None)
         endpoint = self.front.start(d.bind_host)
         self._agent = threading.Thread(target=self._heartbeat, args=(endpoint,), daemon=True)
         self._agent.start()

@@ -50,6 +50,7 @@ class ClusterSpec:
     max_decode_batch: int = 64
     step_token_budget: int = 2048
     prefix_scheme: str = "k3"
+    transfer: str = "grpc"  # "grpc": k3serve.transfer between the groups; "object_store": tensors through Ray
     ids: tuple[str, ...] = ()  # explicit cluster ids; default c0, c1, ...
 
     @property
@@ -107,6 +108,8 @@ class DeployConfig:
             raise DeployError("routers must be >= 1")
         if c.prefill_pools.page_size != c.decode_pools.page_size:
             raise DeployError("prefill_pools.page_size must equal decode_pools.page_size")
+        if c.transfer not in ("grpc", "object_store"):
+            raise DeployError(f"clusters.transfer must be 'grpc' or 'object_store', got {c.transfer!r}")
         if not self.request_classes:
             raise DeployError("request_classes must not be empty")
         names = [rc.name for rc in self.request_classes]

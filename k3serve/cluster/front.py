@@ -51,7 +51,8 @@ def sampling_from_proto(s) -> SamplingParams:
 
 class ClusterFront(cluster_pb2_grpc.ClusterServicer):
     def __init__(self, cluster_id: str, prefill: PrefillEngine, decode: DecodeEngine, secret: str,
-                 prefill_tp: int, decode_tp: int) -> None:
+                 prefill_tp: int, decode_tp: int, drop_transfer: Callable[[str], object] | None = None) -> None:
+        self.drop_transfer = drop_transfer
         self.cluster_id, self.prefill, self.decode = cluster_id, prefill, decode
         self.secret, self.prefill_tp, self.decode_tp = secret, prefill_tp, decode_tp
         self._inbox: queue.Queue = queue.Queue()
@@ -59,7 +60,8 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.broken: str = ""
-        self.metrics = {"requests": 0.0, "completed": 0.0, "failed": 0.0, "prefix_hit_tokens": 0.0}
+        self.metrics = {"requests": 0.0, "completed": 0.0, "failed": 0.0, "prefix_hit_tokens": 0.0,
+                        "grpc_transfers": 0.0}
         self._thread = threading.Thread(target=self._loop, name=f"engine-{cluster_id}", daemon=True)
         self._server: grpc.Server | None = None
 
@@ -168,7 +170,10 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
             self._send(f.request_id, _Out(error=f))
         for h in self.prefill.step():
             self.metrics["prefix_hit_tokens"] += h.cached_tokens
-            for ev in self.decode.submit(h):
+            self.metrics["grpc_transfers"] += bool(h.transfer_id)
+            events = (self.decode.submit_staged(h, h.transfer_id, drop=self.drop_transfer) if h.transfer_id
+                      else self.decode.submit(h))
+            for ev in events:
                 self._send(ev.request_id, _Out(ev.token_ids, ev.finish_reason, h.cached_tokens))
         for ev in self.decode.step():
             self._send(ev.request_id, _Out(ev.token_ids, ev.finish_reason))

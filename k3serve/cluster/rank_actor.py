@@ -52,6 +52,13 @@ class RankActor:
         self.worker = ModelWorker(load_model(self.spec.checkpoint, tp, self.spec.device), self.spec.pools)
         return True
 
+    def start_receiver(self, rx) -> str:
+        """Serve a k3serve.transfer receiver next to this (decode) rank's pools; returns its endpoint."""
+        from k3serve.transfer.decode_host import ReceiverSetup
+
+        endpoint, self._stop_receiver = ReceiverSetup(rx)(self.worker, self.rank, self.spec.tp)
+        return endpoint
+
     def execute(self, op: object) -> object:
         if self.worker is None:
             raise RuntimeError("rank not set up")

@@ -31,6 +31,7 @@ class Handoff:
     finish_reason: str = ""
     prefill_started_s: float = 0.0
     first_token_s: float = 0.0
+    transfer_id: str = ""  # set when the state went over k3serve.transfer (kda/mla are then empty)
 
     @property
     def prefill_tp(self) -> int:

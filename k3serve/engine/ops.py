@@ -103,3 +103,16 @@ class InstallStaged:
     slot: int
     block_table: tuple[int, ...]
     transfer_id: str
+
+
+@dataclass(frozen=True)
+class SendState:
+    """Stream this rank's share of a request's state to the decode group over k3serve.transfer.
+
+    job: a k3serve.transfer.handoff_send.StateSendJob (the same on every rank). Returns a SendOutcome.
+    """
+
+    slot: int
+    block_table: tuple[int, ...]
+    num_tokens: int
+    job: object

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from k3serve.engine.ops import (CopySlot, DecodeBatch, ExportState, InstallStaged, InstallState, PoolConfig,
+                                SendState,
                                 PrefillChunk, ResetSlots)
 from k3serve.model.model import HybridModel
 from k3serve.model.state import ForwardBatch, PagedLatentCache
@@ -85,6 +86,12 @@ class ModelWorker:
         latent = PagedLatentCache(self.page_store, self._block_table((op.block_table,)))
         for i in range(mla.shape[0]):
             latent.write(i, mla[i].unsqueeze(0).to(self.page_store.device), [0])
+
+    def _SendState(self, op: SendState) -> object:
+        from k3serve.transfer.handoff_send import send_state
+
+        kda, mla = self._ExportState(ExportState(op.slot, op.block_table, op.num_tokens))
+        return send_state(op.job, self.model.tp.rank, kda, mla)
 
     def _InstallStaged(self, op: InstallStaged) -> None:
         if self.staging is None:

@@ -21,11 +21,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.chunk_plan import ChunkCandidate, plan_chunks
 from k3serve.engine.executor import Executor
 from k3serve.engine.handoff import Handoff
-from k3serve.engine.ops import CopySlot, ExportState, PoolConfig, PrefillChunk, ResetSlots
+from k3serve.engine.ops import CopySlot, ExportState, PoolConfig, PrefillChunk, ResetSlots, SendState
 from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy
 from k3serve.engine.requests import PrefillRequest, RequestFailure
 from k3serve.engine.sampling import SamplingError, is_stop, sample_token
@@ -61,7 +63,11 @@ class _Running:
 
 
 class PrefillEngine:
-    def __init__(self, cfg: ModelConfig, executor: Executor, config: PrefillConfig, seed: int) -> None:
+    def __init__(self, cfg: ModelConfig, executor: Executor, config: PrefillConfig, seed: int,
+                 transfer=None) -> None:
+        """transfer: a k3serve.transfer.handoff_send.GrpcHandoff to stream states to a decode group over
+        gRPC (handoffs then carry a transfer id); None hands the tensors over in the Handoff."""
+        self.transfer = transfer
         if config.pools.page_size != config.cache.page_size:
             raise ValueError("pool page_size must equal the prefix cache policy's page_size")
         self.cfg, self.executor, self.config = cfg, executor, config
@@ -134,7 +140,9 @@ class PrefillEngine:
                 run.boundaries.remove(work.end)
                 self._save_checkpoint(run, work.end)
             if last:
-                done.append(self._finish(run, logits))
+                handoff = self._finish(run, logits)
+                if handoff is not None:
+                    done.append(handoff)
         return done
 
     def run_to_completion(self) -> list[Handoff]:
@@ -194,19 +202,36 @@ class PrefillEngine:
         self.executor.run(CopySlot(run.slot, ckpt))
         run.checkpoints[boundary] = ckpt
 
-    def _finish(self, run: _Running, logits: object) -> Handoff:
+    def _finish(self, run: _Running, logits: object) -> Handoff | None:
         req, n = run.req, run.prompt_len
         first = sample_token(logits, req.params, n)
-        results = self.executor.run(ExportState(run.slot, tuple(run.pages), n))
-        kda = tuple(r[0] for r in results)
-        mla = results[0][1]
         stop = is_stop(first, req.params, self.cfg.eos_token_id)
+        reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
+        transfer_id = ""
+        if reason:  # the first token ended the request: no state to hand over
+            kda, mla = (), torch.empty(0)
+        elif self.transfer is not None:
+            job = self.transfer.job(req.request_id, n)
+            outcomes = self.executor.run(SendState(run.slot, tuple(run.pages), n, job))
+            errors = [o.error for o in outcomes if o.error]
+            if errors:
+                self.transfer.cancel(job.spec.transfer_id)
+                self._release(run, keep_checkpoints=True)
+                self.running.remove(run)
+                self.failures.append(RequestFailure(req.request_id, "UNAVAILABLE",
+                                                    f"state transfer to decode failed: {errors[0]}"))
+                return None
+            kda, mla, transfer_id = (), torch.empty(0), job.spec.transfer_id
+        else:
+            results = self.executor.run(ExportState(run.slot, tuple(run.pages), n))
+            kda = tuple(r[0] for r in results)
+            mla = results[0][1]
         reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
         self._release(run, keep_checkpoints=True)
         self.running.remove(run)
         return Handoff(req.request_id, req.session_id, req.prompt_ids, first, req.params, n, run.cached_tokens,
                        kda, mla, finished=bool(reason), finish_reason=reason, prefill_started_s=run.started_s,
-                       first_token_s=time.monotonic())
+                       first_token_s=time.monotonic(), transfer_id=transfer_id)
 
     def _release(self, run: _Running, keep_checkpoints: bool) -> None:
         if keep_checkpoints and self.config.enable_prefix_cache:

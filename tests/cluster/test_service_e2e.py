@@ -115,6 +115,14 @@ def test_health_reflection_and_cluster_status(deployment):
     assert all(c.prefill_tp == 2 and c.decode_tp == 1 for c in status.clusters)
 
 
+def test_state_moves_between_groups_over_grpc_transfer(deployment):
+    import ray
+
+    stats = ray.get([h.stats.remote() for h in deployment.clusters.values()])
+    assert sum(s["grpc_transfers"] for s in stats) > 0
+    assert all(not s["broken"] for s in stats)
+
+
 def test_internal_endpoint_rejects_unauthenticated_peers(deployment):
     from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
 

@@ -1,0 +1,79 @@
+"""The prefill side of a handoff over gRPC, as one worker op.
+
+Each prefill rank runs ``SendState`` on its own worker: it reads its KDA heads and the MLA rows of the request
+straight from its pools and streams its share (plan.py) to the decode group's receivers. The op returns a
+:class:`SendOutcome` instead of raising, so a failed transfer fails one request, not the prefill group.
+
+```
+ PrefillEngine._finish ──SendState(slot, pages, n, job)──▶ every prefill rank r
+        ◀── SendOutcome(verified decode ranks | error) ───┘   (sender r -> receivers, CRC + manifest)
+ DecodeEngine.submit_staged(handoff, transfer_id) ──InstallStaged──▶ decode ranks (verified staging only)
+```
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import xxhash
+
+from k3serve.transfer.auth import AuthConfig
+from k3serve.transfer.client import ReceiverClient
+from k3serve.transfer.sender import SenderConfig, TransferFailed, TransferSender
+from k3serve.transfer.spec import StateGeometry, TransferSpec
+
+
+@dataclass(frozen=True)
+class StateSendJob:
+    """What a prefill rank needs to send one request's state (the same on every rank)."""
+
+    spec: TransferSpec
+    endpoints: tuple[str, ...]
+    config: SenderConfig
+    timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class SendOutcome:
+    transfer_id: str
+    src_rank: int
+    verified_ranks: tuple[int, ...] = ()
+    bytes_sent: int = 0
+    error: str = ""
+
+
+def send_state(job: StateSendJob, rank: int, kda, mla) -> SendOutcome:
+    """Stream this rank's share; kda `[L_kda, H/P, block]` fp32, mla `[L_mla, n, D]` (contiguous copies)."""
+    try:
+        with TransferSender(rank, job.endpoints, job.config) as sender:
+            res = sender.send(job.spec, kda, mla, timeout=job.timeout_s)
+        return SendOutcome(job.spec.transfer_id, rank, tuple(sorted(res.verified_ranks)), res.bytes_sent)
+    except TransferFailed as e:
+        return SendOutcome(job.spec.transfer_id, rank, error=f"{e.code}: {e}")
+
+
+class GrpcHandoff:
+    """A prefill group's view of its decode group's receivers: makes send jobs, cancels transfers."""
+
+    def __init__(self, cluster_id: str, cfg, endpoints: tuple[str, ...], secret: str, prefill_tp: int,
+                 decode_tp: int, page_size: int, chunk_bytes: int = 1 << 20) -> None:
+        self.cfg, self.endpoints = cfg, endpoints
+        self.prefill_tp, self.decode_tp, self.page_size, self.chunk_bytes = prefill_tp, decode_tp, page_size, chunk_bytes
+        self.auth = AuthConfig(secret, peer=f"prefill-{cluster_id}")
+        self.client = ReceiverClient(endpoints, self.auth)
+        self._ids = itertools.count()
+        self._tag = cluster_id
+
+    def job(self, request_id: str, num_tokens: int) -> StateSendJob:
+        # transfer ids are fresh per attempt: a cancelled id is dead for good on the receivers
+        tid = f"{self._tag}-{xxhash.xxh64_hexdigest(request_id.encode())}-{next(self._ids)}"
+        spec = TransferSpec(tid, tid, StateGeometry.of_config(self.cfg, num_tokens), self.prefill_tp,
+                            self.decode_tp, page_tokens=self.page_size, chunk_bytes=self.chunk_bytes)
+        return StateSendJob(spec, self.endpoints, SenderConfig(self.auth))
+
+    def cancel(self, transfer_id: str) -> None:
+        try:
+            self.client.cancel(transfer_id)
+        except Exception:  # noqa: BLE001 - receivers expire abandoned transfers on their own
+            pass
