@@ -157,6 +157,21 @@ def test_router_kill_loses_nothing_for_clients_that_retry(deployment):
     out = run_drill(deployment, Fault("router"), at_s=2.0, sessions=8, turns=2, max_tokens=16)
     assert out["failed"] == 0 and out["mismatches"] == 0 and out["completed"] == out["requests"] == 16
     assert out["router_retries"] > 0  # the fault really hit requests in flight on the killed router
+    # the killed router's admission reservations are freed by lease expiry (10 s leases), nothing leaks
+    import time
+
+    from k3serve.cluster.redis_server import connect
+    from k3serve.router.admission import Admission
+
+    adm = Admission(connect(deployment.redis_url), deployment.deploy.control.namespace)
+    deadline = time.monotonic() + 20
+    while True:
+        held = sum(adm.inflight(c, cls.name)[1] for c in deployment.cluster_endpoints
+                   for cls in deployment.deploy.request_classes)
+        if held == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert held == 0
 
 
 def test_redis_outage_keeps_serving_and_recovers(deployment):
