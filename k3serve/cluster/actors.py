@@ -41,7 +41,6 @@ class ClusterActor:
 
         from k3serve.decode.engine import DecodeConfig, DecodeEngine
         from k3serve.engine.block_hash import model_fingerprint
-        from k3serve.engine.ops import PoolConfig
         from k3serve.engine.prefix_cache import PrefixCachePolicy
         from k3serve.model.checkpoint import load_config
         from k3serve.prefill.engine import PrefillConfig, PrefillEngine
@@ -52,8 +51,8 @@ class ClusterActor:
         cfg = load_config(self.checkpoint)
         pg = placement_group([{"CPU": ACTOR_CPU}] * (c.prefill_tp + c.decode_tp), strategy="STRICT_PACK")
         ray.get(pg.ready())
-        pre_pools = PoolConfig(c.prefill_pools.kda_slots, c.prefill_pools.mla_pages, c.prefill_pools.page_size)
-        dec_pools = PoolConfig(c.decode_pools.kda_slots, c.decode_pools.mla_pages, c.decode_pools.page_size)
+        pre_pools = c.prefill_pools.pool_config(cfg, c.prefill_tp)
+        dec_pools = c.decode_pools.pool_config(cfg, c.decode_tp)
         self.executors["prefill"] = RayExecutor(ray_worker_spec(self.checkpoint, c.prefill_tp, pre_pools,
                                                                 d.torch_threads), pg)
         # decode ranks take the bundles after the prefill ranks

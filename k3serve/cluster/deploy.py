@@ -35,9 +35,22 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class PoolSpec:
+    """Pool capacity per rank: counts, or byte budgets (``kda_bytes`` / ``mla_bytes`` win when set)."""
+
     kda_slots: int = 64
     mla_pages: int = 2048
     page_size: int = 64
+    kda_bytes: int = 0
+    mla_bytes: int = 0
+
+    def pool_config(self, cfg, tp: int):
+        from k3serve.engine.ops import PoolConfig
+
+        if self.kda_bytes or self.mla_bytes:
+            if not (self.kda_bytes and self.mla_bytes):
+                raise DeployError("pools: give both kda_bytes and mla_bytes, or neither")
+            return PoolConfig.from_bytes(cfg, tp, self.kda_bytes, self.mla_bytes, self.page_size)
+        return PoolConfig(self.kda_slots, self.mla_pages, self.page_size)
 
 
 @dataclass(frozen=True)

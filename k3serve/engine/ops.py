@@ -30,6 +30,20 @@ class PoolConfig:
     def page_bytes(num_mla_layers: int, page_size: int, latent_dim: int, elem_bytes: int) -> int:
         return num_mla_layers * page_size * latent_dim * elem_bytes
 
+    @classmethod
+    def from_bytes(cls, cfg, tp: int, kda_bytes: int, mla_bytes: int, page_size: int = 64) -> "PoolConfig":
+        """Pools that fit a byte budget per rank: KDA slots of this rank's heads, MLA pages (replicated).
+
+        cfg: a ModelConfig. Raises ValueError when a budget cannot hold even one slot or one page.
+        """
+        elem = 2 if cfg.torch_dtype in ("bfloat16", "float16") else 4
+        slot = cls.kda_slot_bytes(cfg.num_kda_layers, cfg.kda_num_heads // tp, cfg.kda_head_block_floats)
+        page = cls.page_bytes(cfg.num_mla_layers, page_size, cfg.mla_latent_dim, elem)
+        if kda_bytes < slot or mla_bytes < page:
+            raise ValueError(f"pool budget too small: one KDA slot needs {slot} B (got {kda_bytes}), "
+                             f"one MLA page needs {page} B (got {mla_bytes})")
+        return cls(kda_bytes // slot, mla_bytes // page, page_size)
+
 
 @dataclass(frozen=True)
 class ResetSlots:

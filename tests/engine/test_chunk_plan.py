@@ -33,3 +33,4 @@ def test_chunks_stop_at_checkpoint_boundaries():
 def test_budget_exhaustion_resumes_next_step():
     c = ChunkCandidate("r", False, 0, 5000, ())
     assert plan_chunks([c], token_budget=2048) == [ChunkWork("r", 0, 2048)]
+
