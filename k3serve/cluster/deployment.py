@@ -7,7 +7,6 @@ checkpoint in the deploy file it makes one from the preset (on a shared path whe
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import tempfile
@@ -156,6 +155,3 @@ class Deployment:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    def with_overrides(self, **changes) -> "Deployment":
-        return dataclasses.replace(self, deploy=dataclasses.replace(self.deploy, **changes))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -185,10 +184,3 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         for rid in rids:
             self._send(rid, _Out(error=RequestFailure(rid, "UNAVAILABLE", f"cluster {self.cluster_id}: {why}")))
 
-
-def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
