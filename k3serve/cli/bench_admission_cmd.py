@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import sys
-
 import typer
+
+from k3serve.cli.output import emit
 
 app = typer.Typer()
 
@@ -20,9 +19,4 @@ def admission(config: str = typer.Option("configs/local.yaml", "--config"),
     from k3serve.bench.admission import run_admission_bench
 
     out = run_admission_bench(config, shorts=shorts, longs=longs, long_len=long_tokens, step_tokens=step_tokens)
-    if as_json:
-        json.dump(out, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        for k, v in out.items():
-            typer.echo(f"{k}: {v}")
+    emit(out, as_json)

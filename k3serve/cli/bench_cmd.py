@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import importlib
-import json
-import sys
 
 import typer
 
+from k3serve.cli.output import emit
+
 app = typer.Typer(help="Benchmarks (JSON on stdout with --json).", no_args_is_help=True)
-
-
-def _emit(result: dict, as_json: bool) -> None:
-    if as_json:
-        json.dump(result, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        for k, v in result.items():
-            typer.echo(f"{k}: {v}")
 
 
 def _threads(n: int) -> None:
@@ -34,7 +25,7 @@ def kernels(t: int = typer.Option(4096, "--tokens"), heads: int = typer.Option(4
     _threads(threads)
     from k3serve.bench.kernels import run_kernel_bench
 
-    _emit(run_kernel_bench(T=t, H=heads, K=head_dim, repeats=repeats), as_json)
+    emit(run_kernel_bench(T=t, H=heads, K=head_dim, repeats=repeats), as_json)
 
 
 @app.command("prefix")
@@ -46,7 +37,7 @@ def prefix(preset: str = typer.Option("tiny", "--preset"), sessions: int = typer
     _threads(threads)
     from k3serve.bench.prefix import run_prefix_bench
 
-    _emit(run_prefix_bench(preset, sessions, turns, system_len, ttft_prefix=ttft_prefix,
+    emit(run_prefix_bench(preset, sessions, turns, system_len, ttft_prefix=ttft_prefix,
                            ttft_increment=ttft_increment), as_json)
 
 
@@ -59,7 +50,7 @@ def decode(preset: str = typer.Option("bench", "--preset"), context: int = typer
     from k3serve.bench.decode import run_decode_bench
 
     sizes = tuple(int(b) for b in batches.split(","))
-    _emit(run_decode_bench(preset, sizes, context, steps), as_json)
+    emit(run_decode_bench(preset, sizes, context, steps), as_json)
 
 
 # Benchmarks owned by other modules join this group (their module defines `app` with its commands).

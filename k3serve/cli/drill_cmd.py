@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import sys
-
 import typer
+
+from k3serve.cli.output import emit
 
 app = typer.Typer(help="Failover drill through the router with a fault injected mid-run.",
                   invoke_without_command=True, no_args_is_help=False)
@@ -37,11 +36,6 @@ def drill(config: str = typer.Option("configs/local.yaml", "--config"),
         typer.echo(f"drill: deployment up, routers {dep.router_addresses}; running {sessions} sessions x {turns} turns,"
                    f" fault {kill} at {at_s}s", err=True)
         result = run_drill(dep, fault, at_s, sessions, turns, max_tokens)
-    if as_json:
-        json.dump(result, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        for k, v in result.items():
-            typer.echo(f"{k}: {v}")
+    emit(result, as_json)
     ok = result["failed"] == 0 and result["mismatches"] == 0
     raise typer.Exit(0 if ok else 1)
