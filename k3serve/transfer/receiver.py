@@ -23,6 +23,7 @@ import grpc
 
 from k3serve.transfer.v1 import transfer_pb2 as pb
 from k3serve.transfer.auth import AuthConfig, AuthInterceptor, signed_transfer_id
+from k3serve.transfer.memory import tune_allocator
 from k3serve.transfer.plan import PlanError
 from k3serve.transfer.staging import INSTALLED, VERIFIED, StagingLimits, StagingStore, TransferRejected
 from k3serve.transfer.wire import STATE_CODES, WireError, decode, spec_from_pb
@@ -52,6 +53,7 @@ class TransferReceiver:
     def __init__(self, config: ReceiverConfig, expect_geometry: tuple | None = None) -> None:
         if not 0 <= config.rank < config.tp:
             raise ValueError(f"receiver rank {config.rank} not in [0, {config.tp})")
+        tune_allocator()  # process-wide: message buffers reuse warm heap pages (memory.py)
         self.config = config
         self.store = StagingStore(config.rank, config.tp, config.limits, expect_geometry)
         max_msg = 2 * config.limits.max_chunk_bytes + (1 << 20)  # oversized-but-parseable -> INVALID_ARGUMENT

@@ -31,6 +31,7 @@ from k3serve.transfer.auth import AuthConfig, sign
 from k3serve.transfer.chunks import KDA, MLA, ChunkRef, all_layers, by_layer, stream_plan
 from k3serve.transfer.client import ReceiverClient, open_channel
 from k3serve.transfer.faults import NO_FAULTS, SenderFaults
+from k3serve.transfer.memory import tune_allocator
 from k3serve.transfer.receiver import PUSH
 from k3serve.transfer.spec import DTYPES, TransferSpec
 from k3serve.transfer.staging import INSTALLED, VERIFIED
@@ -94,6 +95,7 @@ class TransferSender:
                  faults: SenderFaults = NO_FAULTS) -> None:
         if not endpoints:
             raise ValueError("a sender needs the decode group's receiver endpoints")
+        tune_allocator()  # process-wide: message buffers reuse warm heap pages (memory.py)
         self.rank, self.endpoints, self.config, self.faults = rank, tuple(endpoints), config, faults
         self._channels = [open_channel(e) for e in self.endpoints]
         self._push = [c.stream_unary(PUSH, None, pb.PushAck.FromString) for c in self._channels]
