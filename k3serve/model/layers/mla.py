@@ -70,20 +70,29 @@ class MLAAttention:
         return self.tp.all_reduce(out)
 
     def _decompressed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, b: int) -> torch.Tensor:
-        """One request: q_nope `[T, H, nope]`, q_pe `[T, H, rope]` -> attention output `[T, H, v]` fp32."""
+        """One request: q_nope `[T, H, nope]`, q_pe `[T, H, rope]` -> attention output `[T, H, v]` fp32.
+
+        Keys are the L = start + T cached rows; the chunk's queries sit at positions start..start+T-1::
+
+                      keys 0 .. start-1 (cached prefix)   keys start .. start+T-1 (this chunk)
+            query i   all visible                         visible up to start+i (causal)
+
+        so only the trailing T x T block of the `[H, T, L]` scores needs a mask. At long contexts the score
+        tensor dominates, so it is built in one matmul ([q_nope | q_pe] against [k_nope | k_pe], the scale
+        folded into q) and masked in place on that block alone."""
         cfg = self.cfg
-        t = q_nope.shape[0]
+        t, heads = q_nope.shape[0], q_nope.shape[1]
         start = batch.start_positions[b]
         rows = batch.latent.read(self.mla_idx, b, start + t).float()  # [L, rank + rope]
         c, k_pe = rows[:, : cfg.kv_lora_rank], rows[:, cfg.kv_lora_rank:]
-        k_nope = torch.einsum("lr,hnr->lhn", c, self.w_uk.float())
-        v = torch.einsum("lr,hvr->lhv", c, self.w_uv.float())
-        scores = (torch.einsum("thn,lhn->htl", q_nope.float(), k_nope)
-                  + torch.einsum("thr,lr->htl", q_pe.float(), k_pe)) * self.scale
-        q_pos = torch.arange(start, start + t).unsqueeze(1)
-        k_pos = torch.arange(start + t).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        return torch.einsum("htl,lhv->thv", scores.softmax(-1), v)
+        k_nope = torch.einsum("lr,hnr->hln", c, self.w_uk.float())  # [H, L, nope]
+        v = torch.einsum("lr,hvr->hlv", c, self.w_uv.float())  # [H, L, v]
+        k = torch.cat([k_nope, k_pe.unsqueeze(0).expand(heads, -1, -1)], dim=-1)  # [H, L, nope + rope]
+        q = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1) * self.scale  # [H, T, nope + rope]
+        scores = torch.bmm(q, k.transpose(1, 2))  # [H, T, L]
+        causal = torch.ones(t, t, dtype=torch.bool).triu_(1)  # key j > query i within the chunk
+        scores[:, :, start:].masked_fill_(causal, float("-inf"))
+        return torch.bmm(scores.softmax(-1), v).transpose(0, 1)  # [T, H, v]
 
     def _decode_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q_nope `[B, H, nope]`, q_pe `[B, H, rope]` -> `[B, H, v]` fp32 via the paged latent kernel."""
