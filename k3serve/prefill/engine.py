@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -118,16 +119,19 @@ class PrefillEngine:
         return out
 
     # -------------------------------------------------------------------------------------------- step
-    def step(self) -> list[Handoff]:
-        """Admit what fits, run one budgeted step of chunks, return the requests that finished prefill."""
+    def step(self) -> Iterator[Handoff]:
+        """Admit what fits and run one budgeted step of chunks, yielding each request as it finishes prefill.
+
+        A generator: the step runs as the caller iterates. Chunks run in plan order (short requests first), so
+        a short request's handoff is yielded, and its first token can be streamed, before the long requests'
+        share of the same step runs. The caller must not add, cancel or step while it iterates."""
         self._admit()
         if not self.running:
-            return []
+            return
         self.stats["steps"] += 1
         by_id = {r.req.request_id: r for r in self.running}
         cands = [ChunkCandidate(r.req.request_id, r.is_long, r.num_computed, r.prompt_len, tuple(r.boundaries))
                  for r in self.running]
-        done: list[Handoff] = []
         for work in plan_chunks(cands, self.config.step_token_budget, self.config.long_min_share):
             run = by_id[work.request_id]
             last = work.end == run.prompt_len
@@ -142,8 +146,7 @@ class PrefillEngine:
             if last:
                 handoff = self._finish(run, logits)
                 if handoff is not None:
-                    done.append(handoff)
-        return done
+                    yield handoff
 
     def run_to_completion(self) -> list[Handoff]:
         out: list[Handoff] = []
