@@ -42,6 +42,11 @@ def _p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))] if xs else float("nan")
 
 
+def _rounded(xs: list[float]) -> list[float]:
+    """Every sample, in arrival order (the p99 of 12 samples is their maximum: show what it is made of)."""
+    return [round(x, 3) for x in xs]
+
+
 class _Client:
     def __init__(self, addr: str) -> None:
         self.stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(addr))
@@ -115,6 +120,8 @@ def run_admission_bench(config: str = "configs/local.yaml", shorts: int = 12, sh
         "long_rejected": with_budgets["long_rejected"],
         "long_lost": with_budgets["long_other"],
         "no_budgets": {k: v for k, v in without.items() if k != "short_ttfts"},
+        "short_ttfts_s": {"unloaded": _rounded(unloaded), "burst_budgets": _rounded(with_budgets["short_ttfts"]),
+                          "burst_no_budgets": _rounded(without["short_ttfts"])},
         "setup": {"short_requests": shorts, "short_prompt_tokens": short_len, "long_requests": longs,
                   "long_prompt_tokens": long_len, "long_inflight_budget_tokens": long_budget,
                   "long_queue_limit": long_queue, "page_pool_tokens": pages * 64,
