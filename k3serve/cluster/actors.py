@@ -71,7 +71,8 @@ class ClusterActor:
         policy = PrefixCachePolicy(scheme=c.prefix_scheme, page_size=c.prefill_pools.page_size)
         prefill = PrefillEngine(cfg, self.executors["prefill"],
                                 PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget,
-                                              long_threshold=_long_threshold(d)),
+                                              long_threshold=_long_threshold(d),
+                                              long_step_tokens=c.long_step_tokens or None),
                                 model_fingerprint(cfg.to_hf_dict()), transfer=handoff)
         decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch))
         self.front = ClusterFront(self.cluster_id, prefill, decode, d.secret, c.prefill_tp, c.decode_tp,

@@ -62,6 +62,7 @@ class ClusterSpec:
     decode_pools: PoolSpec = field(default_factory=PoolSpec)
     max_decode_batch: int = 64
     step_token_budget: int = 2048
+    long_step_tokens: int = 0  # most long-prompt tokens per prefill step (0: step_token_budget); chunk_plan.py
     prefix_scheme: str = "k3"
     transfer: str = "grpc"  # "grpc": k3serve.transfer between the groups; "object_store": tensors through Ray
     ids: tuple[str, ...] = ()  # explicit cluster ids; default c0, c1, ...
@@ -121,6 +122,8 @@ class DeployConfig:
             raise DeployError("routers must be >= 1")
         if c.prefill_pools.page_size != c.decode_pools.page_size:
             raise DeployError("prefill_pools.page_size must equal decode_pools.page_size")
+        if c.step_token_budget < 1 or c.long_step_tokens < 0:
+            raise DeployError("clusters.step_token_budget must be >= 1 and clusters.long_step_tokens >= 0")
         if c.transfer not in ("grpc", "object_store"):
             raise DeployError(f"clusters.transfer must be 'grpc' or 'object_store', got {c.transfer!r}")
         if not self.request_classes:

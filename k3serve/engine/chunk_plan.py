@@ -6,7 +6,10 @@ A pure function so the scheduling rules are unit-tested without a model:
   for more than one step;
 * while any long-class request is running it keeps a minimum share of each step (it cannot starve); in a step
   that serves short requests the long class gets only that share, so the step stays short and the next short
-  request waits for little; steps without short work give the long class the whole budget;
+  request waits for little; steps without short work give the long class the whole budget, up to
+  ``long_step_tokens``: a short request that arrives during a long-only step waits for that step, so the cap
+  bounds the extra time to first token a burst of long prompts can cause (the cost of a long chunk grows with
+  its context, so the cap is what keeps late chunks of a 1M prompt from stalling everyone);
 * a chunk never crosses a KDA checkpoint boundary: the state at the boundary must exist between two chunks to
   be copied into the prefix cache.
 """
@@ -49,19 +52,26 @@ def _chunks_for(c: ChunkCandidate, budget: int) -> tuple[list[ChunkWork], int]:
     return work, budget
 
 
-def plan_chunks(candidates: list[ChunkCandidate], token_budget: int, long_min_share: float = 0.25) -> list[ChunkWork]:
-    """Chunks for one step, shorts first (candidates keep their arrival order within a class)."""
+def plan_chunks(candidates: list[ChunkCandidate], token_budget: int, long_min_share: float = 0.25,
+                long_step_tokens: int | None = None) -> list[ChunkWork]:
+    """Chunks for one step, shorts first (candidates keep their arrival order within a class).
+
+    token_budget: tokens per step; long_step_tokens: the most tokens long requests get in one step
+    (None: the whole budget)."""
     if token_budget <= 0:
         raise ValueError("token_budget must be positive")
+    if long_step_tokens is not None and long_step_tokens <= 0:
+        raise ValueError("long_step_tokens must be positive")
     shorts = [c for c in candidates if not c.is_long]
     longs = [c for c in candidates if c.is_long]
-    reserve = int(token_budget * long_min_share) if longs else 0
+    long_cap = token_budget if long_step_tokens is None else min(token_budget, long_step_tokens)
+    reserve = min(long_cap, int(token_budget * long_min_share)) if longs else 0
     budget = token_budget - reserve
     plan: list[ChunkWork] = []
     for c in shorts:
         work, budget = _chunks_for(c, budget)
         plan += work
-    budget = reserve if plan else budget + reserve
+    budget = reserve if plan else min(long_cap, budget + reserve)
     for c in longs:
         work, budget = _chunks_for(c, budget)
         plan += work

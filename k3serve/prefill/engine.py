@@ -43,6 +43,7 @@ class PrefillConfig:
     step_token_budget: int = 2048
     long_threshold: int = 8192  # uncached prompt tokens from which a request is in the "long" class
     long_min_share: float = 0.25
+    long_step_tokens: int | None = None  # most long-prompt tokens per step (None: step_token_budget); see chunk_plan
     enable_prefix_cache: bool = True
 
 
@@ -132,7 +133,8 @@ class PrefillEngine:
         by_id = {r.req.request_id: r for r in self.running}
         cands = [ChunkCandidate(r.req.request_id, r.is_long, r.num_computed, r.prompt_len, tuple(r.boundaries))
                  for r in self.running]
-        for work in plan_chunks(cands, self.config.step_token_budget, self.config.long_min_share):
+        for work in plan_chunks(cands, self.config.step_token_budget, self.config.long_min_share,
+                                self.config.long_step_tokens):
             run = by_id[work.request_id]
             last = work.end == run.prompt_len
             op = PrefillChunk(run.slot, run.req.prompt_ids[work.start: work.end], work.start,

@@ -34,3 +34,22 @@ def test_budget_exhaustion_resumes_next_step():
     c = ChunkCandidate("r", False, 0, 5000, ())
     assert plan_chunks([c], token_budget=2048) == [ChunkWork("r", 0, 2048)]
 
+
+
+def test_long_step_tokens_caps_long_only_steps():
+    c = ChunkCandidate("long", True, 4000, 100_000, ())
+    assert plan_chunks([c], token_budget=2048, long_step_tokens=64) == [ChunkWork("long", 4000, 4064)]
+
+
+def test_long_step_tokens_caps_the_share_next_to_shorts_and_shorts_get_the_rest():
+    long = ChunkCandidate("long", True, 0, 100_000, ())
+    short = ChunkCandidate("s", False, 0, 5000, ())
+    plan = plan_chunks([long, short], token_budget=2048, long_min_share=0.25, long_step_tokens=64)
+    assert plan == [ChunkWork("s", 0, 1984), ChunkWork("long", 0, 64)]
+
+
+def test_long_step_tokens_must_be_positive():
+    import pytest
+
+    with pytest.raises(ValueError, match="long_step_tokens"):
+        plan_chunks([ChunkCandidate("long", True, 0, 10, ())], token_budget=16, long_step_tokens=0)
