@@ -9,6 +9,17 @@ One local deployment (one cluster, so the burst lands where the short traffic is
    competes with short ones for the prefill steps and the page pool.
 
 TTFT is measured at the client: send -> first streamed token.
+
+Two engine knobs set how much a burst can hurt short requests (chunk_plan.py): the step budget
+(``--step-tokens``, what a short request gets in one step) and ``--long-step-tokens``, the most tokens of long
+prompts in one step. A short request arriving during a long-only step waits for it, and a long chunk's cost
+grows with its context, so the second knob sets the worst extra wait. ``long_ttft_max_s`` shows its price.
+
+Measured on the 2-core development machine (tiny preset, 8 x 6000-token longs, 12 x 200-token shorts):
+
+    --long-step-tokens     unloaded p99   burst p99 (budgets)   no budgets
+    512 (= step budget)    0.27 s         1.37 s                11.0 s     (before the MLA prefill fix)
+    64                     0.22 s         0.27 s                16.2 s
 """
 
 from __future__ import annotations
@@ -27,10 +38,12 @@ from k3serve.cluster.deployment import Deployment
 from k3serve.v1 import router_pb2, router_pb2_grpc
 
 
-def bench_deploy(base: DeployConfig, long_budget: int, long_queue: int, pages: int, step_tokens: int) -> DeployConfig:
+def bench_deploy(base: DeployConfig, long_budget: int, long_queue: int, pages: int, step_tokens: int,
+                 long_step_tokens: int = 0) -> DeployConfig:
     pools = PoolSpec(kda_slots=48, mla_pages=pages, page_size=64)
     clusters = dataclasses.replace(base.clusters, count=1, prefill_tp=1, decode_tp=1, prefill_pools=pools,
-                                   decode_pools=pools, step_token_budget=step_tokens)
+                                   decode_pools=pools, step_token_budget=step_tokens,
+                                   long_step_tokens=long_step_tokens)
     classes = (RequestClassSpec("short", 4096, inflight_token_budget=1 << 20, max_concurrent=64),
                RequestClassSpec("long", 1 << 30, inflight_token_budget=long_budget, max_concurrent=1,
                                 queue_limit=long_queue, max_wait_s=120.0))
@@ -79,13 +92,16 @@ def _shorts(client: _Client, n: int, prompt_len: int, rng: random.Random, tag: s
 def _burst(client: _Client, longs: int, long_len: int, shorts: int, short_len: int, rng: random.Random,
            tag: str) -> dict:
     results: list[str] = []
+    long_ttfts: list[float] = []
     lock = threading.Lock()
 
     def one_long(i: int) -> None:
         prompt = [rng.randrange(256) for _ in range(long_len)]
-        _, status = client.ttft(prompt, f"{tag}-long-{i}", max_tokens=2)
+        ttft, status = client.ttft(prompt, f"{tag}-long-{i}", max_tokens=2)
         with lock:
             results.append(status)
+            if status == "ok":
+                long_ttfts.append(ttft)
 
     threads = [threading.Thread(target=one_long, args=(i,)) for i in range(longs)]
     for t in threads:
@@ -96,13 +112,14 @@ def _burst(client: _Client, longs: int, long_len: int, shorts: int, short_len: i
         t.join()
     return {"short_ttfts": ttfts, "long_completed": results.count("ok"),
             "long_rejected": results.count("RESOURCE_EXHAUSTED"),
-            "long_other": len(results) - results.count("ok") - results.count("RESOURCE_EXHAUSTED")}
+            "long_other": len(results) - results.count("ok") - results.count("RESOURCE_EXHAUSTED"),
+            "long_ttft_max_s": round(max(long_ttfts), 3) if long_ttfts else None}
 
 
 def run_admission_bench(config: str = "configs/local.yaml", shorts: int = 12, short_len: int = 200,
                         longs: int = 8, long_len: int = 6000, long_budget: int = 8192, long_queue: int = 3,
-                        pages: int = 640, step_tokens: int = 512) -> dict:
-    deploy = bench_deploy(load_deploy(config), long_budget, long_queue, pages, step_tokens)
+                        pages: int = 640, step_tokens: int = 512, long_step_tokens: int = 0) -> dict:
+    deploy = bench_deploy(load_deploy(config), long_budget, long_queue, pages, step_tokens, long_step_tokens)
     rng = random.Random(0)
     with Deployment(deploy) as dep:
         client = _Client(dep.router_addresses[0])
@@ -119,11 +136,13 @@ def run_admission_bench(config: str = "configs/local.yaml", shorts: int = 12, sh
         "long_completed": with_budgets["long_completed"],
         "long_rejected": with_budgets["long_rejected"],
         "long_lost": with_budgets["long_other"],
+        "long_ttft_max_s": with_budgets["long_ttft_max_s"],  # the price of small long steps: the longs' wait
         "no_budgets": {k: v for k, v in without.items() if k != "short_ttfts"},
         "short_ttfts_s": {"unloaded": _rounded(unloaded), "burst_budgets": _rounded(with_budgets["short_ttfts"]),
                           "burst_no_budgets": _rounded(without["short_ttfts"])},
         "setup": {"short_requests": shorts, "short_prompt_tokens": short_len, "long_requests": longs,
                   "long_prompt_tokens": long_len, "long_inflight_budget_tokens": long_budget,
                   "long_queue_limit": long_queue, "page_pool_tokens": pages * 64,
-                  "prefill_step_token_budget": step_tokens},
+                  "prefill_step_token_budget": step_tokens,
+                  "long_step_tokens": long_step_tokens or step_tokens},
     }

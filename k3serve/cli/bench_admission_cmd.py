@@ -14,9 +14,12 @@ def admission(config: str = typer.Option("configs/local.yaml", "--config"),
               shorts: int = typer.Option(12, "--shorts"), longs: int = typer.Option(8, "--longs"),
               long_tokens: int = typer.Option(6000, "--long-tokens"),
               step_tokens: int = typer.Option(512, "--step-tokens", help="prefill step token budget"),
+              long_step_tokens: int = typer.Option(64, "--long-step-tokens",
+                                                   help="most long-prompt tokens per step (0: --step-tokens)"),
               as_json: bool = typer.Option(False, "--json")) -> None:
     """Short-request TTFT p99: unloaded, during a burst of long requests with budgets, and without."""
     from k3serve.bench.admission import run_admission_bench
 
-    out = run_admission_bench(config, shorts=shorts, longs=longs, long_len=long_tokens, step_tokens=step_tokens)
+    out = run_admission_bench(config, shorts=shorts, longs=longs, long_len=long_tokens, step_tokens=step_tokens,
+                              long_step_tokens=long_step_tokens)
     emit(out, as_json)
