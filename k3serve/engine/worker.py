@@ -30,6 +30,7 @@ class ModelWorker:
         self.page_store = torch.zeros(pools.mla_pages, cfg.num_mla_layers, pools.page_size, cfg.mla_latent_dim,
                                       dtype=_DTYPES.get(cfg.torch_dtype, torch.float32), device=dev)
         self.staging = None  # a k3serve.transfer StagingStore, set by k3serve.transfer.receiver.attach
+        self.senders = None  # a k3serve.transfer.handoff_send.SenderCache, made by the first SendState
 
     def execute(self, op: object) -> object:
         handler = getattr(self, "_" + type(op).__name__, None)
@@ -88,10 +89,12 @@ class ModelWorker:
             latent.write(i, mla[i].unsqueeze(0).to(self.page_store.device), [0])
 
     def _SendState(self, op: SendState) -> object:
-        from k3serve.transfer.handoff_send import send_state
+        from k3serve.transfer.handoff_send import SenderCache, send_state
 
+        if self.senders is None:
+            self.senders = SenderCache()
         kda, mla = self._ExportState(ExportState(op.slot, op.block_table, op.num_tokens))
-        return send_state(op.job, self.model.tp.rank, kda, mla)
+        return send_state(op.job, self.model.tp.rank, kda, mla, self.senders)
 
     def _InstallStaged(self, op: InstallStaged) -> None:
         if self.staging is None:

@@ -43,14 +43,47 @@ class SendOutcome:
     error: str = ""
 
 
-def send_state(job: StateSendJob, rank: int, kda, mla) -> SendOutcome:
-    """Stream this rank's share; kda `[L_kda, H/P, block]` fp32, mla `[L_mla, n, D]` (contiguous copies)."""
+class SenderCache:
+    """A prefill rank's senders, one per (decode endpoints, sender config), kept across requests.
+
+    A sender holds one gRPC channel (one HTTP/2 connection) per decode rank; building it per request cost ~4 ms
+    of a ~7 ms transfer of a 200-token tiny-preset state on loopback. Channels reconnect on their own after a
+    receiver restarts, so a cached sender stays usable; ``close()`` drops them all."""
+
+    def __init__(self) -> None:
+        self._senders: dict[tuple, TransferSender] = {}
+
+    def get(self, rank: int, endpoints: tuple[str, ...], config: SenderConfig) -> TransferSender:
+        key = (rank, endpoints, config)
+        sender = self._senders.get(key)
+        if sender is None:
+            sender = self._senders[key] = TransferSender(rank, endpoints, config)
+        return sender
+
+    def __len__(self) -> int:
+        return len(self._senders)
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()
+
+
+def send_state(job: StateSendJob, rank: int, kda, mla, senders: SenderCache | None = None) -> SendOutcome:
+    """Stream this rank's share; kda `[L_kda, H/P, block]` fp32, mla `[L_mla, n, D]` (contiguous copies).
+
+    senders: where to keep this rank's channels between requests (None: a sender for this call only)."""
+    own = senders is None
+    sender = TransferSender(rank, job.endpoints, job.config) if own else senders.get(rank, job.endpoints,
+                                                                                         job.config)
     try:
-        with TransferSender(rank, job.endpoints, job.config) as sender:
-            res = sender.send(job.spec, kda, mla, timeout=job.timeout_s)
+        res = sender.send(job.spec, kda, mla, timeout=job.timeout_s)
         return SendOutcome(job.spec.transfer_id, rank, tuple(sorted(res.verified_ranks)), res.bytes_sent)
     except TransferFailed as e:
         return SendOutcome(job.spec.transfer_id, rank, error=f"{e.code}: {e}")
+    finally:
+        if own:
+            sender.close()
 
 
 class GrpcHandoff:
