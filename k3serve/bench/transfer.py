@@ -81,7 +81,8 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
         s.call("load", key, parts[r], mla, timeout=600)
     want = [(crc32c(byte_view(k)), crc32c(byte_view(mla))) for k in reshard_kda(parts, d)]
     eps = tuple(rx.endpoint for rx in receivers)
-    t: dict[str, list[float]] = {k: [] for k in ("grpc", "bare", "socket", "crc", "place", "framing", "cpu")}
+    t: dict[str, list[float]] = {k: [] for k in ("grpc", "bare", "socket", "crc", "place", "framing", "cpu",
+                                                 "bare_cpu", "socket_cpu")}
     retried = 0
     for rep in range(cfg.reps):
         spec = TransferSpec(f"bench-{key}-{rep}", f"req-{key}-{rep}", g, p, d, cfg.page_tokens, cfg.chunk_bytes)
@@ -104,13 +105,17 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
         t["framing"].append(sum(res.encode_s for res in results))
         # ---- the same bytes, same processes: bare gRPC, then a raw socket
         ports = tuple(rx.call("grpc_listen") for rx in receivers)
+        cpu0 = [x.call("cpu") for x in senders + receivers]
         t["bare"].append(_on_all(senders, "grpc_send", jobs, ports, cfg.host)[0])
+        t["bare_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
         bare_got = [rx.call("grpc_received") for rx in receivers]
         ports = tuple(rx.call("socket_listen", p, n, timeout=600) for rx, n in zip(receivers, per_rank))
+        cpu0 = [x.call("cpu") for x in senders + receivers]
         t0 = time.perf_counter()
         _on_all(senders, "socket_send", jobs, ports, cfg.host)
         socket_got = [rx.call("socket_wait", 600.0, timeout=620) for rx in receivers]
         t["socket"].append(time.perf_counter() - t0)
+        t["socket_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
         if bare_got != per_rank or socket_got != per_rank:
             raise RuntimeError(f"P={p} D={d}: baselines moved {bare_got} / {socket_got} bytes, expected {per_rank}")
     b = {k: min(t[k]) for k in ("grpc", "bare", "socket")}  # best of reps: the least disturbed by other load
@@ -122,7 +127,11 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
         "bare_grpc_gbps": round(nbytes / b["bare"] / 1e9, 3), "bare_grpc_ratio": round(b["socket"] / b["bare"], 3),
         "ratio_median": round(m["socket"] / m["grpc"], 3),
         "grpc_s": round(b["grpc"], 4), "bare_grpc_s": round(b["bare"], 4), "socket_s": round(b["socket"], 4),
-        "cpu_s": round(m["cpu"], 4), "crc_share": round(m["crc"] / m["cpu"], 3),
+        "cpu_s": round(m["cpu"], 4),
+        # CPU seconds (all sender + receiver processes) per GB moved: what each path costs, whatever the cores
+        "cpu_s_per_gb": {name: round(m[key] / nbytes * 1e9, 3)
+                         for name, key in (("grpc", "cpu"), ("bare_grpc", "bare_cpu"), ("socket", "socket_cpu"))},
+        "crc_share": round(m["crc"] / m["cpu"], 3),
         "reshard_share": round(m["place"] / m["cpu"], 3), "framing_share": round(m["framing"] / m["cpu"], 3),
         "retried_streams": retried, "verified": True,
     }
