@@ -164,12 +164,23 @@ class PrefillEngine:
         return -(-tokens // self.config.pools.page_size)
 
     def _admit(self) -> None:
-        while self.waiting:
-            req = self.waiting[0]
+        """Start waiting requests in arrival order while they fit.
+
+        A long prompt that does not fit yet (pages or slots) does not hold up short ones behind it: they start
+        around it, while long prompts keep their order among themselves. A request counts as short here when
+        its whole prompt is under the long threshold (its cache hit is not known before the lookup)."""
+        long_blocked = False
+        for req in list(self.waiting):
+            short = len(req.prompt_ids) < self.config.long_threshold
+            if long_blocked and not short:
+                continue
             run = self._try_start(req)
             if run is None:
-                return
-            self.waiting.popleft()
+                if short:
+                    return  # a short one that does not fit: nothing behind it would
+                long_blocked = True
+                continue
+            self.waiting.remove(req)
             self.running.append(run)
 
     def _try_start(self, req: PrefillRequest) -> _Running | None:

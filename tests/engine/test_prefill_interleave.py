@@ -66,3 +66,24 @@ def test_short_handoff_is_yielded_before_the_long_share_runs(tiny_ckpt, tiny_mod
         assert first.first_token == want
     finally:
         ex.close()
+
+
+def test_short_request_starts_around_a_long_one_waiting_for_pages(tiny_ckpt):
+    cfg = load_config(tiny_ckpt)
+    pools = PoolConfig(kda_slots=8, mla_pages=20, page_size=64)  # 1280 tokens of pages
+    ex = RecordingExecutor(WorkerSpec(tiny_ckpt, 1, pools))
+    try:
+        engine = PrefillEngine(cfg, ex, PrefillConfig(pools, step_token_budget=256, long_threshold=300,
+                                                      long_step_tokens=64, enable_prefix_cache=False),
+                               model_fingerprint(cfg.to_hf_dict()))
+        engine.add_request(PrefillRequest("long-a", tuple(_tokens(900, 3)), PARAMS))  # 15 pages
+        engine.add_request(PrefillRequest("long-b", tuple(_tokens(600, 4)), PARAMS))  # 10 pages: must wait
+        engine.add_request(PrefillRequest("long-c", tuple(_tokens(400, 6)), PARAMS))  # 7 pages: waits behind b
+        engine.add_request(PrefillRequest("short", tuple(_tokens(100, 5)), PARAMS))  # 2 pages: fits now
+        done = [h.request_id for h in engine.step()]
+        assert done == ["short"]  # served in the first step, around the waiting long prompts
+        assert [r.request_id for r in engine.waiting] == ["long-b", "long-c"]  # longs keep their order
+        finished = {h.request_id for h in engine.run_to_completion()}
+        assert finished == {"long-a", "long-b", "long-c"} and engine.pages.num_free == 20
+    finally:
+        ex.close()
