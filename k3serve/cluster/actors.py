@@ -8,8 +8,10 @@
  RouterActor r0..  ── RouterService (public gRPC, port 0) over Redis membership + pins
 ```
 Rank actors are owned by their ClusterActor, so killing a cluster actor takes its whole cluster down (that is
-what the `cluster:` drill does); killing one rank actor breaks its group and the front fails its in-flight
-requests over to other clusters.
+what the `cluster:` drill does); killing one rank actor breaks its group: the front fails its in-flight
+requests over to other clusters, the agent takes the cluster out of the membership, tears it down (front, rank
+actors, placement group) and builds it again (``clusters.rebuild``, with backoff), then registers the new
+endpoint. Pins do not move back: sessions stay where they failed over to, new sessions spread over it again.
 """
 
 from __future__ import annotations
@@ -34,9 +36,20 @@ class ClusterActor:
         self.cluster_id, self.deploy, self.checkpoint, self.redis_url = cluster_id, deploy, checkpoint, redis_url
         self.front = None
         self.executors: dict[str, RayExecutor] = {}
+        self.rebuilds = 0
+        self._pg = None
+        self._agent: threading.Thread | None = None
         self._stop = threading.Event()
 
     def start(self) -> str:
+        """Build the cluster, then register it and heartbeat (and rebuild it when it breaks) in the agent."""
+        endpoint = self._build()
+        self._agent = threading.Thread(target=self._agent_loop, args=(endpoint,), daemon=True)
+        self._agent.start()
+        return endpoint
+
+    def _build(self) -> str:
+        """Placement group, rank actors, engines and the front; returns the front's endpoint."""
         from ray.util.placement_group import placement_group
 
         from k3serve.decode.engine import DecodeConfig, DecodeEngine
@@ -49,7 +62,7 @@ class ClusterActor:
 
         d, c = self.deploy, self.deploy.clusters
         cfg = load_config(self.checkpoint)
-        pg = placement_group([{"CPU": ACTOR_CPU}] * (c.prefill_tp + c.decode_tp), strategy="STRICT_PACK")
+        pg = self._pg = placement_group([{"CPU": ACTOR_CPU}] * (c.prefill_tp + c.decode_tp), strategy="STRICT_PACK")
         ray.get(pg.ready())
         pre_pools = c.prefill_pools.pool_config(cfg, c.prefill_tp)
         dec_pools = c.decode_pools.pool_config(cfg, c.decode_tp)
@@ -75,14 +88,46 @@ class ClusterActor:
                                               long_step_tokens=c.long_step_tokens or None),
                                 model_fingerprint(cfg.to_hf_dict()), transfer=handoff)
         decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch))
-        self.front = ClusterFront(self.cluster_id, prefill, decode, d.secret, c.prefill_tp, c.decode_tp,
-                                  drop_transfer=handoff.cancel if handoff else None)
-        endpoint = self.front.start(d.bind_host)
-        self._agent = threading.Thread(target=self._heartbeat, args=(endpoint,), daemon=True)
-        self._agent.start()
+        front = ClusterFront(self.cluster_id, prefill, decode, d.secret, c.prefill_tp, c.decode_tp,
+                             drop_transfer=handoff.cancel if handoff else None)
+        endpoint = front.start(d.bind_host)
+        self.front = front
         return endpoint
 
-    def _heartbeat(self, endpoint: str) -> None:
+    def _teardown(self) -> None:
+        """Stop the front and kill the rank actors and placement group (what a failed _build left, too)."""
+        from ray.util.placement_group import remove_placement_group
+
+        front, executors, pg = self.front, list(self.executors.values()), self._pg
+        self.front, self.executors, self._pg = None, {}, None
+        if front is not None:
+            front.stop(0.5)
+        for ex in executors:
+            ex.close()
+        if pg is not None:
+            remove_placement_group(pg)
+
+    def _rebuild(self) -> str | None:
+        """Tear the broken cluster down and build it again, backing off between failed attempts.
+
+        Returns the new endpoint, or None when the actor is stopping."""
+        delay = self.deploy.clusters.rebuild_backoff_s
+        while True:
+            self._teardown()
+            if self._stop.wait(delay):
+                return None
+            try:
+                endpoint = self._build()
+            except Exception as e:  # noqa: BLE001 - e.g. no resources yet: try again later
+                log.warning("rebuilding cluster %s failed: %s", self.cluster_id, e)
+                delay = min(2 * delay, 30.0)
+                continue
+            self.rebuilds += 1
+            log.warning("cluster %s rebuilt (%d): %s", self.cluster_id, self.rebuilds, endpoint)
+            return endpoint
+
+    def _agent_loop(self, endpoint: str) -> None:
+        """Register and heartbeat; when the front breaks, leave the membership, then rebuild (if configured)."""
         from k3serve.cluster.redis_server import connect
         from k3serve.router.membership import Membership
 
@@ -91,9 +136,24 @@ class ClusterActor:
         members = Membership(connect(self.redis_url), ctl.namespace)
         registered = False
         while not self._stop.wait(ctl.heartbeat_interval_s if registered else 0.0):
-            if self.front is None or self.front.broken:
-                return  # a broken cluster goes silent: its heartbeat key expires and routers drop it
-            load = {**self.front.load, "prefill_tp": c.prefill_tp, "decode_tp": c.decode_tp}
+            front = self.front
+            if front is not None and not front.broken:
+                dead = [f"{role} rank {r}" for role, ex in self.executors.items() for r in ex.dead_ranks()]
+                if dead:  # found while idle too: the next request must not be the one to find out
+                    front.mark_broken(f"{', '.join(dead)} died")
+            if front is None or front.broken:
+                try:  # routers drop it at their next refresh instead of after the heartbeat TTL
+                    members.deregister(self.cluster_id)
+                except Exception:  # noqa: BLE001 - Redis down: the TTL removes it anyway
+                    pass
+                if not c.rebuild:
+                    return  # stays out of rotation until the deployment restarts
+                endpoint = self._rebuild()
+                if endpoint is None:
+                    return
+                registered = False
+                continue
+            load = {**front.load, "prefill_tp": c.prefill_tp, "decode_tp": c.decode_tp}
             try:
                 if not registered or not members.heartbeat(self.cluster_id, load, ctl.heartbeat_ttl_s):
                     members.register(self.cluster_id, {"cluster": endpoint}, ttl_s=ctl.heartbeat_ttl_s * 20,
@@ -106,11 +166,14 @@ class ClusterActor:
         return {role: list(ex.actors) for role, ex in self.executors.items()}
 
     def stats(self) -> dict:
-        return {"cluster_id": self.cluster_id, "broken": self.front.broken if self.front else "not started",
-                **(self.front.metrics if self.front else {})}
+        front = self.front
+        return {"cluster_id": self.cluster_id, "broken": front.broken if front else "not running",
+                "rebuilds": self.rebuilds, **(front.metrics if front else {})}
 
     def stop(self, grace_s: float = 2.0) -> None:
         self._stop.set()
+        if self._agent is not None:
+            self._agent.join(timeout=60)  # a rebuild in progress finishes (or gives up) first
         if self.front is not None:
             self.front.stop(grace_s)
         try:
@@ -120,8 +183,7 @@ class ClusterActor:
             Membership(connect(self.redis_url), self.deploy.control.namespace).deregister(self.cluster_id)
         except Exception:  # noqa: BLE001 - best effort: the TTL removes it anyway
             pass
-        for ex in self.executors.values():
-            ex.close()
+        self._teardown()
 
 
 def _long_threshold(d: DeployConfig) -> int:

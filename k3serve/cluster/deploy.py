@@ -65,6 +65,8 @@ class ClusterSpec:
     long_step_tokens: int = 0  # most long-prompt tokens per prefill step (0: step_token_budget); chunk_plan.py
     prefix_scheme: str = "k3"
     transfer: str = "grpc"  # "grpc": k3serve.transfer between the groups; "object_store": tensors through Ray
+    rebuild: bool = True  # a cluster whose rank died is torn down and built again in place
+    rebuild_backoff_s: float = 1.0  # first wait before a rebuild; doubles after a failed attempt (max 30 s)
     ids: tuple[str, ...] = ()  # explicit cluster ids; default c0, c1, ...
 
     @property
@@ -122,6 +124,8 @@ class DeployConfig:
             raise DeployError("routers must be >= 1")
         if c.prefill_pools.page_size != c.decode_pools.page_size:
             raise DeployError("prefill_pools.page_size must equal decode_pools.page_size")
+        if c.rebuild_backoff_s <= 0:
+            raise DeployError("clusters.rebuild_backoff_s must be > 0")
         if c.step_token_budget < 1 or c.long_step_tokens < 0:
             raise DeployError("clusters.step_token_budget must be >= 1 and clusters.long_step_tokens >= 0")
         if c.transfer not in ("grpc", "object_store"):

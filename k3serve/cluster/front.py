@@ -177,6 +177,11 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         for ev in self.decode.step():
             self._send(ev.request_id, _Out(ev.token_ids, ev.finish_reason))
 
+    def mark_broken(self, why: str) -> None:
+        """From outside the engine (a rank found dead while idle): fail in-flight requests, refuse new ones."""
+        if not self.broken:
+            self._fail_all(why)
+
     def _fail_all(self, why: str) -> None:
         self.broken = why
         with self._lock:

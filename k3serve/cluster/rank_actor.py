@@ -9,6 +9,7 @@ capped by ``torch_threads``.
 from __future__ import annotations
 
 import socket
+import threading
 from datetime import timedelta
 from dataclasses import replace
 
@@ -21,7 +22,8 @@ from k3serve.engine.worker import ModelWorker
 ACTOR_CPU = 0.01
 
 
-@ray.remote(num_cpus=ACTOR_CPU, max_restarts=0)
+# ops run one at a time in the default group; `watch` parks in its own group so it never blocks them
+@ray.remote(num_cpus=ACTOR_CPU, max_restarts=0, concurrency_groups={"watch": 1})
 class RankActor:
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
         self.spec, self.rank = spec, rank
@@ -69,6 +71,11 @@ class RankActor:
 
         return os.getpid()
 
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> None:
+        """Never returns: the call's ObjectRef becomes ready (with RayActorError) only when this actor dies."""
+        threading.Event().wait()
+
 
 class RayExecutor:
     """The Executor interface over a group of RankActors (see engine/executor.py)."""
@@ -90,6 +97,12 @@ class RayExecutor:
         except Exception as e:
             self.close()
             raise WorkerFailure(f"TP group failed to start: {e}") from e
+        self._watches = [a.watch.remote() for a in self.actors]
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks whose actor has died, found without a call to any actor (their `watch` refs resolved)."""
+        ready, _ = ray.wait(self._watches, num_returns=len(self._watches), timeout=0)
+        return [i for i, ref in enumerate(self._watches) if ref in ready]
 
     def run(self, op: object) -> list[object]:
         return self.run_each([op] * self.tp)

@@ -53,3 +53,59 @@ def test_kill_one_rank(four_clusters, kind, seed):
     out = run_drill(four_clusters, Fault(kind, target), at_s=3.0, sessions=12, turns=2, max_tokens=16, seed=seed)
     assert out["failed"] == 0 and out["mismatches"] == 0
     assert out["in_flight_at_fault"] > 0 and out["failed_over"] > 0
+
+
+def _healthy(dep) -> list[str]:
+    from k3serve.cluster.redis_server import connect
+    from k3serve.router.membership import Membership
+
+    return [c.id for c in Membership(connect(dep.redis_url), dep.deploy.control.namespace).healthy_clusters()]
+
+
+def _primary_session(prefix: str, target: str, alive: list[str]) -> str:
+    from k3serve.router.hashing import rank_clusters, session_key
+
+    return next(n for n in (f"{prefix}-{i}" for i in range(1000))
+                if rank_clusters(session_key(n, []), alive)[0] == target)
+
+
+def test_cluster_whose_rank_died_while_idle_is_rebuilt_and_serves_again(four_clusters):
+    """A decode rank killed with no traffic: the agent notices, fails the cluster out, rebuilds it in place."""
+    import time
+
+    import grpc
+    import ray
+    import torch
+
+    from k3serve.engine.sampling import SamplingParams
+    from k3serve.model.loader import load_model
+    from k3serve.model.reference import reference_generate
+    from k3serve.v1 import router_pb2 as pb
+    from k3serve.v1 import router_pb2_grpc
+
+    dep = four_clusters
+    alive = _healthy(dep)
+    target = alive[-1]
+    before = ray.get(dep.clusters[target].stats.remote())["rebuilds"]
+    dep.kill_rank(target, "decode")
+
+    deadline, saw_it_leave = time.monotonic() + 120, False
+    while True:  # out of the membership, then back with a new front
+        stats, healthy = ray.get(dep.clusters[target].stats.remote()), _healthy(dep)
+        saw_it_leave |= target not in healthy
+        if stats["rebuilds"] > before and not stats["broken"] and target in healthy:
+            break
+        assert time.monotonic() < deadline, f"{target} not rebuilt: {stats}"
+        time.sleep(0.5)
+    assert saw_it_leave
+
+    model = load_model(dep.checkpoint)
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(dep.router_addresses[0]))
+    session = _primary_session("rebuilt", target, _healthy(dep))
+    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(11)).tolist()
+    msgs = list(stub.Generate(pb.GenerateRequest(session_id=session, prompt_token_ids=prompt,
+                                                 sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)),
+                              timeout=120))
+    assert msgs[-1].usage.cluster_id == target  # a new session lands on the rebuilt cluster
+    assert [t for m in msgs for t in m.token_ids] == reference_generate(
+        model, prompt, SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
