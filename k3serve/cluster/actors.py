@@ -29,11 +29,15 @@ log = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=ACTOR_CPU, max_restarts=0, max_concurrency=8)
 class ClusterActor:
-    def __init__(self, cluster_id: str, deploy: DeployConfig, checkpoint: str, redis_url: str) -> None:
+    def __init__(self, cluster_id: str, deploy: DeployConfig, checkpoint: str, redis_url: str,
+                 pg_name: str = "") -> None:
+        """pg_name: a name for the placement group (unique in the Ray namespace), so that whoever replaces a
+        dead ClusterActor can find and remove the group it left behind; empty: unnamed."""
         import torch
 
         torch.set_num_threads(deploy.torch_threads)
         self.cluster_id, self.deploy, self.checkpoint, self.redis_url = cluster_id, deploy, checkpoint, redis_url
+        self.pg_name = pg_name
         self.front = None
         self.executors: dict[str, RayExecutor] = {}
         self.rebuilds = 0
@@ -62,7 +66,8 @@ class ClusterActor:
 
         d, c = self.deploy, self.deploy.clusters
         cfg = load_config(self.checkpoint)
-        pg = self._pg = placement_group([{"CPU": ACTOR_CPU}] * (c.prefill_tp + c.decode_tp), strategy="STRICT_PACK")
+        pg = self._pg = placement_group([{"CPU": ACTOR_CPU}] * (c.prefill_tp + c.decode_tp), strategy="STRICT_PACK",
+                                        name=self.pg_name)
         ray.get(pg.ready())
         pre_pools = c.prefill_pools.pool_config(cfg, c.prefill_tp)
         dec_pools = c.decode_pools.pool_config(cfg, c.decode_tp)
@@ -161,6 +166,10 @@ class ClusterActor:
                     registered = True
             except Exception as e:  # noqa: BLE001 - Redis down: keep serving, retry next beat
                 log.warning("heartbeat of %s failed: %s", self.cluster_id, e)
+
+    def watch(self) -> None:
+        """Never returns: the call's ref resolves only when this actor dies (the deployment's supervisor)."""
+        threading.Event().wait()
 
     def rank_actors(self) -> dict[str, list]:
         return {role: list(ex.actors) for role, ex in self.executors.items()}

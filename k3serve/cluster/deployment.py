@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +33,13 @@ class Deployment:
     router_addresses: list[str] = field(default_factory=list)
     clusters: dict[str, object] = field(default_factory=dict)  # cluster id -> ClusterActor handle
     routers: list[object] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)  # cluster id -> ClusterActors started to replace it
     _redis: object = None
     _own_ray: bool = False
     _tmp: object = None
+    _uid: str = field(default_factory=lambda: secrets.token_hex(4))  # names this deployment's placement groups
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _supervisor: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------- start
     def start(self, timeout_s: float = 300.0) -> "Deployment":
@@ -46,7 +52,7 @@ class Deployment:
         self._start_ray()
         self._start_redis()
         self.checkpoint = self._checkpoint()
-        handles = {cid: ClusterActor.remote(cid, self.deploy, self.checkpoint, self.redis_url)
+        handles = {cid: ClusterActor.remote(cid, self.deploy, self.checkpoint, self.redis_url, self._pg_name(cid))
                    for cid in self.deploy.clusters.cluster_ids}
         endpoints = ray.get([h.start.remote() for h in handles.values()], timeout=timeout_s)
         self.clusters = handles
@@ -55,7 +61,50 @@ class Deployment:
                         for _ in range(self.deploy.routers)]
         self.router_addresses = ray.get([r.start.remote() for r in self.routers], timeout=timeout_s)
         self.wait_healthy(len(handles), timeout_s=30.0)
+        if self.deploy.clusters.rebuild:
+            self._supervisor = threading.Thread(target=self._supervise, name="k3serve-supervisor", daemon=True)
+            self._supervisor.start()
         return self
+
+    def _pg_name(self, cluster_id: str) -> str:
+        return f"k3serve-{self._uid}-{cluster_id}"
+
+    def _supervise(self) -> None:
+        """Replace a ClusterActor that died (killed, its node lost) with a new one under the same cluster id.
+
+        A broken *rank* is the ClusterActor's own business (it rebuilds in place); this covers the actor itself.
+        Its rank actors died with it (Ray fate-shares owned actors); its placement group outlives it (groups
+        are scoped to the job), so it is found by name and removed before the new actor makes its own."""
+        from ray.util import get_placement_group
+        from ray.util.placement_group import remove_placement_group
+
+        from k3serve.cluster.actors import ClusterActor
+
+        watches = {cid: h.watch.remote() for cid, h in self.clusters.items()}
+        delay: dict[str, float] = {}
+        while not self._stopping.wait(1.0):
+            ready, _ = ray.wait(list(watches.values()), num_returns=len(watches), timeout=0)
+            for cid in [c for c, ref in watches.items() if ref in ready]:
+                if self._stopping.is_set():
+                    return
+                try:
+                    remove_placement_group(get_placement_group(self._pg_name(cid)))
+                except ValueError:  # no such group (it never got that far)
+                    pass
+                handle = ClusterActor.remote(cid, self.deploy, self.checkpoint, self.redis_url, self._pg_name(cid))
+                try:
+                    endpoint = ray.get(handle.start.remote(), timeout=300)
+                except Exception as e:  # noqa: BLE001 - no resources yet, ...: keep the dead ref, try again later
+                    log.warning("restarting cluster %s failed: %s", cid, e)
+                    ray.kill(handle, no_restart=True)
+                    delay[cid] = min(2 * delay.get(cid, 1.0), 30.0)
+                    self._stopping.wait(delay[cid])
+                    continue
+                self.clusters[cid], self.cluster_endpoints[cid] = handle, endpoint
+                self.restarts[cid] = self.restarts.get(cid, 0) + 1
+                watches[cid] = handle.watch.remote()
+                delay.pop(cid, None)
+                log.warning("cluster %s restarted (%d): %s", cid, self.restarts[cid], endpoint)
 
     def _start_ray(self) -> None:
         if ray.is_initialized():
@@ -124,6 +173,9 @@ class Deployment:
     # --------------------------------------------------------------------------------------------- stop
     def stop(self) -> None:
         """Drain and stop routers, then clusters, then Redis and (if we started it) Ray."""
+        self._stopping.set()  # first: the supervisor must not bring back what is being stopped
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=330)
         for r in self.routers:
             try:
                 ray.get(r.stop.remote(), timeout=10)

@@ -221,13 +221,46 @@ def report(dep: Deployment, records: list[RequestRecord], fault: Fault | None, f
     return out
 
 
+def _recoveries(dep: Deployment, fault: Fault) -> int:
+    """How often the fault's target cluster has been brought back so far (replaced actor or in-place rebuild)."""
+    import ray
+
+    if fault.kind == "cluster":
+        return dep.restarts.get(fault.target, 0)
+    return ray.get(dep.clusters[fault.target].stats.remote(), timeout=30)["rebuilds"]
+
+
+def wait_rejoined(dep: Deployment, fault: Fault, before: int, fault_abs: float, timeout_s: float) -> float | None:
+    """Seconds from the fault until the failed cluster was back in the membership, rebuilt; None if not in time."""
+    from k3serve.cluster.redis_server import connect
+    from k3serve.router.membership import Membership
+
+    members = Membership(connect(dep.redis_url), dep.deploy.control.namespace)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            back = _recoveries(dep, fault) > before and fault.target in {c.id for c in members.healthy_clusters()}
+        except Exception:  # noqa: BLE001 - the replaced actor may not answer yet
+            back = False
+        if back:
+            return time.monotonic() - fault_abs
+        time.sleep(0.25)
+    return None
+
+
 def run_drill(dep: Deployment, fault: Fault | None, at_s: float, sessions: int, turns: int,
-              max_tokens: int, seed: int | None = None) -> dict:
+              max_tokens: int, seed: int | None = None, rejoin_timeout_s: float = 120.0) -> dict:
+    """The workload with `fault` injected at `at_s`, checked against the reference. For a cluster or rank fault
+    (with ``clusters.rebuild`` on) it then waits for the failed cluster to rejoin and reports ``rejoined_s``."""
+    rebuilds = fault is not None and fault.kind in ("cluster", "decode", "prefill") and dep.deploy.clusters.rebuild
+    before = _recoveries(dep, fault) if rebuilds else 0
     t0 = time.monotonic()
     records, fault_abs = run_workload(dep, sessions, turns, max_tokens, fault, at_s, seed)
     fault_s = fault_abs - t0
+    rejoined = wait_rejoined(dep, fault, before, fault_abs, rejoin_timeout_s) if rebuilds else None
     mismatches = check_against_reference(dep.checkpoint, records)
     out = report(dep, records, fault, fault_s, t0, mismatches)
+    out["rejoined_s"] = rejoined
     out["wall_s"] = time.monotonic() - t0
     out["sessions"], out["turns"], out["max_tokens"] = sessions, turns, max_tokens
     return out

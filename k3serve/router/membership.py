@@ -349,6 +349,10 @@ class MembershipView:
         now = self._clock()
         snap = MembershipSnapshot(tuple(clusters), False, now, server_time, None)
         with self._lock:
+            known = {c.id: dict(c.endpoints) for c in self._snap.clusters}
+            for c in clusters:  # a new endpoint is a new incarnation (rebuilt or replaced): forget the old failures
+                if c.id in known and known[c.id] != dict(c.endpoints):
+                    self.breaker.mark_ok(c.id)
             last = self._last_nonempty
             if snap.alive_ids():
                 self._last_nonempty = snap

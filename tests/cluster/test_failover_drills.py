@@ -2,7 +2,8 @@
 
 Each drill runs a multi-turn workload (greedy and seeded sessions) through both routers and checks: no failed
 request, no token mismatch against the single-process reference, and (cluster kill) the failed cluster's
-sessions spread over the survivors.
+sessions spread over the survivors. Then recovery: the killed cluster actor is replaced by the deployment's
+supervisor, and a cluster whose rank died while idle is rebuilt in place; each then serves new sessions.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def test_kill_cluster(four_clusters):
     assert out["in_flight_at_fault"] > 0 and out["failed_over"] > 0 and out["failed_cluster_sessions"] > 0
     assert all(n > 0 for n in out["survivor_sessions"].values())  # spread over every survivor
     assert out["max_survivor_share_over_fair"] <= 1.5
+    assert out["rejoined_s"] is not None  # the deployment's supervisor brought c0 back
 
 
 def _busiest(dep, names: list[str]) -> str:
@@ -53,6 +55,7 @@ def test_kill_one_rank(four_clusters, kind, seed):
     out = run_drill(four_clusters, Fault(kind, target), at_s=3.0, sessions=12, turns=2, max_tokens=16, seed=seed)
     assert out["failed"] == 0 and out["mismatches"] == 0
     assert out["in_flight_at_fault"] > 0 and out["failed_over"] > 0
+    assert out["rejoined_s"] is not None  # rebuilt in place by its own agent
 
 
 def _healthy(dep) -> list[str]:
@@ -69,12 +72,18 @@ def _primary_session(prefix: str, target: str, alive: list[str]) -> str:
                 if rank_clusters(session_key(n, []), alive)[0] == target)
 
 
-def test_cluster_whose_rank_died_while_idle_is_rebuilt_and_serves_again(four_clusters):
-    """A decode rank killed with no traffic: the agent notices, fails the cluster out, rebuilds it in place."""
+def _wait_until(cond, timeout_s: float, what: str) -> None:
     import time
 
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+def _new_session_served_exactly_on(dep, target: str, prefix: str) -> None:
+    """A new session whose HRW primary is `target` lands there and gets the reference tokens."""
     import grpc
-    import ray
     import torch
 
     from k3serve.engine.sampling import SamplingParams
@@ -83,29 +92,47 @@ def test_cluster_whose_rank_died_while_idle_is_rebuilt_and_serves_again(four_clu
     from k3serve.v1 import router_pb2 as pb
     from k3serve.v1 import router_pb2_grpc
 
-    dep = four_clusters
-    alive = _healthy(dep)
-    target = alive[-1]
-    before = ray.get(dep.clusters[target].stats.remote())["rebuilds"]
-    dep.kill_rank(target, "decode")
-
-    deadline, saw_it_leave = time.monotonic() + 120, False
-    while True:  # out of the membership, then back with a new front
-        stats, healthy = ray.get(dep.clusters[target].stats.remote()), _healthy(dep)
-        saw_it_leave |= target not in healthy
-        if stats["rebuilds"] > before and not stats["broken"] and target in healthy:
-            break
-        assert time.monotonic() < deadline, f"{target} not rebuilt: {stats}"
-        time.sleep(0.5)
-    assert saw_it_leave
-
-    model = load_model(dep.checkpoint)
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(dep.router_addresses[0]))
-    session = _primary_session("rebuilt", target, _healthy(dep))
+
+    def routable() -> list[str]:  # what this router hashes over (its own view: Redis + its breaker)
+        return [c.cluster_id for c in stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10).clusters
+                if c.healthy]
+
+    _wait_until(lambda: target in routable(), 30, f"the router does not route to {target}")
+    session = _primary_session(prefix, target, routable())
     prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(11)).tolist()
     msgs = list(stub.Generate(pb.GenerateRequest(session_id=session, prompt_token_ids=prompt,
                                                  sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)),
                               timeout=120))
-    assert msgs[-1].usage.cluster_id == target  # a new session lands on the rebuilt cluster
+    assert msgs[-1].usage.cluster_id == target
     assert [t for m in msgs for t in m.token_ids] == reference_generate(
-        model, prompt, SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
+        load_model(dep.checkpoint), prompt, SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
+
+
+def test_killed_cluster_actor_is_replaced_and_serves_again(four_clusters):
+    """The deployment's supervisor starts a new c0 (killed by test_kill_cluster), which takes new sessions."""
+    dep = four_clusters
+    if not dep.restarts.get("c0"):  # run on its own
+        dep.kill_cluster("c0")
+    _wait_until(lambda: dep.restarts.get("c0", 0) >= 1 and "c0" in _healthy(dep), 120, "c0 was not replaced")
+    _new_session_served_exactly_on(dep, "c0", "replaced")
+
+
+def test_cluster_whose_rank_died_while_idle_is_rebuilt_and_serves_again(four_clusters):
+    """A decode rank killed with no traffic: the agent notices, fails the cluster out, rebuilds it in place."""
+    import ray
+
+    dep = four_clusters
+    target = _healthy(dep)[-1]
+    before = ray.get(dep.clusters[target].stats.remote())["rebuilds"]
+    dep.kill_rank(target, "decode")
+    left: list[bool] = []
+
+    def rebuilt() -> bool:
+        stats, healthy = ray.get(dep.clusters[target].stats.remote()), _healthy(dep)
+        left.append(target not in healthy)
+        return stats["rebuilds"] > before and not stats["broken"] and target in healthy
+
+    _wait_until(rebuilt, 120, f"{target} was not rebuilt")
+    assert any(left)  # it was out of the membership in between
+    _new_session_served_exactly_on(dep, target, "rebuilt")

@@ -248,3 +248,20 @@ def test_empty_membership_is_trusted_after_the_grace_period(rclient, ns):
     m.deregister("c1")
     clock.t += 1
     assert view.routable() == ["c0"]
+
+
+def test_a_cluster_back_with_a_new_endpoint_is_routable_at_once(rclient, ns):
+    """Rebuilt or replaced clusters register a new endpoint: the old incarnation's failures no longer count."""
+    m = Membership(rclient, ns)
+    clock = FakeClock()
+    view = MembershipView(m, refresh_interval_s=0.0, breaker=CircuitBreaker(BreakerConfig(cool_down_s=60), clock))
+    m.register("c0", {"cluster": "127.0.0.1:1001"}, ttl_s=30)
+    m.register("c1", {"cluster": "127.0.0.1:1002"}, ttl_s=30)
+    view.refresh()
+    view.mark_suspect("c0")
+    view.mark_suspect("c1")
+    assert view.routable(view.refresh()) == []
+    m.register("c0", {"cluster": "127.0.0.1:2001"}, ttl_s=30)  # c0 rebuilt; c1 is the same process still
+    snap = view.refresh()
+    assert view.routable(snap) == ["c0"]
+    assert view.state("c1", snap) is ClusterState.SUSPECT
