@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from k3serve.cli.output import emit
+from k3serve.cli.output import emit, results_only_stdout
 
 app = typer.Typer(help="Failover drill through the router with a fault injected mid-run.",
                   invoke_without_command=True, no_args_is_help=False)
@@ -32,7 +32,7 @@ def drill(config: str = typer.Option("configs/local.yaml", "--config"),
     except (DeployError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
-    with Deployment(deploy) as dep:
+    with results_only_stdout(), Deployment(deploy) as dep:
         typer.echo(f"drill: deployment up, routers {dep.router_addresses}; running {sessions} sessions x {turns} turns,"
                    f" fault {kill} at {at_s}s", err=True)
         result = run_drill(dep, fault, at_s, sessions, turns, max_tokens)
