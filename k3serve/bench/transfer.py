@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from k3serve.model.presets import preset
-from k3serve.transfer.auth import AuthConfig
+from k3serve.auth import AuthConfig
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.plan import reshard_kda
 from k3serve.transfer.procs import ReceiverProc, SenderProc, SendJob

@@ -78,7 +78,7 @@ class ClusterActor:
                                                                d.torch_threads), pg, bundle_offset=c.prefill_tp)
         handoff = None
         if c.transfer == "grpc":
-            from k3serve.transfer.auth import AuthConfig
+            from k3serve.auth import AuthConfig
             from k3serve.transfer.handoff_send import GrpcHandoff
             from k3serve.transfer.receiver import ReceiverConfig
 

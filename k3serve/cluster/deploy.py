@@ -124,6 +124,8 @@ class DeployConfig:
             raise DeployError("routers must be >= 1")
         if c.prefill_pools.page_size != c.decode_pools.page_size:
             raise DeployError("prefill_pools.page_size must equal decode_pools.page_size")
+        if self.secret and len(self.secret) < 16:
+            raise DeployError("secret must be at least 16 characters (it keys the HMAC of every internal call)")
         if c.rebuild_backoff_s <= 0:
             raise DeployError("clusters.rebuild_backoff_s must be > 0")
         if c.step_token_budget < 1 or c.long_step_tokens < 0:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from k3serve.cluster.auth import AUTH_KEY, verify_token
+from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
 from k3serve.decode.engine import DecodeEngine
 from k3serve.engine.executor import WorkerFailure
 from k3serve.engine.requests import PrefillRequest, RequestFailure
@@ -67,7 +67,9 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
     # -------------------------------------------------------------------------------------------- serve
     def start(self, host: str = "127.0.0.1") -> str:
         self._thread.start()
+        # routers sign each call (k3serve/auth.py); unsigned or stale calls are refused before any message is read
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
+                                   interceptors=(AuthInterceptor(AuthConfig(self.secret, peer=self.cluster_id)),),
                                    options=[("grpc.max_receive_message_length", 8 << 20)])
         cluster_pb2_grpc.add_ClusterServicer_to_server(self, self._server)
         port = self._server.add_insecure_port(f"{host}:0")
@@ -89,12 +91,12 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
 
     # ---------------------------------------------------------------------------------------------- rpc
     def Generate(self, request, context):
-        if not verify_token(self.secret, dict(context.invocation_metadata()).get(AUTH_KEY, "")):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid cluster credentials")
-        if self.broken:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"cluster {self.cluster_id} is down: {self.broken}")
         req = request.request
         rid = req.request_id
+        if signed_subject(context) != rid:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "request_id is not the one this call was signed for")
+        if self.broken:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cluster {self.cluster_id} is down: {self.broken}")
         out: queue.Queue = queue.Queue()
         with self._lock:
             if rid in self._outs:
@@ -120,8 +122,6 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
                 self._outs.pop(rid, None)
 
     def Status(self, request, context):
-        if not verify_token(self.secret, dict(context.invocation_metadata()).get(AUTH_KEY, "")):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid cluster credentials")
         with self._lock:
             running = len(self._outs)
         return cluster_pb2.ClusterState(cluster_id=self.cluster_id, running_requests=running,

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from k3serve.cluster.auth import auth_metadata
+from k3serve.auth import AuthConfig, sign
 from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
 from k3serve.router.admission import AdmissionRejected
 from k3serve.router.gate import AdmissionGate
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 << 20
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+_CLUSTER_GENERATE = f"/{cluster_pb2.DESCRIPTOR.services_by_name['Cluster'].full_name}/Generate"
 
 
 @dataclass
@@ -58,7 +59,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, view: MembershipView, pins: PinStore, limits: ModelLimits, secret: str,
                  api_keys: tuple[str, ...] = (), request_timeout_s: float = 600.0,
                  gate: AdmissionGate | None = None, metrics: RouterMetrics | None = None) -> None:
-        self.view, self.pins, self.limits, self.secret, self.gate = view, pins, limits, secret, gate
+        self.view, self.pins, self.limits, self.gate = view, pins, limits, gate
+        self._auth = AuthConfig(secret, peer="router")  # signs each call to a cluster front
         self.metrics = metrics or RouterMetrics()
         self.api_keys = frozenset(api_keys)
         self.timeout_s = request_timeout_s
@@ -222,7 +224,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if stub is None:
                 raise ConnectionError(f"cluster {cluster} has no endpoint")
             call = stub.Generate(cluster_pb2.ClusterGenerateRequest(request=inner, absolute_offset=len(state.streamed)),
-                                 metadata=auth_metadata(self.secret), timeout=self.timeout_s)
+                                 metadata=sign(self._auth, _CLUSTER_GENERATE, req.request_id),
+                                 timeout=self.timeout_s)
             context.add_callback(call.cancel)
             for resp in call:
                 if not state.streamed and not state.failovers:

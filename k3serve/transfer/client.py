@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from k3serve.transfer.v1 import transfer_pb2 as pb
-from k3serve.transfer.auth import AuthConfig, sign
+from k3serve.auth import AuthConfig, sign
 from k3serve.transfer.receiver import CANCEL, STATUS
 from k3serve.transfer.wire import STATE_NAMES
 

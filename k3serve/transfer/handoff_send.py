@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from k3serve.transfer.auth import AuthConfig
+from k3serve.auth import AuthConfig
 from k3serve.transfer.client import ReceiverClient
 from k3serve.transfer.sender import SenderConfig, TransferFailed, TransferSender
 from k3serve.transfer.spec import StateGeometry, TransferSpec

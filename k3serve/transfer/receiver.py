@@ -6,7 +6,7 @@
  decode driver ── InstallStaged(slot, table, tid) ─▶ ModelWorker.staging.take(tid) ─▶ kda_store / page_store
 ```
 Binds the configured interface (loopback by default) on the configured port (0 = any free port; read
-``port``/``endpoint`` after start). Authentication happens in an interceptor (auth.py) before any message
+``port``/``endpoint`` after start). Authentication happens in an interceptor (k3serve/auth.py) before any message
 is read. Error codes: UNAUTHENTICATED (signature), INVALID_ARGUMENT (malformed/oversized/misplanned; the message
 names the field), DATA_LOSS (CRC or manifest mismatch: the sender retries), FAILED_PRECONDITION (cancelled or
 expired transfer), RESOURCE_EXHAUSTED (staging full), ABORTED (stream ended before its manifest).
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from k3serve.transfer.v1 import transfer_pb2 as pb
-from k3serve.transfer.auth import AuthConfig, AuthInterceptor, signed_transfer_id
+from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
 from k3serve.transfer.memory import tune_allocator
 from k3serve.transfer.plan import PlanError
 from k3serve.transfer.staging import INSTALLED, VERIFIED, StagingLimits, StagingStore, TransferRejected
@@ -98,7 +98,7 @@ class TransferReceiver:
     # ------------------------------------------------------------------------------------------- RPCs
     def _push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushAck:
         try:
-            return self._serve_push(request_iterator, signed_transfer_id(context))
+            return self._serve_push(request_iterator, signed_subject(context))
         except TransferRejected as e:
             context.abort(getattr(grpc.StatusCode, e.code), e.message)
         except (WireError, PlanError) as e:
@@ -140,12 +140,12 @@ class TransferReceiver:
         raise TransferRejected("ABORTED", f"stream from prefill rank {src} ended before its manifest")
 
     def _cancel(self, req: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelAck:
-        if req.transfer_id != signed_transfer_id(context) or not req.transfer_id:
+        if req.transfer_id != signed_subject(context) or not req.transfer_id:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "transfer_id is not the one this call was signed for")
         return pb.CancelAck(transfer_id=req.transfer_id, freed=self.store.cancel(req.transfer_id))
 
     def _status(self, req: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
-        if req.transfer_id != signed_transfer_id(context):
+        if req.transfer_id != signed_subject(context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "transfer_id is not the one this call was signed for")
         n, nbytes = self.store.occupancy()
         state = self.store.status(req.transfer_id) if req.transfer_id else "unknown"

@@ -27,7 +27,7 @@ import grpc
 import torch
 
 from k3serve.transfer.v1 import transfer_pb2 as pb
-from k3serve.transfer.auth import AuthConfig, sign
+from k3serve.auth import AuthConfig, sign
 from k3serve.transfer.chunks import KDA, MLA, ChunkRef, all_layers, by_layer, stream_plan
 from k3serve.transfer.client import ReceiverClient, open_channel
 from k3serve.transfer.faults import NO_FAULTS, SenderFaults

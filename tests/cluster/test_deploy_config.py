@@ -32,3 +32,8 @@ def test_negative_long_step_tokens_is_refused(tmp_path):
 def test_long_step_tokens_defaults_to_the_step_budget(tmp_path):
     cfg = load_deploy(_write(tmp_path, "clusters: {step_token_budget: 512}\n"))
     assert cfg.clusters.long_step_tokens == 0  # 0: the prefill engine uses step_token_budget for long prompts
+
+
+def test_short_secret_is_refused(tmp_path):
+    with pytest.raises(DeployError, match="secret must be at least 16"):
+        load_deploy(_write(tmp_path, "secret: short\n"))

@@ -130,7 +130,18 @@ def test_internal_endpoint_rejects_unauthenticated_peers(deployment):
     req = cluster_pb2.ClusterGenerateRequest(request=pb.GenerateRequest(
         request_id="intruder", prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_tokens=2)))
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(req, metadata=(("x-k3serve-auth", "123.deadbeef"),), timeout=10))
+        list(stub.Generate(req, timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    from k3serve.auth import AuthConfig, sign
+
+    method = "/k3serve.internal.v1.Cluster/Generate"
+    wrong = AuthConfig("x" * 32, peer="intruder")  # signed, but not with this deployment's secret
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req, metadata=sign(wrong, method, "intruder"), timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    right = AuthConfig(deployment.deploy.secret, peer="router")  # the right secret, another request's signature
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req, metadata=sign(right, method, "someone-else"), timeout=10))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 

@@ -7,7 +7,7 @@ import secrets
 import pytest
 import torch
 
-from k3serve.transfer.auth import AuthConfig
+from k3serve.auth import AuthConfig
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.sender import SenderConfig
 from k3serve.transfer.staging import StagingLimits

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from transfer_helpers import make_spec, random_state
-from k3serve.transfer.auth import AuthConfig, AuthError, sign, verify
+from k3serve.auth import AuthConfig, AuthError, sign, verify
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.client import ReceiverClient, open_channel
 from k3serve.transfer.receiver import PUSH, STATUS, ReceiverConfig, TransferReceiver
@@ -80,7 +80,7 @@ def test_verify_window_and_tampering(auth):
     with pytest.raises(AuthError, match="freshness"):
         verify(auth, PUSH, md, now=1000.0 + auth.window_s + 1)
     with pytest.raises(AuthError, match="signature"):
-        verify(auth, PUSH, {**md, "x-k3serve-transfer-id": "t-2"}, now=1000.0)
+        verify(auth, PUSH, {**md, "x-k3serve-subject": "t-2"}, now=1000.0)
     with pytest.raises(ValueError, match="secret"):
         AuthConfig("short")
     assert auth.secret not in repr(auth)

@@ -5,7 +5,7 @@ import secrets
 import torch
 
 from k3serve.model.presets import preset
-from k3serve.transfer.auth import AuthConfig
+from k3serve.auth import AuthConfig
 from k3serve.transfer.handoff_send import SenderCache, StateSendJob, send_state
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.sender import SenderConfig

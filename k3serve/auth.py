@@ -1,16 +1,19 @@
-"""Peer authentication for transfer RPCs under the per-deployment secret.
+"""Peer authentication for every internal RPC (router -> cluster front, prefill -> decode transfer) under the
+per-deployment secret.
 
 Every call carries metadata::
 
-    x-k3serve-peer         the caller's name
-    x-k3serve-transfer-id  the transfer the call is about (may be empty for occupancy queries)
-    x-k3serve-ts           unix time, seconds with milliseconds
-    x-k3serve-mac          hex HMAC-SHA256(secret, "k3serve-transfer-v1\\n" method \\n transfer id \\n ts \\n peer)
+    x-k3serve-peer     the caller's name
+    x-k3serve-subject  what the call is about: the request id (cluster Generate), the transfer id (transfer
+                       calls), or empty (occupancy / status queries)
+    x-k3serve-ts       unix time, seconds with milliseconds
+    x-k3serve-mac      hex HMAC-SHA256(secret, "k3serve-rpc-v1\n" method \n subject \n ts \n peer)
 
-The receiver's interceptor rejects a missing, wrong or stale signature (|now - ts| > window_s) and peers not
-in ``allowed_peers`` with UNAUTHENTICATED before any message is read; handlers then check that the transfer id
-inside the messages is the one that was signed. The MAC covers the call, not the payload bytes (those are
-CRC-checked against corruption; bind to a private interface or add TLS against an active attacker).
+The server's interceptor rejects a missing, wrong or stale signature (|now - ts| > window_s) and peers not in
+``allowed_peers`` with UNAUTHENTICATED before any message is read; handlers then check that the subject inside
+the messages is the one that was signed, so a captured signature is good for one method, one subject and a
+short window. The MAC covers the call, not the payload bytes (transfer chunks are CRC-checked against
+corruption; bind to a private interface or add TLS against an active attacker).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-MD_PEER, MD_TID, MD_TS, MD_MAC = "x-k3serve-peer", "x-k3serve-transfer-id", "x-k3serve-ts", "x-k3serve-mac"
-_DOMAIN = "k3serve-transfer-v1"
+MD_PEER, MD_SUBJECT, MD_TS, MD_MAC = "x-k3serve-peer", "x-k3serve-subject", "x-k3serve-ts", "x-k3serve-mac"
+_DOMAIN = "k3serve-rpc-v1"
 
 
 class AuthError(Exception):
@@ -47,39 +50,39 @@ class AuthConfig:
             raise ValueError(f"auth.window_s must be positive, got {self.window_s}")
 
 
-def _mac(cfg: AuthConfig, method: str, transfer_id: str, ts: str, peer: str) -> str:
-    msg = "\n".join((_DOMAIN, method, transfer_id, ts, peer)).encode()
+def _mac(cfg: AuthConfig, method: str, subject: str, ts: str, peer: str) -> str:
+    msg = "\n".join((_DOMAIN, method, subject, ts, peer)).encode()
     return hmac.new(cfg.secret.encode(), msg, hashlib.sha256).hexdigest()
 
 
-def sign(cfg: AuthConfig, method: str, transfer_id: str, now: float | None = None) -> tuple[tuple[str, str], ...]:
-    """Call metadata for `method` (the full gRPC method path) about `transfer_id`."""
+def sign(cfg: AuthConfig, method: str, subject: str, now: float | None = None) -> tuple[tuple[str, str], ...]:
+    """Call metadata for `method` (the full gRPC method path) about `subject`."""
     ts = f"{time.time() if now is None else now:.3f}"
-    return ((MD_PEER, cfg.peer), (MD_TID, transfer_id), (MD_TS, ts),
-            (MD_MAC, _mac(cfg, method, transfer_id, ts, cfg.peer)))
+    return ((MD_PEER, cfg.peer), (MD_SUBJECT, subject), (MD_TS, ts),
+            (MD_MAC, _mac(cfg, method, subject, ts, cfg.peer)))
 
 
 def verify(cfg: AuthConfig, method: str, metadata: Mapping[str, str], now: float | None = None) -> str:
-    """The signed transfer id; raises AuthError saying what is wrong."""
-    peer, tid, ts, mac = (metadata.get(k) for k in (MD_PEER, MD_TID, MD_TS, MD_MAC))
-    if peer is None or tid is None or ts is None or mac is None:
-        raise AuthError("missing authentication metadata (x-k3serve-peer/-transfer-id/-ts/-mac)")
+    """The signed subject; raises AuthError saying what is wrong."""
+    peer, subject, ts, mac = (metadata.get(k) for k in (MD_PEER, MD_SUBJECT, MD_TS, MD_MAC))
+    if peer is None or subject is None or ts is None or mac is None:
+        raise AuthError("missing authentication metadata (x-k3serve-peer/-subject/-ts/-mac)")
     try:
         t = float(ts)
     except ValueError:
         raise AuthError("x-k3serve-ts is not a number") from None
     if abs((time.time() if now is None else now) - t) > cfg.window_s:
         raise AuthError(f"signature timestamp outside the {cfg.window_s:g} s freshness window")
-    if not hmac.compare_digest(_mac(cfg, method, tid, ts, peer), mac):
+    if not hmac.compare_digest(_mac(cfg, method, subject, ts, peer), mac):
         raise AuthError("bad signature: the peer does not hold this deployment's secret")
     if cfg.allowed_peers is not None and peer not in cfg.allowed_peers:
         raise AuthError(f"unknown peer {peer!r}")
-    return tid
+    return subject
 
 
-def signed_transfer_id(context: grpc.ServicerContext) -> str:
-    """The transfer id the interceptor verified for this call."""
-    return dict(context.invocation_metadata()).get(MD_TID, "")
+def signed_subject(context: grpc.ServicerContext) -> str:
+    """The subject the interceptor verified for this call."""
+    return dict(context.invocation_metadata()).get(MD_SUBJECT, "")
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
