@@ -180,6 +180,15 @@ def test_budgets_survive_a_router_restart(new_client, ns):
 
 
 # ------------------------------------------------------------------------------------------------- races
+def _race(worker, routers, workers: int) -> None:
+    """Run `workers` threads of worker(router, worker_id), alternating between the two router replicas."""
+    threads = [threading.Thread(target=worker, args=(routers[i % len(routers)], i)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_racing_routers_never_exceed_the_budget(new_client, ns):
     """Two router replicas (two clients), four threads each, hammering one (cluster, class) budget.
 
@@ -219,11 +228,7 @@ def test_racing_routers_never_exceed_the_budget(new_client, ns):
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(routers[i % 2], i)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _race(worker, routers, workers=8)
     assert not errors
     assert state["max_tokens"] <= cls.inflight_token_budget
     assert state["max_count"] <= cls.max_concurrent
@@ -256,11 +261,7 @@ def test_racing_waiters_all_get_in_without_exceeding(new_client, ns):
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(routers[i % 2], i)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _race(worker, routers, workers=8)
     assert not errors
     assert state["done"] == 48
     assert state["max"] <= 1000
