@@ -17,8 +17,15 @@ def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: 
     """sources: n tensors `[..., d]`; query `[1, d]`; norm_weight `[d]` -> `[..., d]` in the sources' dtype.
 
     out = sum_i softmax_i(<query, RMSNorm(v_i)>) * v_i
+
+    Sources are scored and summed one by one (then a running weighted sum):
+    no `[n, ..., d]` stack and no full-size temporaries of it; this mix runs twice per layer on every token.
     """
-    v = torch.stack([s.float() for s in sources])  # [n, ..., d]
-    logits = (rms_norm(v, norm_weight, eps) * query.float().view(-1)).sum(-1)  # [n, ...]
-    weights = logits.softmax(0).unsqueeze(-1)
-    return (weights * v).sum(0).to(sources[0].dtype)
+    q = query.float().view(-1)
+    vals = [s.float() for s in sources]
+    logits = torch.stack([(rms_norm(v, norm_weight, eps) * q).sum(-1) for v in vals])  # [n, ...]
+    weights = logits.softmax(0).unsqueeze(-1)  # [n, ..., 1]
+    out = vals[0] * weights[0]
+    for v, w in zip(vals[1:], weights[1:]):
+        out = out + v * w
+    return out.to(sources[0].dtype)

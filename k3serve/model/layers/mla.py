@@ -19,6 +19,11 @@ from k3serve.model.layers.norm import rms_norm
 from k3serve.model.state import ForwardBatch
 from k3serve.model.tp import TPGroup
 
+# Most fp32 score elements one query block of the decompressed (prefill) attention materialises: 2^22 = 16 MiB,
+# small enough to stay near the caches, large enough that the per-block Python overhead is negligible.
+_SCORE_BUDGET = 1 << 22
+_MIN_QUERY_BLOCK = 16
+
 
 class MLAAttention:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup,
@@ -77,9 +82,15 @@ class MLAAttention:
                       keys 0 .. start-1 (cached prefix)   keys start .. start+T-1 (this chunk)
             query i   all visible                         visible up to start+i (causal)
 
-        so only the trailing T x T block of the `[H, T, L]` scores needs a mask. At long contexts the score
-        tensor dominates, so it is built in one matmul ([q_nope | q_pe] against [k_nope | k_pe], the scale
-        folded into q) and masked in place on that block alone."""
+        Queries run in blocks of ``bq`` rows so the fp32 scores never exceed ``_SCORE_BUDGET`` elements (the
+        former one-shot ``[H, T, L]`` tensor was 1.1 GB at T = L = 8K and its softmax dominated long prefills,
+        docs/profile.md). Block [a, b) sees keys 0 .. start+b-1; only its trailing bq x bq square needs the
+        causal mask, and keys past start+b-1 are never touched (half the chunk's causal work is skipped)::
+
+            keys:   0 ........ start-1 | start ... start+a-1 | start+a ... start+b-1 | (not read)
+            row i:  visible              visible               visible iff j' <= i
+
+        Each row's softmax and weighted sum see exactly its visible keys, as in the one-shot form."""
         cfg = self.cfg
         t, heads = q_nope.shape[0], q_nope.shape[1]
         start = batch.start_positions[b]
@@ -89,10 +100,23 @@ class MLAAttention:
         v = torch.einsum("lr,hvr->hlv", c, self.w_uv.float())  # [H, L, v]
         k = torch.cat([k_nope, k_pe.unsqueeze(0).expand(heads, -1, -1)], dim=-1)  # [H, L, nope + rope]
         q = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1) * self.scale  # [H, T, nope + rope]
-        scores = torch.bmm(q, k.transpose(1, 2))  # [H, T, L]
-        causal = torch.ones(t, t, dtype=torch.bool).triu_(1)  # key j > query i within the chunk
-        scores[:, :, start:].masked_fill_(causal, float("-inf"))
-        return torch.bmm(scores.softmax(-1), v).transpose(0, 1)  # [T, H, v]
+        bq = max(_MIN_QUERY_BLOCK, _SCORE_BUDGET // (heads * (start + t)))
+        if bq >= t:
+            return self._attend_block(q, k, v, start, t).transpose(0, 1)
+        out = q.new_empty(heads, t, v.shape[-1])
+        for a in range(0, t, bq):
+            e = min(t, a + bq)
+            out[:, a:e] = self._attend_block(q[:, a:e], k[:, : start + e], v[:, : start + e], start + a, e - a)
+        return out.transpose(0, 1)  # [T, H, v]
+
+    @staticmethod
+    def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, n: int) -> torch.Tensor:
+        """q `[H, n, Dq]` (scale folded in) for positions first .. first+n-1; k `[H, first+n, Dq]`,
+        v `[H, first+n, Dv]` -> `[H, n, Dv]`. Keys first .. first+n-1 are causally masked."""
+        scores = torch.bmm(q, k.transpose(1, 2))  # [H, n, first + n]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)  # key j > query i
+        scores[:, :, first:].masked_fill_(causal, float("-inf"))
+        return torch.bmm(scores.softmax(-1), v)
 
     def _decode_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q_nope `[B, H, nope]`, q_pe `[B, H, rope]` -> `[B, H, v]` fp32 via the paged latent kernel."""

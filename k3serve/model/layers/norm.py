@@ -1,4 +1,10 @@
-"""RMSNorm and the two gated activations (SwiGLU, K3 SiTU-GLU); all math in fp32."""
+"""RMSNorm and the two gated activations (SwiGLU, K3 SiTU-GLU); all math in fp32.
+
+These run on every token of every layer, so they avoid full-size temporaries: when autograd is off (serving
+runs under ``torch.inference_mode``) the later steps of each formula write into the first step's fresh
+result. The in-place and out-of-place branches apply the same operations in the same order, so they give
+identical values; with autograd on (training) only the out-of-place branch runs.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,8 @@ import torch.nn.functional as F
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in fp32; returns x's dtype. x `[..., n]`, weight `[n]`."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = y * weight.float() if torch.is_grad_enabled() else y.mul_(weight.float())
     return y.to(x.dtype)
 
 
@@ -19,10 +26,15 @@ def glu(gate: torch.Tensor, up: torch.Tensor, act: str, beta1: float = 4.0, beta
     gate, up `[..., n]`; returns gate's dtype, computed in fp32.
     """
     g, u = gate.float(), up.float()
+    grad = torch.is_grad_enabled()
     if act == "silu":
-        out = F.silu(g) * u
+        out = F.silu(g) * u if grad else F.silu(g).mul_(u)
     elif act == "situ":
-        out = (beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)) * (beta2 * torch.tanh(u / beta2))
+        if grad:
+            out = (beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)) * (beta2 * torch.tanh(u / beta2))
+        else:  # same products, same order: (b1 t1) s, then (b2 t2), then their product
+            out = torch.tanh(g / beta1).mul_(beta1).mul_(torch.sigmoid(g))
+            out.mul_(torch.tanh(u / beta2).mul_(beta2))
     else:
         raise ValueError(f"unknown activation {act!r}")
     return out.to(gate.dtype)
