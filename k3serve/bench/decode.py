@@ -10,6 +10,12 @@ model geometry:
 * routed experts: the expected number of distinct experts a batch of B tokens selects per MoE layer,
   ``E * (1 - (1 - k/E)^B)``, each expert read once;
 * KDA state read and written once per request (``2 * slot bytes``), MLA latent rows read once per request.
+
+Per-step breakdown: a few more steps run under ``torch.profiler``; the model's and the engine's
+``record_function`` labels (KDA / MLA attention, MoE / dense FFN, sampling) are summed per step and the rest of
+the step is ``overhead`` (embedding, final norm + lm_head, gathers and scatters of the KDA slots, block tables,
+op dispatch). The fractions come from the profiled steps (the profiler inflates small ops a little); the
+seconds are those fractions of the unprofiled step time.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import tempfile
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.engine.block_hash import model_fingerprint
@@ -27,6 +34,8 @@ from k3serve.engine.requests import PrefillRequest
 from k3serve.engine.sampling import SamplingParams
 from k3serve.model.checkpoint import load_config, make_checkpoint
 from k3serve.model.config import ModelConfig
+from k3serve.model.model import PROFILE_LABELS
+from k3serve.decode.engine import SAMPLING_LABEL
 from k3serve.model.names import SplitKind, checkpoint_specs
 from k3serve.model.presets import preset
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
@@ -59,11 +68,32 @@ def step_bytes(cfg: ModelConfig, batch: int, context: int, elem: int = 4) -> int
     return int(dense + batch * cfg.hidden_size * elem + moe_layers * distinct * expert + batch * (2 * slot + mla))
 
 
-def _decode_rate(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: int) -> float:
-    pools = PoolConfig(kda_slots=batch + 2, mla_pages=batch * (-(-(context + steps + 8) // 64)) + 8)
+def _step_breakdown(decode: DecodeEngine, steps: int, step_s: float) -> dict:
+    """Profile `steps` decode steps; seconds per step by part, scaled to the unprofiled `step_s`."""
+    labels = {**{f"attention_{k}": v for k, v in PROFILE_LABELS.items() if k in ("kda", "mla")},
+              "moe": PROFILE_LABELS["moe"], "dense_ffn": PROFILE_LABELS["dense"], "sampling": SAMPLING_LABEL}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            decode.step()
+        total = time.perf_counter() - t
+    by_name = {v: 0.0 for v in labels.values()}
+    for ev in prof.events():
+        if ev.name in by_name:
+            by_name[ev.name] += ev.cpu_time_total / 1e6
+    frac = {k: by_name[v] / total for k, v in labels.items()}
+    frac["attention"] = frac["attention_kda"] + frac["attention_mla"]
+    frac["overhead"] = max(0.0, 1.0 - frac["attention"] - frac["moe"] - frac["dense_ffn"] - frac["sampling"])
+    return {"step_s": step_s, "seconds": {k: f * step_s for k, f in frac.items()}, "fraction": frac}
+
+
+def _decode_rate(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: int) -> tuple[float, dict]:
+    """(tokens/s over `steps` timed steps, the per-step breakdown)."""
+    profiled = 3
+    pools = PoolConfig(kda_slots=batch + 2, mla_pages=batch * (-(-(context + steps + profiled + 8) // 64)) + 8)
     prefill = PrefillEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools)), PrefillConfig(pools, enable_prefix_cache=False),
                             model_fingerprint(cfg.to_hf_dict()))
-    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + profiled + 4, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prefill.add_request(PrefillRequest(f"b{i}", tuple(torch.randint(0, 256, (context,), generator=g).tolist()),
@@ -77,7 +107,8 @@ def _decode_rate(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: i
     t = time.perf_counter()
     for _ in range(steps):
         decode.step()
-    return batch * steps / (time.perf_counter() - t)
+    elapsed = time.perf_counter() - t
+    return batch * steps / elapsed, _step_breakdown(decode, profiled, elapsed / steps)
 
 
 def run_decode_bench(preset_name: str = "bench", batches: tuple[int, ...] = (1, 8, 32), context: int = 256,
@@ -86,11 +117,13 @@ def run_decode_bench(preset_name: str = "bench", batches: tuple[int, ...] = (1, 
         ckpt = str(make_checkpoint(preset(preset_name), d, seed=0))
         cfg = load_config(ckpt)
         ceiling = copy_gbps()
-        tokens_per_s, achieved = {}, {}
+        tokens_per_s, achieved, breakdown = {}, {}, {}
         for b in batches:
-            rate = _decode_rate(ckpt, cfg, b, context, steps)
+            rate, breakdown[str(b)] = _decode_rate(ckpt, cfg, b, context, steps)
             tokens_per_s[str(b)] = rate
             achieved[str(b)] = step_bytes(cfg, b, context) * rate / b / 1e9
     return {"preset": preset_name, "context_tokens": context, "steps": steps, "threads": torch.get_num_threads(),
             "tokens_per_s": tokens_per_s, "copy_gbps": ceiling, "achieved_gbps": achieved,
-            "achieved_fraction": {b: g / ceiling for b, g in achieved.items()}}
+            "achieved_fraction": {b: g / ceiling for b, g in achieved.items()},
+            "batch_scaling": {b: r / tokens_per_s[str(batches[0])] for b, r in tokens_per_s.items()},
+            "step_breakdown": breakdown}

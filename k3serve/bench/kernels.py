@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from k3serve.kernels.gate import kda_gate
 from k3serve.kernels.kda import chunk_kda, recurrent_kda
 
-CHUNK = 64   # chunk_kda_torch's default chunk size, used in the FLOP model below
+CHUNK = 32   # chunk_kda_torch's default chunk size (chosen by measurement, docs/profile.md), used in the FLOP model
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -58,6 +58,16 @@ def _inputs(B, T, H, K, lower_bound, seed=0):
     return q, k, v, g, beta
 
 
+def _chunk_only(T: int, H: int, K: int, repeats: int, mm: float) -> dict:
+    """Chunked KDA alone at head size K (V = K): tokens/s and the fraction of the matmul ceiling `mm`."""
+    q, k, v, g, beta = _inputs(1, T, H, K, lower_bound=-5.0)
+    kw = dict(scale=1.0, output_final_state=True, backend="torch")
+    t_chunk = _best_time(lambda: chunk_kda(q, k, v, g, beta, **kw), repeats)
+    flops = chunk_flops(1, T, H, K, K)
+    return {"K": K, "chunk_tokens_per_s": T / t_chunk, "chunk_seconds": t_chunk, "chunk_flops": flops,
+            "chunk_gflops": flops / t_chunk / 1e9, "chunk_achieved_fraction": flops / t_chunk / 1e9 / mm}
+
+
 def run_kernel_bench(T: int = 4096, H: int = 4, K: int = 64, repeats: int = 3) -> dict:
     """Time chunk_kda vs recurrent_kda (torch backend, CPU, fp32, B = 1, V = K).
 
@@ -67,7 +77,8 @@ def run_kernel_bench(T: int = 4096, H: int = 4, K: int = 64, repeats: int = 3) -
 
     Returns a dict with chunk/recurrent tokens per second, their ratio (``speedup``), the
     machine's torch.mm GFLOP/s, the chunk path's FLOP estimate and achieved fraction of it,
-    and the sizes used.
+    the sizes used, and ``head_dim_128``: the chunk path alone at K = V = 128 (the real
+    per-head size) against the same ceiling.
     """
     B, V = 1, K
     q, k, v, g, beta = _inputs(B, T, H, K, lower_bound=-5.0)
@@ -91,6 +102,7 @@ def run_kernel_bench(T: int = 4096, H: int = 4, K: int = 64, repeats: int = 3) -
         "chunk_flops": flops,
         "chunk_gflops": chunk_gflops,
         "chunk_achieved_fraction": chunk_gflops / mm,
+        "head_dim_128": _chunk_only(T, H, 128, repeats, mm) if K != 128 else None,
         "sizes": {"B": B, "T": T, "H": H, "K": K, "V": V, "chunk": CHUNK, "dtype": "float32"},
         "torch_threads": torch.get_num_threads(),
         "repeats": repeats,

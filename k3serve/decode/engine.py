@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.executor import Executor
@@ -23,6 +24,8 @@ from k3serve.engine.requests import RequestFailure, TokenEvent
 from k3serve.engine.sampling import is_stop, sample_token
 from k3serve.model.config import ModelConfig
 from k3serve.transfer.plan import reshard_kda
+
+SAMPLING_LABEL = "k3serve.sampling"  # per-step token sampling (bench decode's breakdown)
 
 
 @dataclass(frozen=True)
@@ -173,10 +176,11 @@ class DecodeEngine:
         logits = self.executor.run(op)[0]
         now = time.monotonic()
         events = []
-        for i, run in enumerate(batch):
+        with record_function(SAMPLING_LABEL):
+            toks = [sample_token(logits[i], run.handoff.params, run.next_position + 1) for i, run in enumerate(batch)]
+        for run, tok in zip(batch, toks):
             h = run.handoff
             pos = run.next_position + 1
-            tok = sample_token(logits[i], h.params, pos)
             run.generated.append(tok)
             run.token_times.append(now)
             reason = ""

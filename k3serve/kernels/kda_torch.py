@@ -71,18 +71,18 @@ def _exp_flush(e: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tenso
     return F.threshold_(f, _TINY, 0.0)
 
 
-def _flush_(x: torch.Tensor) -> torch.Tensor:
-    """In place: entries with |x| < _TINY become 0 (see module docstring)."""
-    return x.masked_fill_(x.abs() < _TINY, 0.0)
+def _flush(x: torch.Tensor) -> torch.Tensor:
+    """Entries with |x| <= _TINY become 0 (see module docstring): one fused pass (``hardshrink``) instead
+    of abs + compare + masked_fill. Returns a new tensor, so it is safe under autograd."""
+    return F.hardshrink(x, _TINY)
 
 
-def _own_centred(qs, ks, Gs):
-    """Diagonal blocks through the middle row m. Args: qs, ks [n, NS, sub, K] fp32,
-    Gs [n, NS, sub, K] fp64. Returns [n, NS, 2 sub, sub]: q rows then k rows (unmasked)."""
-    m = Gs.shape[2] // 2
-    Gm = Gs[:, :, m:m + 1]
-    kc = ks * (Gm - Gs).to(torch.float32).exp_()
-    fr = (Gs - Gm).to(torch.float32).exp_()
+def _own_centred(qs, ks, dm):
+    """Diagonal blocks through the middle row m. Args: qs, ks [n, NS, sub, K] fp32, dm [n, NS, sub, K] fp32
+    = G - G_m (fp64 difference, rounded once; exp(-dm) is then exactly the former exp(G_m - G)).
+    Returns [n, NS, 2 sub, sub]: q rows then k rows (unmasked)."""
+    kc = ks * dm.neg().exp_()
+    fr = dm.exp()
     return torch.cat((qs * fr, ks * fr), dim=2) @ kc.transpose(-1, -2)
 
 
@@ -101,17 +101,29 @@ def _earlier(qs, ks, k, Gs, G):
 
     Args: qs, ks [n, NS, sub, K]; k [n, C, K]; Gs [n, NS, sub, K], G [n, C, K] fp64.
     Returns: [n, NS-1, 2 sub, C - sub] (q rows then k rows), zero for j >= r.
+
+    Row i of sub-chunk I (first row r_I) against column j of an earlier sub-chunk J (J < I):
+    exp(G_i - G_j) = exp(G_i - G_{r_I}) * exp(G_{r_I} - G_j), and the column factor is composed from the
+    column's own sub-chunk boundary r_{J+1} (the first row after J) so no [I, j] exponent is ever formed::
+
+        exp(G_{r_I} - G_j) = P[I, J] * colf[j],   P[I, J] = exp(G_{r_I} - G_{r_{J+1}})   (1 when J+1 = I)
+                                                  colf[j] = exp(G_{r_{J+1}} - G_j)
+
+    Every exponent is <= 0 (G is non-increasing); P is [NS-1, NS-1] per channel and zero for J >= I (that
+    is the j < r_I mask). The composed factor is thresholded again, so operands of the matmul stay >= _TINY
+    or exactly 0 (module docstring).
     """
     n, NS, sub, K = qs.shape
     C = NS * sub
-    Gref = Gs[:, 1:, :1]                                             # [n, NS-1, 1, K]
-    rowf = _exp_flush(Gs[:, 1:] - Gref).repeat(1, 1, 2, 1)
-    lhs = torch.cat((qs[:, 1:], ks[:, 1:]), dim=2).mul_(rowf)        # [n, NS-1, 2 sub, K]
-    # The last sub-chunk is never "earlier": keep only columns j < C - sub.
-    cols = torch.arange(C - sub, device=k.device)[None, :] < (
-        torch.arange(1, NS, device=k.device)[:, None] * sub)       # [NS-1, C-sub]: j < r_I
-    kref = _exp_flush(Gref - G[:, None, :C - sub], keep=cols[None, :, :, None])
-    kref.mul_(k[:, None, :C - sub])                                  # [n, NS-1, C-sub, K]
+    Gref = Gs[:, 1:, :1]                                             # [n, NS-1, 1, K]: G_{r_I}, I = 1..NS-1
+    rowf = _exp_flush(Gs[:, 1:] - Gref)                              # [n, NS-1, sub, K]
+    lhs = torch.cat((qs[:, 1:] * rowf, ks[:, 1:] * rowf), dim=2)     # [n, NS-1, 2 sub, K]
+    # colf for columns of sub-chunks J = 0..NS-2 against their next boundary G_{r_{J+1}} = Gref[:, J].
+    colf = _exp_flush(Gref - Gs[:, :-1])                             # [n, NS-1 (J), sub, K]
+    later = torch.ones(NS - 1, NS - 1, dtype=torch.bool, device=k.device).tril()   # [I-1, J]: J <= I-1
+    P = _exp_flush(Gref - Gref.transpose(1, 2), keep=later[None, :, :, None])      # [n, NS-1 (I), NS-1 (J), K]
+    fac = F.threshold_(colf.unsqueeze(1) * P.unsqueeze(3), _TINY, 0.0)             # [n, I, J, sub, K]
+    kref = fac.mul_(k[:, None, :C - sub].view(n, 1, NS - 1, sub, K)).view(n, NS - 1, C - sub, K)
     return lhs @ kref.transpose(-1, -2)
 
 
@@ -138,20 +150,22 @@ def _intra_chunk(q, k, v, g, beta, sub: int):
         Aqk[:, sub:, :C - sub] = off[:, :, :sub].reshape(n, C - sub, C - sub)
         Akk[:, sub:, :C - sub] = off[:, :, sub:].reshape(n, C - sub, C - sub)
         del off
-    half_span = (Gs - Gs[:, :, sub // 2:sub // 2 + 1]).abs().max().item() if n else 0.0
-    own = (_own_centred if half_span <= _MAX_HALF_SPAN else _own_pairwise)(qs, ks, Gs)
+    dm = (Gs - Gs[:, :, sub // 2:sub // 2 + 1]).to(torch.float32)
+    half_span = dm.abs().max().item() if n else 0.0
+    own = _own_centred(qs, ks, dm) if half_span <= _MAX_HALF_SPAN else _own_pairwise(qs, ks, Gs)
+    del dm
     # diagonal(dim1=1, dim2=3) of [n, NS, sub, NS, sub] is [n, sub, sub, NS].
     Aqk.view(n, NS, sub, NS, sub).diagonal(dim1=1, dim2=3).copy_(own[:, :, :sub].permute(0, 2, 3, 1))
     Akk.view(n, NS, sub, NS, sub).diagonal(dim1=1, dim2=3).copy_(own[:, :, sub:].permute(0, 2, 3, 1))
     del own
-    _flush_(Aqk.tril_())
+    Aqk = _flush(Aqk.tril_())
     # L is strictly lower, rows scaled by beta_i; the solve treats the diagonal as 1
     # (unitriangular), so this yields (I + L)^-1.
-    L = _flush_(Akk.tril_(-1).mul_(beta))
+    L = _flush(Akk.tril_(-1).mul_(beta))
     eye = torch.eye(C, device=q.device).expand(n, C, C)
     # Invert then multiply: the RHS width stays C whatever K + V is, and the inverse is
     # flushed like the other matmul operands (about as fast as a direct wide-RHS solve).
-    Tinv = _flush_(torch.linalg.solve_triangular(L, eye, upper=False, unitriangular=True))
+    Tinv = _flush(torch.linalg.solve_triangular(L, eye, upper=False, unitriangular=True))
 
     eG = _exp_flush(G)
     X = Tinv @ torch.cat((k * eG, v), dim=-1).mul_(beta)            # (I+L)^-1 Diag(beta)[eG*K | V]
@@ -170,7 +184,7 @@ def chunk_kda_torch(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
     sub_chunk: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA forward in torch (all chunks' intra-chunk work batched together).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from k3serve.model.config import ModelConfig
 from k3serve.model.layers.attn_res import attn_res_mix
@@ -18,6 +19,10 @@ from k3serve.model.layers.mla import MLAAttention
 from k3serve.model.layers.norm import rms_norm
 from k3serve.model.state import ForwardBatch, new_kda_blocks
 from k3serve.model.tp import SINGLE, TPGroup
+
+# torch.profiler labels of the sublayers (with their input norms); `bench decode` sums them per step.
+PROFILE_LABELS = {"kda": "k3serve.attention.kda", "mla": "k3serve.attention.mla", "moe": "k3serve.ffn.moe",
+                  "dense": "k3serve.ffn.dense"}
 
 
 class DecoderLayer:
@@ -32,18 +37,23 @@ class DecoderLayer:
         else:
             self.attn = MLAAttention(cfg, weights, p + "self_attn.", tp, cfg.mla_index(layer))
         self.ffn = MoE(cfg, weights, p, tp) if cfg.is_moe_layer(layer) else DenseFFN(cfg, weights, p, tp)
+        self.attn_label = PROFILE_LABELS["kda" if self.is_kda else "mla"]
+        self.ffn_label = PROFILE_LABELS["moe" if cfg.is_moe_layer(layer) else "dense"]
         if cfg.attn_res_block_size:
             self.attn_res = (weights[p + "self_attention_res_proj.weight"], weights[p + "self_attention_res_norm.weight"])
             self.mlp_res = (weights[p + "mlp_res_proj.weight"], weights[p + "mlp_res_norm.weight"])
 
     def attention(self, x: torch.Tensor, batch: ForwardBatch, eps: float) -> torch.Tensor:
-        h = rms_norm(x, self.input_norm, eps)
-        if self.is_kda:
-            return self.attn.forward(h, batch.kda_blocks[self.kda_idx], batch.decode)
-        return self.attn.forward(h, batch)
+        # record_function labels feed `bench decode`'s per-step breakdown; without a profiler they cost ~1 us.
+        with record_function(self.attn_label):
+            h = rms_norm(x, self.input_norm, eps)
+            if self.is_kda:
+                return self.attn.forward(h, batch.kda_blocks[self.kda_idx], batch.decode)
+            return self.attn.forward(h, batch)
 
     def feed_forward(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.ffn.forward(rms_norm(x, self.post_norm, eps))
+        with record_function(self.ffn_label):
+            return self.ffn.forward(rms_norm(x, self.post_norm, eps))
 
 
 class HybridModel:
