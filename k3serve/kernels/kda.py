@@ -71,18 +71,28 @@ def recurrent_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    inplace_state: bool = False,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     which = resolve_backend(backend, q.device)
-    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
-    if which == "naive":
-        return naive_recurrent_kda(q, k, v, g, beta, **kw)
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state or inplace_state)
     if which == "torch":
-        return recurrent_kda_torch(q, k, v, g, beta, **kw)
-    from .kda_triton import recurrent_kda_triton
+        return recurrent_kda_torch(q, k, v, g, beta, inplace_state=inplace_state, **kw)
+    if which == "naive":
+        o, final = naive_recurrent_kda(q, k, v, g, beta, **kw)
+    else:
+        from .kda_triton import recurrent_kda_triton
 
-    return recurrent_kda_triton(q, k, v, g, beta, **kw)
+        o, final = recurrent_kda_triton(q, k, v, g, beta, **kw)
+    if inplace_state:
+        if initial_state is None or initial_state.dtype != torch.float32:
+            raise ValueError("inplace_state needs an fp32 initial_state")
+        initial_state.copy_(final)
+        final = initial_state
+    return o, final
 
 
 chunk_kda.__doc__ = "Chunked KDA forward (prefill).\n" + _DOC_ARGS
-recurrent_kda.__doc__ = "Token-recurrent KDA forward (decode, short inputs).\n" + _DOC_ARGS
+recurrent_kda.__doc__ = ("Token-recurrent KDA forward (decode, short inputs).\n" + _DOC_ARGS
+                         + "    inplace_state (recurrent_kda only): write the final state into initial_state (fp32)\n"
+                         "        and return it; saves decode a copy of the state each way.\n")

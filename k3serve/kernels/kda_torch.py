@@ -260,16 +260,27 @@ def recurrent_kda_torch(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    inplace_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA, vectorised over batch and heads (decode and short inputs).
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay; beta: [B, T, H].
         scale: multiplies q (default K**-0.5).
-        initial_state: [B, H, K, V] (any strides; read only).
+        initial_state: [B, H, K, V] (any strides); read only unless ``inplace_state``.
         output_final_state: also return the final state.
+        inplace_state: update ``initial_state`` (fp32, required) in place and return it as the final state:
+            no private copy of the state and no copy back (decode moves the state once per step).
     Returns:
         o [B, T, H, V] in v's dtype; final_state [B, H, K, V] fp32 or None.
+
+    Per token, with a = exp(g) and S the state before the token, the step reads S once and then updates
+    it in place (two passes) instead of materialising Diag(a) S and the outer product k u^T::
+
+        [k a ; q a]^T S          one batched matmul over the OLD state: kS = (k a)^T S, qS = (q a)^T S
+        u = beta (v - kS)
+        o = qS + (q . k) u       (= S'^T q, since S' = Diag(a) S + k u^T)
+        S <- Diag(a) S;  S += k u^T
     """
     B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
     scale = default_scale(scale, K)
@@ -279,16 +290,22 @@ def recurrent_kda_torch(
     vt = v.to(torch.float32).transpose(0, 1).contiguous()
     at = _exp_flush(g).transpose(0, 1).contiguous()       # no subnormal decays (see top)
     bt = beta.to(torch.float32).transpose(0, 1).unsqueeze(-1).contiguous()
-    if initial_state is not None:
+    if inplace_state:
+        if initial_state is None or initial_state.dtype != torch.float32:
+            raise ValueError("inplace_state needs an fp32 initial_state")
+        S = initial_state
+    elif initial_state is not None:
         S = initial_state.to(torch.float32).clone()   # private copy: updated in place below
     else:
         S = torch.zeros(B, H, K, V, device=q.device)
     o = torch.empty(T, B, H, V, device=q.device)
+    qk = (qt * kt).sum(-1, keepdim=True)                   # [T, B, H, 1]
     for t in range(T):
-        S.mul_(at[t].unsqueeze(-1))
-        kS = (kt[t].unsqueeze(-2) @ S).squeeze(-2)                  # S^T k   [B, H, V]
+        a = at[t]
+        kq = torch.stack((kt[t] * a, qt[t] * a), dim=-2)   # [B, H, 2, K]
+        kS, qS = (kq @ S).unbind(-2)                       # each [B, H, V]
         u = (vt[t] - kS).mul_(bt[t])
-        S.add_(kt[t].unsqueeze(-1) * u.unsqueeze(-2))
-        o[t] = (qt[t].unsqueeze(-2) @ S).squeeze(-2)
-    final = S if output_final_state else None
+        o[t] = qS.addcmul_(qk[t], u)
+        S.mul_(a.unsqueeze(-1)).addcmul_(kt[t].unsqueeze(-1), u.unsqueeze(-2))
+    final = S if (output_final_state or inplace_state) else None
     return o.transpose(0, 1).to(v.dtype).contiguous(), final

@@ -39,3 +39,15 @@ def test_public_api_matches_naive(kda_inputs, fn, backend):
     o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend=backend)
     torch.testing.assert_close(o, ref[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(s, ref[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch"])
+def test_recurrent_inplace_state_updates_the_given_state(kda_inputs, backend):
+    q, k, v, g, beta = kda_inputs(2, 9, 2, 16, 16, "k3", seed=5)
+    pool = torch.randn(2, 2, 16 * 16 + 7)            # a strided view of a pool, as the model passes
+    h0 = pool[..., : 16 * 16].unflatten(-1, (16, 16))
+    ref_o, ref_s = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0.clone(), output_final_state=True)
+    o, s = recurrent_kda(q, k, v, g, beta, initial_state=h0, inplace_state=True, backend=backend)
+    assert s is h0
+    torch.testing.assert_close(o, ref_o, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h0, ref_s, atol=1e-5, rtol=0)

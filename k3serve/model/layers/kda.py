@@ -65,9 +65,12 @@ class KDAAttention:
         g = kda_gate(z.float(), self.a_log, self.dt_bias, cfg.gate_lower_bound)  # [B, T, H, K] fp32
         beta = torch.sigmoid(F.linear(x, self.w_b).float())  # [B, T, H]
         state = kda_recurrent_view(blocks, k)
-        kernel = recurrent_kda if decode else chunk_kda
-        o, final = kernel(q, kk, v, g.view(bsz, t, h, k), beta, initial_state=state, output_final_state=True)
-        state.copy_(final)
+        if decode and not torch.is_grad_enabled():  # serving: the kernel updates the pool's state in place
+            o, _ = recurrent_kda(q, kk, v, g.view(bsz, t, h, k), beta, initial_state=state, inplace_state=True)
+        else:
+            kernel = recurrent_kda if decode else chunk_kda
+            o, final = kernel(q, kk, v, g.view(bsz, t, h, k), beta, initial_state=state, output_final_state=True)
+            state.copy_(final)
         o = rms_norm(o.float(), self.o_norm, cfg.rms_norm_eps)  # [B, T, H, K]
         gate = F.linear(x, self.w_g) if self.w_g is not None else F.linear(F.linear(x, self.w_g_a), self.w_g_b)
         o = o * torch.sigmoid(gate.float().view(bsz, t, h, k))
