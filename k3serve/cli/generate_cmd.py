@@ -34,8 +34,8 @@ def generate(
 ) -> None:
     import torch
 
-    from k3serve.engine.requests import PrefillRequest
-    from k3serve.engine.sampling import SamplingError, SamplingParams
+    from k3serve.contracts.requests import PrefillRequest
+    from k3serve.contracts.sampling import SamplingError, SamplingParams
     from k3serve.model.checkpoint import CheckpointError, load_config
     from k3serve.model.config import ConfigError
     from k3serve.model.reference import PromptError

@@ -24,15 +24,13 @@ import grpc
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
 from k3serve.decode.engine import DecodeEngine
 from k3serve.engine.executor import WorkerFailure
-from k3serve.engine.requests import PrefillRequest, RequestFailure
-from k3serve.engine.sampling import SamplingParams
+from k3serve.contracts.errors import ErrorCode
+from k3serve.contracts.requests import PrefillRequest, RequestFailure
+from k3serve.contracts.sampling import SamplingParams
 from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
 from k3serve.prefill.engine import PrefillEngine
 
 log = logging.getLogger(__name__)
-
-_CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT, "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
-          "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE, "CANCELLED": grpc.StatusCode.CANCELLED}
 
 
 @dataclass(frozen=True)
@@ -41,11 +39,6 @@ class _Out:
     finish_reason: str = ""
     cached_tokens: int = -1
     error: RequestFailure | None = None
-
-
-def sampling_from_proto(s) -> SamplingParams:
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed,
-                          max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
 
 
 class ClusterFront(cluster_pb2_grpc.ClusterServicer):
@@ -103,7 +96,7 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running here")
             self._outs[rid] = out
         self.metrics["requests"] += 1
-        self._inbox.put(("add", PrefillRequest(rid, tuple(req.prompt_token_ids), sampling_from_proto(req.sampling),
+        self._inbox.put(("add", PrefillRequest(rid, tuple(req.prompt_token_ids), SamplingParams.from_proto(req.sampling),
                                                req.session_id)))
         context.add_callback(lambda: self._inbox.put(("cancel", rid)))
         try:
@@ -111,7 +104,7 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
                 item: _Out = out.get()
                 if item.error is not None:
                     self.metrics["failed"] += 1
-                    context.abort(_CODES.get(item.error.code, grpc.StatusCode.INTERNAL), item.error.message)
+                    context.abort(item.error.code.grpc_status, item.error.message)
                 yield cluster_pb2.ClusterGenerateResponse(token_ids=item.tokens, finish_reason=item.finish_reason,
                                                           cached_tokens=max(item.cached_tokens, 0))
                 if item.finish_reason:
@@ -187,5 +180,6 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         with self._lock:
             rids = list(self._outs)
         for rid in rids:
-            self._send(rid, _Out(error=RequestFailure(rid, "UNAVAILABLE", f"cluster {self.cluster_id}: {why}")))
+            failure = RequestFailure(rid, ErrorCode.UNAVAILABLE, f"cluster {self.cluster_id}: {why}")
+            self._send(rid, _Out(error=failure))
 

@@ -17,9 +17,10 @@ import torch
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.executor import Executor
-from k3serve.engine.handoff import Handoff
+from k3serve.contracts.handoff import Handoff
 from k3serve.engine.ops import DecodeBatch, InstallStaged, InstallState, PoolConfig
-from k3serve.engine.requests import RequestFailure, TokenEvent
+from k3serve.contracts.errors import ErrorCode
+from k3serve.contracts.requests import RequestFailure, TokenEvent
 from k3serve.engine.sampling import is_stop, sample_token
 from k3serve.model.config import ModelConfig
 from k3serve.transfer.plan import reshard_kda
@@ -87,7 +88,7 @@ class DecodeEngine:
                 handoff.first_token_s - handoff.prefill_started_s, 0.0, 1)
             return [first]
         if self.pages_needed(handoff) > self.pages.capacity:
-            self.failures.append(RequestFailure(handoff.request_id, "RESOURCE_EXHAUSTED",
+            self.failures.append(RequestFailure(handoff.request_id, ErrorCode.RESOURCE_EXHAUSTED,
                                                 f"prompt + max_tokens needs {self.pages_needed(handoff)} pages; "
                                                 f"this decode group has {self.pages.capacity}"))
             return []
@@ -134,7 +135,8 @@ class DecodeEngine:
                     self.pages.decref(pages)
                     self.slots.free(slot)
                     self._drop(parts)
-                    self.failures.append(RequestFailure(handoff.request_id, "ABORTED", f"install failed: {e}"))
+                    self.failures.append(RequestFailure(handoff.request_id, ErrorCode.UNAVAILABLE,
+                                                        f"install failed: {e}"))
                     continue
             else:
                 self.executor.run_each([InstallState(slot, table, part, handoff.mla) for part in parts])

@@ -27,11 +27,13 @@ import torch
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.chunk_plan import ChunkCandidate, plan_chunks
 from k3serve.engine.executor import Executor
-from k3serve.engine.handoff import Handoff
+from k3serve.contracts.handoff import Handoff
 from k3serve.engine.ops import CopySlot, ExportState, PoolConfig, PrefillChunk, ResetSlots, SendState
 from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy
-from k3serve.engine.requests import PrefillRequest, RequestFailure
-from k3serve.engine.sampling import SamplingError, is_stop, sample_token
+from k3serve.contracts.errors import ErrorCode
+from k3serve.contracts.requests import PrefillRequest, RequestFailure
+from k3serve.contracts.sampling import SamplingError
+from k3serve.engine.sampling import is_stop, sample_token
 from k3serve.model.config import ModelConfig
 from k3serve.model.reference import PromptError, validate_prompt
 
@@ -88,12 +90,12 @@ class PrefillEngine:
             validate_prompt(list(req.prompt_ids), self.cfg.vocab_size, self.cfg.max_position_embeddings)
             req.params.validate(self.cfg.vocab_size)
         except (PromptError, SamplingError) as e:
-            self.failures.append(RequestFailure(req.request_id, "INVALID_ARGUMENT", str(e)))
+            self.failures.append(RequestFailure(req.request_id, ErrorCode.INVALID_ARGUMENT, str(e)))
             return
         need = self._pages_for(len(req.prompt_ids))
         if need > self.pages.capacity:
             self.failures.append(RequestFailure(
-                req.request_id, "RESOURCE_EXHAUSTED",
+                req.request_id, ErrorCode.RESOURCE_EXHAUSTED,
                 f"prompt of {len(req.prompt_ids)} tokens needs {need} MLA pages; this prefill group has "
                 f"{self.pages.capacity}"))
             return
@@ -234,7 +236,7 @@ class PrefillEngine:
                 self.transfer.cancel(job.spec.transfer_id)
                 self._release(run, keep_checkpoints=True)
                 self.running.remove(run)
-                self.failures.append(RequestFailure(req.request_id, "UNAVAILABLE",
+                self.failures.append(RequestFailure(req.request_id, ErrorCode.UNAVAILABLE,
                                                     f"state transfer to decode failed: {errors[0]}"))
                 return None
             kda, mla, transfer_id = (), torch.empty(0), job.spec.transfer_id

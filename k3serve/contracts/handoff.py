@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3serve.engine.sampling import SamplingParams
+from k3serve.contracts.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""Request messages shared by the prefill and decode roles."""
+"""Request messages shared by the router, the cluster front and the prefill and decode roles."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3serve.engine.sampling import SamplingParams
+from k3serve.contracts.errors import ErrorCode
+from k3serve.contracts.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,11 @@ class RequestFailure:
     """A request the engine refused or could not finish; `code` maps to a gRPC status upstream."""
 
     request_id: str
-    code: str  # "INVALID_ARGUMENT" | "RESOURCE_EXHAUSTED" | "CANCELLED" | "INTERNAL"
+    code: ErrorCode
     message: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "code", ErrorCode(self.code))  # a plain string names the code too
 
 
 @dataclass(frozen=True)
