@@ -72,6 +72,7 @@ def _table(info: dict[str, Any]) -> str:
         ("vocab_size", str(info["vocab_size"])),
         ("num_experts", str(info["num_experts"])),
         ("torch_dtype", info["torch_dtype"]),
+        ("quantization", info.get("quantization") or "none"),
         ("tensors", f"{info['num_tensors']:,}"),
         ("params", f"{info['num_params']:,} ({human_count(info['num_params'])})"),
         ("KDA state / request", f"{info['kda_state_bytes_per_request']:,} B "

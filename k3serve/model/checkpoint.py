@@ -107,6 +107,7 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | Path, *, seed: int = 0, sha
     the files, never the values. Weight files of an earlier checkpoint in `out_dir` are replaced.
     Memory use is one shard's tensors at a time.
     """
+    cfg.check_loadable()
     specs = checkpoint_specs(cfg)
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
@@ -336,6 +337,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "num_experts": cfg.num_experts,
         "torch_dtype": cfg.torch_dtype,
+        "quantization": cfg.quantization or None,
         "num_tensors": len(specs),
         "num_params": sum(s.numel for s in specs),
         **serving_sizes(cfg),
