@@ -23,7 +23,7 @@ import grpc
 
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
 from k3serve.decode.engine import DecodeEngine
-from k3serve.engine.executor import WorkerFailure
+from k3serve.engine.executor import WorkerDied
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.requests import PrefillRequest, RequestFailure
 from k3serve.contracts.sampling import SamplingParams
@@ -149,8 +149,8 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
             self._drain_inbox(block=idle)
             try:
                 self._step()
-            except WorkerFailure as e:
-                self._fail_all(f"worker failure: {e}".splitlines()[0])
+            except WorkerDied as e:  # the group is broken: fail everything here, the agent rebuilds
+                self._fail_all(f"worker died: {e}".splitlines()[0])
                 return
             except Exception as e:  # noqa: BLE001 - an engine bug must not leave clients hanging
                 log.exception("engine step failed")

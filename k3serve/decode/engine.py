@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
-from k3serve.engine.executor import Executor
+from k3serve.engine.executor import Executor, OpFailed
 from k3serve.contracts.handoff import Handoff
 from k3serve.engine.ops import DecodeBatch, InstallStaged, InstallState, PoolConfig
 from k3serve.contracts.errors import ErrorCode
@@ -128,18 +128,20 @@ class DecodeEngine:
             slot, pages = self.slots.alloc(), self.pages.alloc(need)
             n_pages = -(-handoff.num_tokens // self.config.pools.page_size)
             table = tuple(pages[:n_pages])
-            if isinstance(parts, _Staged):
-                try:
+            try:
+                if isinstance(parts, _Staged):
                     self.executor.run(InstallStaged(slot, table, parts.transfer_id))
-                except Exception as e:  # noqa: BLE001 - not verified on some rank: fail this request only
-                    self.pages.decref(pages)
-                    self.slots.free(slot)
-                    self._drop(parts)
-                    self.failures.append(RequestFailure(handoff.request_id, ErrorCode.UNAVAILABLE,
-                                                        f"install failed: {e}"))
-                    continue
-            else:
-                self.executor.run_each([InstallState(slot, table, part, handoff.mla) for part in parts])
+                else:
+                    self.executor.run_each([InstallState(slot, table, part, handoff.mla) for part in parts])
+            except OpFailed as e:  # e.g. staging not verified on some rank: fail this request only
+                self.pages.decref(pages)
+                self.slots.free(slot)
+                self._drop(parts)
+                # a staged install that failed is a transfer fault: UNAVAILABLE lets the router fail over
+                code = ErrorCode.UNAVAILABLE if isinstance(parts, _Staged) else ErrorCode.INTERNAL
+                self.failures.append(RequestFailure(handoff.request_id, code,
+                                                    f"install failed: {str(e).splitlines()[0]}"))
+                continue
             self.running[handoff.request_id] = _Decoding(handoff, slot, pages, [handoff.first_token])
 
     def cancel(self, request_id: str) -> bool:
@@ -172,7 +174,15 @@ class DecodeEngine:
         batch = list(self.running.values())
         op = DecodeBatch(tuple(r.slot for r in batch), tuple(r.generated[-1] for r in batch),
                          tuple(r.next_position for r in batch), tuple(tuple(r.pages) for r in batch))
-        logits = self.executor.run(op)[0]
+        try:
+            logits = self.executor.run(op)[0]
+        except OpFailed as e:  # the group is intact: fail this batch's requests, keep serving
+            for run in batch:
+                self.running.pop(run.handoff.request_id, None)
+                self._free(run)
+                self.failures.append(RequestFailure(run.handoff.request_id, ErrorCode.INTERNAL,
+                                                    f"decode step failed: {str(e).splitlines()[0]}"))
+            return []
         now = time.monotonic()
         events = []
         for i, run in enumerate(batch):

@@ -63,12 +63,15 @@ class LocalExecutor:
         self.worker = build_worker(spec, 0, None)
 
     def run(self, op: object) -> list[object]:
-        return [self.worker.execute(op)]
+        return self.run_each([op])
 
     def run_each(self, ops: list[object]) -> list[object]:
         if len(ops) != 1:
             raise ValueError("LocalExecutor has one rank")
-        return [self.worker.execute(ops[0])]
+        try:
+            return [self.worker.execute(ops[0])]
+        except Exception as e:  # the same contract as a TP group: an op that raised is OpFailed, with context
+            raise OpFailed(f"{type(ops[0]).__name__} raised on rank 0:\n{traceback.format_exc()}") from e
 
     def close(self) -> None:
         pass
@@ -111,7 +114,27 @@ def _rank_main(spec: WorkerSpec, rank: int, init_file: str, conn, setup: RankSet
 
 
 class WorkerFailure(RuntimeError):
-    """A rank raised or died; the message carries its traceback."""
+    """A TP group could not run an op: either :class:`OpFailed` or :class:`WorkerDied` (catch those)."""
+
+
+class OpFailed(WorkerFailure):
+    """An op raised on one or more ranks, and every rank answered: the group is intact and in step.
+
+    Fails the request(s) the op was for (``ErrorCode.INTERNAL`` unless the caller knows better), not the
+    group. The message carries the ranks' tracebacks."""
+
+
+class WorkerDied(WorkerFailure):
+    """A rank died (its process exited, its actor is gone) or never came back: the group is broken.
+
+    Fails every request of the group with UNAVAILABLE (routers fail over) and triggers the rebuild."""
+
+
+def group_failure(what: str, raised: list[str], died: list[str]) -> WorkerFailure:
+    """The one exception for an op's outcome: any dead rank makes it WorkerDied, else OpFailed."""
+    if died:
+        return WorkerDied(f"{what}: {len(died)} rank(s) died:\n" + "\n".join(died + raised))
+    return OpFailed(f"{what} raised on {len(raised)} rank(s):\n" + "\n".join(raised))
 
 
 class MultiprocExecutor:
@@ -142,17 +165,19 @@ class MultiprocExecutor:
         return tuple(p.pid for p in self._procs)
 
     def _collect(self, what: str) -> list[object]:
-        results, errors = [], []
+        results, raised, died = [], [], []
         for rank, conn in enumerate(self._conns):
             try:
                 status, value = conn.recv()
-            except EOFError:
-                status, value = "error", f"rank {rank} exited"
+            except (EOFError, OSError):
+                died.append(f"rank {rank} exited")
+                results.append(None)
+                continue
             if status == "error":
-                errors.append(f"rank {rank}: {value}")
+                raised.append(f"rank {rank}: {value}")
             results.append(value)
-        if errors:
-            raise WorkerFailure(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+        if raised or died:
+            raise group_failure(what, raised, died)
         return results
 
     def run(self, op: object) -> list[object]:
@@ -161,8 +186,11 @@ class MultiprocExecutor:
     def run_each(self, ops: list[object]) -> list[object]:
         if len(ops) != self.tp:
             raise ValueError(f"{len(ops)} ops for {self.tp} ranks")
-        for conn, op in zip(self._conns, ops):
-            conn.send(op)
+        for rank, (conn, op) in enumerate(zip(self._conns, ops)):
+            try:
+                conn.send(op)
+            except (BrokenPipeError, OSError) as e:
+                raise WorkerDied(f"{type(op).__name__}: rank {rank} is gone ({e})") from e
         return self._collect(type(ops[0]).__name__)
 
     def close(self) -> None:
