@@ -20,6 +20,7 @@ import logging
 import threading
 
 import ray
+from redis.exceptions import RedisError
 
 from k3serve.cluster.deploy import DeployConfig
 from k3serve.cluster.rank_actor import ACTOR_CPU, RayExecutor, ray_worker_spec
@@ -149,8 +150,8 @@ class ClusterActor:
             if front is None or front.broken:
                 try:  # routers drop it at their next refresh instead of after the heartbeat TTL
                     members.deregister(self.cluster_id)
-                except Exception:  # noqa: BLE001 - Redis down: the TTL removes it anyway
-                    pass
+                except (RedisError, OSError) as e:  # Redis down: the heartbeat TTL removes it anyway
+                    log.warning("deregistering broken cluster %s failed (TTL removes it): %s", self.cluster_id, e)
                 if not c.rebuild:
                     return  # stays out of rotation until the deployment restarts
                 endpoint = self._rebuild()
@@ -164,7 +165,7 @@ class ClusterActor:
                     members.register(self.cluster_id, {"cluster": endpoint}, ttl_s=ctl.heartbeat_ttl_s * 20,
                                      heartbeat_ttl_s=ctl.heartbeat_ttl_s)
                     registered = True
-            except Exception as e:  # noqa: BLE001 - Redis down: keep serving, retry next beat
+            except (RedisError, OSError) as e:  # Redis down: keep serving, retry next beat
                 log.warning("heartbeat of %s failed: %s", self.cluster_id, e)
 
     def watch(self) -> None:
@@ -190,8 +191,8 @@ class ClusterActor:
             from k3serve.router.membership import Membership
 
             Membership(connect(self.redis_url), self.deploy.control.namespace).deregister(self.cluster_id)
-        except Exception:  # noqa: BLE001 - best effort: the TTL removes it anyway
-            pass
+        except (RedisError, OSError) as e:  # best effort: the heartbeat TTL removes it anyway
+            log.warning("deregistering cluster %s at stop failed (TTL removes it): %s", self.cluster_id, e)
         self._teardown()
 
 
@@ -249,6 +250,14 @@ class RouterActor:
 
     def class_stats(self, clusters: list[str]) -> dict:
         return self.service.gate.class_stats(clusters)
+
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new requests (health NOT_SERVING, UNAVAILABLE) and wait up to timeout_s for in-flight streams;
+        returns how many were still in flight at the end."""
+        return self.service.drain(timeout_s) if self.server is not None else 0
+
+    def inflight(self) -> int:
+        return self.service.inflight if self.server is not None else 0
 
     def stop(self, grace_s: float = 2.0) -> None:
         if self.server is not None:

@@ -110,6 +110,8 @@ class DeployConfig:
     )
     admission: bool = True  # per-class budgets in the routers (off: every request goes straight through)
     torch_threads: int = 1
+    # on SIGTERM/SIGINT routers stop taking requests and in-flight streams get this long to finish
+    drain_timeout_s: float = 60.0
 
     def with_secret(self) -> "DeployConfig":
         return self if self.secret else dataclasses.replace(self, secret=secrets.token_hex(16))
@@ -134,6 +136,8 @@ class DeployConfig:
             raise DeployError(f"clusters.transfer must be 'grpc' or 'object_store', got {c.transfer!r}")
         if not self.request_classes:
             raise DeployError("request_classes must not be empty")
+        if not self.drain_timeout_s > 0:
+            raise DeployError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         names = [rc.name for rc in self.request_classes]
         if len(set(names)) != len(names):
             raise DeployError("request_classes names must be unique")

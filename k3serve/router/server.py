@@ -68,6 +68,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._lock = threading.Lock()
         self._tok = ByteTokenizer() if limits.byte_tokenizer else None
         self.counters = {"requests": 0, "completed": 0, "failed": 0, "failovers": 0, "invalid": 0}
+        # drain (SIGTERM/SIGINT of `serve`): refuse new requests, let the in-flight ones finish
+        self.health: health.HealthServicer | None = None  # set by start_router_server
+        self._draining = False
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
         # membership is read by a background thread, so the request path never waits on Redis; the first read
         # happens before serving (a router that never read Redis would see no cluster at all)
         self.view.refresh()
@@ -91,6 +96,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except InvalidRequest as e:
             self.counters["invalid"] += 1
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        with self._lock:
+            if self._draining:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "router is draining (shutting down); use another router")
+            self._inflight += 1
         self.counters["requests"] += 1
         started = time.monotonic()
         first = True
@@ -105,6 +114,27 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 yield msg
         finally:
             self.metrics.requests.labels(outcome=outcome).inc()
+            with self._lock:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def drain(self, timeout_s: float) -> int:
+        """Stop taking requests (health NOT_SERVING, new calls UNAVAILABLE) and wait up to timeout_s for the
+        in-flight ones to finish; returns how many are still in flight."""
+        with self._lock:
+            self._draining = True
+        if self.health is not None:
+            self.health.enter_graceful_shutdown()  # every service NOT_SERVING, and stays so
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._inflight and time.monotonic() < deadline:
+                self._idle.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return self._inflight
+
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return self._inflight
 
     def ClusterStatus(self, request, context):
         self._check_api_key(context)
@@ -278,4 +308,5 @@ def start_router_server(service: RouterService, host: str = "127.0.0.1", port: i
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+    service.health = health_servicer
     return server, f"{host}:{bound}"

@@ -14,6 +14,7 @@ straight from its pools and streams its share (plan.py) to the decode group's re
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import xxhash
@@ -22,6 +23,8 @@ from k3serve.auth import AuthConfig
 from k3serve.transfer.client import ReceiverClient
 from k3serve.transfer.sender import SenderConfig, TransferFailed, TransferSender
 from k3serve.transfer.spec import StateGeometry, TransferSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,8 @@ class GrpcHandoff:
         return StateSendJob(spec, self.endpoints, SenderConfig(self.auth))
 
     def cancel(self, transfer_id: str) -> None:
-        try:
-            self.client.cancel(transfer_id)
-        except Exception:  # noqa: BLE001 - receivers expire abandoned transfers on their own
-            pass
+        """Free the transfer's staging on every decode rank (best effort: the client never raises)."""
+        freed = self.client.cancel(transfer_id)
+        if None in freed:  # receivers expire abandoned transfers on their own; say which did not answer
+            log.info("cancel of transfer %s: %d of %d receivers unreachable (staging expires)", transfer_id,
+                     freed.count(None), len(freed))
