@@ -176,6 +176,8 @@ class MultiprocExecutor:
             if status == "error":
                 raised.append(f"rank {rank}: {value}")
             results.append(value)
+        if what == "start" and raised:  # a group that never formed is broken, whatever the reason
+            died, raised = died + raised, []
         if raised or died:
             raise group_failure(what, raised, died)
         return results
