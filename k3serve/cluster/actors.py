@@ -88,6 +88,9 @@ class ClusterActor:
         decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch),
                               channel)
         front = ClusterFront(self.cluster_id, DisaggLoop(prefill, decode), d.secret, c.prefill_tp, c.decode_tp)
+        client = getattr(channel, "client", None)  # the gRPC channel's receivers report their staging
+        if client is not None:
+            front.staging = lambda: _staging(client)
         endpoint = front.start(d.bind_host)
         self.front = front
         return endpoint
@@ -188,6 +191,20 @@ class ClusterActor:
         return {"cluster_id": self.cluster_id, "broken": front.broken if front else "not running",
                 "rebuilds": self.rebuilds, **(front.metrics if front else {})}
 
+    def pids(self) -> dict[str, int]:
+        """Process ids of this cluster: the actor itself and every rank (RSS checks of the soak test)."""
+        import os
+
+        out = {"cluster": os.getpid()}
+        for role, ex in self.executors.items():
+            out.update({f"{role}{r}": pid for r, pid in enumerate(ex.pids())})
+        return out
+
+    def load(self) -> dict[str, float]:
+        """What the agent heartbeats: running requests, in-flight tokens, pool occupancy (``pool.*``)."""
+        front = self.front
+        return front.load if front is not None else {}
+
     def stop(self, grace_s: float = 2.0) -> None:
         self._stop.set()
         if self._agent is not None:
@@ -202,6 +219,13 @@ class ClusterActor:
         except (RedisError, OSError) as e:  # best effort: the heartbeat TTL removes it anyway
             log.warning("deregistering cluster %s at stop failed (TTL removes it): %s", self.cluster_id, e)
         self._teardown()
+
+
+def _staging(client) -> "PoolUsage":
+    """Staging bytes held on this cluster's decode ranks (unreachable receivers count 0)."""
+    from k3serve.contracts.status import PoolUsage
+
+    return PoolUsage(sum(r.staged_bytes for r in client.status("")))
 
 
 def _long_threshold(d: DeployConfig) -> int:
@@ -239,12 +263,19 @@ class RouterActor:
                              block_size=512, context_ttl_s=ctl.pin_ttl_s)
         from k3serve.router.metrics import RouterMetrics, class_stats_source
 
-        metrics = RouterMetrics(class_stats_source(gate, lambda: view.snapshot().alive_ids()))
+        # the service is built after its metrics: the cluster gauges read it at scrape time
+        metrics = RouterMetrics(class_stats_source(gate, lambda: view.snapshot().alive_ids()),
+                                cluster_infos=lambda: self.service.cluster_infos())
         self.metrics_address = metrics.serve(d.bind_host)
         self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
                                      d.api_keys, gate=gate, metrics=metrics)
         self.server, addr = start_router_server(self.service, d.bind_host)
         return addr
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def metrics_endpoint(self) -> str:
         return f"http://{self.metrics_address}/metrics"

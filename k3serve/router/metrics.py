@@ -35,8 +35,35 @@ class _ClassCollector:
         yield from (tokens, reqs, queued)
 
 
+class _ClusterCollector:
+    """Per-cluster gauges from the router's status view (heartbeat load + pins), read at scrape time."""
+
+    def __init__(self, infos: Callable[[], Sequence]) -> None:
+        self._infos = infos
+
+    def collect(self):
+        running = GaugeMetricFamily("k3serve_cluster_running_requests", "requests in flight on the cluster",
+                                    labels=["cluster"])
+        tokens = GaugeMetricFamily("k3serve_cluster_inflight_tokens", "prompt + streamed tokens in flight",
+                                   labels=["cluster"])
+        pinned = GaugeMetricFamily("k3serve_cluster_pinned_sessions", "sessions pinned to the cluster",
+                                   labels=["cluster"])
+        used = GaugeMetricFamily("k3serve_cluster_pool_used", "pool occupancy (cluster/pools.py)",
+                                 labels=["cluster", "pool"])
+        cap = GaugeMetricFamily("k3serve_cluster_pool_capacity", "pool capacity (0: none)", labels=["cluster", "pool"])
+        for c in self._infos():
+            running.add_metric([c.cluster_id], c.running_requests)
+            tokens.add_metric([c.cluster_id], c.inflight_tokens)
+            pinned.add_metric([c.cluster_id], c.pinned_sessions)
+            for p in c.pools:
+                used.add_metric([c.cluster_id, p.name], p.used)
+                cap.add_metric([c.cluster_id, p.name], p.capacity)
+        yield from (running, tokens, pinned, used, cap)
+
+
 class RouterMetrics:
-    def __init__(self, class_stats: Callable[[], dict[str, dict[str, int]]] | None = None) -> None:
+    def __init__(self, class_stats: Callable[[], dict[str, dict[str, int]]] | None = None,
+                 cluster_infos: Callable[[], Sequence] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("k3serve_requests", "requests by outcome", ["outcome"], registry=r)
@@ -48,6 +75,8 @@ class RouterMetrics:
                               registry=r)
         if class_stats is not None:
             r.register(_ClassCollector(class_stats))
+        if cluster_infos is not None:
+            r.register(_ClusterCollector(cluster_infos))
         self._server = None
 
     def serve(self, host: str = "127.0.0.1") -> str:

@@ -145,6 +145,23 @@ class PinStore:
         return Pin(session, h["primary"], h["secondary"] or None, h["serving"], int(h.get("moves", 0)),
                    PinEvent.EXISTING)  # fmt: skip
 
+    def serving_counts(self, max_pins: int = 1_000_000) -> dict[str, int]:
+        """Pinned sessions per serving cluster (status, not the request path: a SCAN over the pins, at most
+        ``max_pins`` of them). Raises redis.RedisError."""
+        counts: dict[str, int] = {}
+        keys = []
+        for key in self._r.scan_iter(match=f"{self.prefix}pin:*", count=1000):
+            keys.append(key)
+            if len(keys) >= max_pins:
+                break
+        pipe = self._r.pipeline(transaction=False)
+        for key in keys:
+            pipe.hget(key, "serving")
+        for serving in pipe.execute():
+            if serving:  # expired between SCAN and HGET: not counted
+                counts[_text(serving)] = counts.get(_text(serving), 0) + 1
+        return counts
+
     def delete(self, session: str) -> bool:
         return bool(self._r.delete(self.key(session)))
 

@@ -23,10 +23,12 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
+import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from k3serve.auth import AuthConfig, sign
+from k3serve.contracts.status import from_load
 from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
 from k3serve.router.admission import AdmissionRejected
 from k3serve.router.gate import AdmissionGate
@@ -140,19 +142,39 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._check_api_key(context)
         snap = self.view.snapshot()
         out = router_pb2.ClusterStatusResponse(membership_stale=snap.stale)
-        for c in snap.clusters:
-            state = self.view.state(c.id, snap)
-            out.clusters.append(router_pb2.ClusterInfo(
-                cluster_id=c.id, healthy=c.alive and state.name != "SUSPECT", suspect=state.name == "SUSPECT",
-                endpoint=c.endpoints.get("cluster", ""), running_requests=int(c.load.get("running_requests", 0)),
-                inflight_tokens=int(c.load.get("inflight_tokens", 0)),
-                prefill_tp=int(c.load.get("prefill_tp", 0)), decode_tp=int(c.load.get("decode_tp", 0))))
+        pins = self._pin_counts()
+        out.pinned_sessions = sum(pins.values())
+        out.clusters.extend(self.cluster_infos(snap, pins))
         if self.gate is not None:
             for name, st in self.gate.class_stats(snap.alive_ids()).items():
                 out.classes.append(router_pb2.ClassStatus(
                     name=name, inflight_tokens=st["inflight_tokens"], inflight_requests=st["inflight_requests"],
                     queued=st["queued"], rejected=st["rejected"]))
         return out
+
+    def cluster_infos(self, snap=None, pins: dict[str, int] | None = None) -> list[router_pb2.ClusterInfo]:
+        """Per-cluster status from the last membership read (heartbeat load) and the pins in Redis."""
+        snap = snap or self.view.snapshot()
+        pins = self._pin_counts() if pins is None else pins
+        out = []
+        for c in snap.clusters:
+            state = self.view.state(c.id, snap)
+            out.append(router_pb2.ClusterInfo(
+                cluster_id=c.id, healthy=c.alive and state.name != "SUSPECT", suspect=state.name == "SUSPECT",
+                endpoint=c.endpoints.get("cluster", ""), running_requests=int(c.load.get("running_requests", 0)),
+                inflight_tokens=int(c.load.get("inflight_tokens", 0)),
+                prefill_tp=int(c.load.get("prefill_tp", 0)), decode_tp=int(c.load.get("decode_tp", 0)),
+                pinned_sessions=pins.get(c.id, 0),
+                pools=[router_pb2.PoolUsage(name=n, used=u.used, capacity=u.capacity)
+                       for n, u in from_load(c.load).items()]))
+        return out
+
+    def _pin_counts(self) -> dict[str, int]:
+        try:
+            return self.pins.serving_counts()
+        except (redis.RedisError, OSError) as e:  # Redis down: status still answers, pins unknown (0)
+            log.warning("cannot count pins: %s", e)
+            return {}
 
     # ------------------------------------------------------------------------------------------ routing
     def _check_api_key(self, context) -> None:

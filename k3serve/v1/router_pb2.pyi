@@ -69,7 +69,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("cluster_id", "healthy", "suspect", "endpoint", "running_requests", "inflight_tokens", "prefill_tp", "decode_tp")
+    __slots__ = ("cluster_id", "healthy", "suspect", "endpoint", "running_requests", "inflight_tokens", "prefill_tp", "decode_tp", "pinned_sessions", "pools")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,8 @@ class ClusterInfo(_message.Message):
     INFLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TP_FIELD_NUMBER: _ClassVar[int]
     DECODE_TP_FIELD_NUMBER: _ClassVar[int]
+    PINNED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     healthy: bool
     suspect: bool
@@ -86,7 +88,19 @@ class ClusterInfo(_message.Message):
     inflight_tokens: int
     prefill_tp: int
     decode_tp: int
-    def __init__(self, cluster_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., suspect: _Optional[bool] = ..., endpoint: _Optional[str] = ..., running_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., prefill_tp: _Optional[int] = ..., decode_tp: _Optional[int] = ...) -> None: ...
+    pinned_sessions: int
+    pools: _containers.RepeatedCompositeFieldContainer[PoolUsage]
+    def __init__(self, cluster_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., suspect: _Optional[bool] = ..., endpoint: _Optional[str] = ..., running_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., prefill_tp: _Optional[int] = ..., decode_tp: _Optional[int] = ..., pinned_sessions: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolUsage, _Mapping]]] = ...) -> None: ...
+
+class PoolUsage(_message.Message):
+    __slots__ = ("name", "used", "capacity")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    used: int
+    capacity: int
+    def __init__(self, name: _Optional[str] = ..., used: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class ClassStatus(_message.Message):
     __slots__ = ("name", "inflight_tokens", "inflight_requests", "queued", "rejected")

@@ -15,7 +15,7 @@ from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.engine.executor import MultiprocExecutor, OpFailed, WorkerDied, WorkerSpec
 from k3serve.engine.ops import DecodeBatch, PoolConfig, PrefillChunk, ResetSlots
-from k3serve.engine.pipeline import LocalPipeline
+from k3serve.disagg.pipeline import LocalPipeline
 from k3serve.model.reference import reference_generate
 
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
