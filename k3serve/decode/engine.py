@@ -109,7 +109,8 @@ class DecodeEngine:
             except (StateInstallError, OpFailed) as e:  # fail this request only: the group is intact
                 self.pages.decref(pages)
                 self.slots.free(slot)
-                self.channel.discard(handoff.state)
+                if isinstance(e, OpFailed):  # the channel frees its staging itself when it raises
+                    self.channel.discard(handoff.state)
                 # an install that found no verified state is a transfer fault: UNAVAILABLE lets the router
                 # fail over; an op that raised is INTERNAL
                 code = ErrorCode.UNAVAILABLE if isinstance(e, StateInstallError) else ErrorCode.INTERNAL

@@ -71,7 +71,8 @@ class LocalExecutor:
         try:
             return [self.worker.execute(ops[0])]
         except Exception as e:  # the same contract as a TP group: an op that raised is OpFailed, with context
-            raise OpFailed(f"{type(ops[0]).__name__} raised on rank 0:\n{traceback.format_exc()}") from e
+            raise OpFailed(f"{type(ops[0]).__name__} raised on rank 0: {type(e).__name__}: {e}\n"
+                           f"{traceback.format_exc()}") from e
 
     def close(self) -> None:
         pass
@@ -132,9 +133,16 @@ class WorkerDied(WorkerFailure):
 
 def group_failure(what: str, raised: list[str], died: list[str]) -> WorkerFailure:
     """The one exception for an op's outcome: any dead rank makes it WorkerDied, else OpFailed."""
+    # first line: what happened, with the first rank's exception (the message a client sees); then the details
     if died:
-        return WorkerDied(f"{what}: {len(died)} rank(s) died:\n" + "\n".join(died + raised))
-    return OpFailed(f"{what} raised on {len(raised)} rank(s):\n" + "\n".join(raised))
+        return WorkerDied(f"{what}: {len(died)} rank(s) died ({_last_line(died[0])})\n" + "\n".join(died + raised))
+    return OpFailed(f"{what} raised on {len(raised)} rank(s): {_last_line(raised[0])}\n" + "\n".join(raised))
+
+
+def _last_line(text: str) -> str:
+    """The exception line of a traceback (its last non-empty line)."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else text
 
 
 class MultiprocExecutor:
