@@ -43,7 +43,9 @@ from k3serve.v1 import router_pb2, router_pb2_grpc
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 << 20
-_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# per-request failures: the client gets the cluster's code, the cluster is not suspect (INTERNAL is an op that
+# raised for this request: resubmitting it elsewhere would take one cluster after another out of rotation)
+_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL}
 _CLUSTER_GENERATE = f"/{cluster_pb2.DESCRIPTOR.services_by_name['Cluster'].full_name}/Generate"
 
 
