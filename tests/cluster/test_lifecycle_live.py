@@ -146,6 +146,18 @@ def test_status_reports_load_pins_and_pools(deployment):
         pools = {p.name: p for p in c.pools}
         assert pools["decode.kda_slots"].capacity == 48 and pools["prefill.request_pages"].capacity == 1024
     assert ckpts >= 1  # the 700-token prompt left a KDA checkpoint at 512 in its cluster's prefix cache
+    # the same through `k3serve status --json`
+    import json
+
+    from typer.testing import CliRunner
+
+    from k3serve.cli.main import app
+
+    res = CliRunner().invoke(app, ["status", "--router", deployment.router_addresses[0], "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["pinned_sessions"] >= 1 and {"inflight_tokens", "pinned_sessions", "pools"} <= out["clusters"][0].keys()
+    assert "decode.staging_bytes" in out["clusters"][0]["pools"]
 
 
 # ------------------------------------------------------------------------------------------------ soak
