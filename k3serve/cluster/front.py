@@ -97,7 +97,7 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
             self._outs[rid] = out
         self.metrics["requests"] += 1
         self._inbox.put(("add", PrefillRequest(rid, tuple(req.prompt_token_ids), SamplingParams.from_proto(req.sampling),
-                                               req.session_id)))
+                                               req.session_id, cache_salt=request.cache_salt)))
         context.add_callback(lambda: self._inbox.put(("cancel", rid)))
         try:
             while True:
