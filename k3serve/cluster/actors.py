@@ -58,7 +58,6 @@ class ClusterActor:
 
         from k3serve.decode.engine import DecodeConfig, DecodeEngine
         from k3serve.engine.block_hash import model_fingerprint
-        from k3serve.engine.prefix_cache import PrefixCachePolicy
         from k3serve.model.checkpoint import load_config
         from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 
@@ -86,7 +85,7 @@ class ClusterActor:
             endpoints = tuple(ray.get([a.start_receiver.remote(rx) for a in self.executors["decode"].actors]))
             handoff = GrpcHandoff(self.cluster_id, cfg, endpoints, d.secret, c.prefill_tp, c.decode_tp,
                                   c.prefill_pools.page_size)
-        policy = PrefixCachePolicy(scheme=c.prefix_scheme, page_size=c.prefill_pools.page_size)
+        policy = c.prefix_policy()
         prefill = PrefillEngine(cfg, self.executors["prefill"],
                                 PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget,
                                               long_threshold=_long_threshold(d),
@@ -195,6 +194,15 @@ class ClusterActor:
         self._teardown()
 
 
+def router_max_streams(d: DeployConfig) -> int:
+    """Streams one router serves at once: the deploy file's, else what admission can hold (every class's
+    concurrency and queue on every cluster), at most 256 (one gRPC thread each)."""
+    if d.control.router_max_streams:
+        return d.control.router_max_streams
+    per_cluster = sum(c.max_concurrent + c.queue_limit for c in d.request_classes)
+    return min(256, per_cluster * len(d.clusters.cluster_ids))
+
+
 def _long_threshold(d: DeployConfig) -> int:
     """The engine's long class starts above the smallest class bound of the deploy file."""
     return min(c.max_uncached_tokens for c in d.request_classes) + 1
@@ -227,13 +235,14 @@ class RouterActor:
         classes = [ClassSpec(c.name, c.max_uncached_tokens, c.inflight_token_budget, c.max_concurrent, c.queue_limit,
                              c.max_wait_s) for c in d.request_classes]
         gate = AdmissionGate(client, ctl.namespace, classes, enabled=d.admission,
-                             block_size=512, context_ttl_s=ctl.pin_ttl_s)
+                             policy=d.clusters.prefix_policy(), context_ttl_s=ctl.pin_ttl_s)
         from k3serve.router.metrics import RouterMetrics, class_stats_source
 
         metrics = RouterMetrics(class_stats_source(gate, lambda: view.snapshot().alive_ids()))
         self.metrics_address = metrics.serve(d.bind_host)
         self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
-                                     d.api_keys, gate=gate, metrics=metrics)
+                                     d.api_keys, gate=gate, metrics=metrics, stall_timeout_s=ctl.stall_timeout_s,
+                                     max_streams=router_max_streams(d))
         self.server, addr = start_router_server(self.service, d.bind_host)
         return addr
 

@@ -337,6 +337,7 @@ class Admission:
                     raise AdmissionRejected(0.0, f"{request_id} cancelled while queued for {cls.name}", "cancelled",
                                             cluster, cls.name)
                 if now >= deadline:
+                    self._leave_queue(cluster, cls.name, request_id)  # the hint counts the waiters ahead, not us
                     raise rej("timeout", f"{cls.name} on {cluster}: not admitted within {wait:.3g}s ({qlen} waiting)")
                 self._sleep(min(self._jitter(), deadline - now))
                 status, res, qlen = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, 1, expected_s)
@@ -456,6 +457,10 @@ class Admission:
     def _jitter(self) -> float:
         with self._rng_lock:
             return self._rng.uniform(self.config.poll_min_s, self.config.poll_max_s)
+
+    def rejection(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str) -> AdmissionRejected:
+        """An AdmissionRejected with the honest hint, for callers that refuse on this budget's behalf."""
+        return self._rejected(cluster, cls, tokens, reason, message)
 
     def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str) -> AdmissionRejected:
         """The rejection with its hint: the expected drain time of what holds the budget (the recovery grace while
