@@ -60,7 +60,7 @@ def generate(
             res = reference_generate(load_model(checkpoint), ids, params)
             out_ids, reason, cached = res.token_ids, res.finish_reason, 0
         else:
-            from k3serve.engine.pipeline import LocalPipeline
+            from k3serve.disagg.pipeline import LocalPipeline
 
             with LocalPipeline(checkpoint, prefill_tp, decode_tp) as pipe:
                 res = pipe.generate([PrefillRequest("cli-0", tuple(ids), params)])["cli-0"]

@@ -37,3 +37,18 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     finished: bool = False
     finish_reason: str = ""  # "stop" | "length" | "cancelled"
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What one request's client gets next from a prefill/decode pair: tokens, the end, or a failure."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str = ""  # set on the last event of a request that completed
+    cached_tokens: int = -1  # prompt tokens served from the prefix cache; set on the first event only
+    error: RequestFailure | None = None  # the request ended without its full output
+
+    @property
+    def final(self) -> bool:
+        return bool(self.finish_reason) or self.error is not None

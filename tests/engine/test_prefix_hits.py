@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3serve.engine.pipeline import LocalPipeline
+from k3serve.disagg.pipeline import LocalPipeline
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.reference import reference_generate
