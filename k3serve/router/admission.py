@@ -170,15 +170,16 @@ class RecoveryGuard:
 
 
 def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, queued_tokens: int, tokens: int,
-                 budget: int, max_concurrent: int) -> float:
+                 budget: int, max_concurrent: int, round_s: float = 0.0) -> float:
     """Seconds until a request of ``tokens`` would fit one (cluster, class), if the holders (tokens, expected end
     ms) end when expected and the ``queued`` waiters ahead (``queued_tokens`` in all) get in first.
 
     The holders release in order of expected end; the answer is the first release after which the admission rule
     (``fits``) holds for the waiters ahead plus this request. If it never does (the waiters ahead cannot all run
     at once), they run after the holders in FIFO rounds (as many as fit; each waiter taken as the mean of
-    ``queued_tokens``), each round as long as the holders' mean remaining time, and the answer is the start of
-    the round this request joins.
+    ``queued_tokens``), each round as long as ``round_s`` (a whole request's expected duration: waiters start
+    from scratch; 0: the holders' mean remaining time), and the answer is the start of the round this request
+    joins.
     """
     ordered = sorted(holders, key=lambda h: h[1])
     count, held = len(ordered), sum(t for t, _ in ordered)
@@ -188,7 +189,7 @@ def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, q
         if c + queued == 0 or (s + queued_tokens + tokens <= budget and c + queued < max_concurrent):
             return max(end - now_ms, 0) / 1000.0
     last = max(ordered[-1][1] - now_ms, 0) if ordered else 0
-    mean = (sum(max(e - now_ms, 0) for _, e in ordered) / count) if count else 0.0
+    mean = round_s * 1000.0 if round_s > 0 else (sum(max(e - now_ms, 0) for _, e in ordered) / count if count else 0.0)
     each = queued_tokens / queued if queued else 0.0
     sizes = [each] * queued + [float(tokens)]
     rounds, i = 0, 0
@@ -324,7 +325,7 @@ class Admission:
                                                  expected_s)
         if status == _OK:
             return res
-        rej = functools.partial(self._rejected, cluster, cls, tokens)
+        rej = functools.partial(self._rejected, cluster, cls, tokens, expected_s=expected_s)
         if status == _NO:
             raise rej("over_budget", f"{cls.name} on {cluster}: over budget and no waiting allowed")
         if status == _FULL:
@@ -424,7 +425,7 @@ class Admission:
             self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"]], client=pipe)
         return [ClassLoad(int(t), int(c), int(q)) for t, c, q in pipe.execute()]
 
-    def retry_after(self, cluster: str, cls: ClassSpec, tokens: int) -> float:
+    def retry_after(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0) -> float:
         """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends."""
         k = self.keys(cluster, cls.name)
         raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"]])]
@@ -434,7 +435,7 @@ class Admission:
         unknown = now + int(max(cls.max_wait_s, 0.1) * 1000)
         holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[3::2], raw[4::2])]
         return drain_wait_s(now, holders, queued, queued_tokens, tokens, cls.inflight_token_budget,
-                            cls.max_concurrent)
+                            cls.max_concurrent, round_s)
 
     def inflight(self, cluster: str, cls: str) -> tuple[int, int]:
         """(in-flight tokens, in-flight requests) of one (cluster, class)."""
@@ -458,18 +459,20 @@ class Admission:
         with self._rng_lock:
             return self._rng.uniform(self.config.poll_min_s, self.config.poll_max_s)
 
-    def rejection(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str) -> AdmissionRejected:
+    def rejection(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
+                  expected_s: float = 0.0) -> AdmissionRejected:
         """An AdmissionRejected with the honest hint, for callers that refuse on this budget's behalf."""
-        return self._rejected(cluster, cls, tokens, reason, message)
+        return self._rejected(cluster, cls, tokens, reason, message, expected_s=expected_s)
 
-    def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str) -> AdmissionRejected:
+    def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
+                  expected_s: float = 0.0) -> AdmissionRejected:
         """The rejection with its hint: the expected drain time of what holds the budget (the recovery grace while
         Redis recovers from a state loss), jittered by +-10% so rejected clients do not all return at once."""
         if self._recovering and self.guard is not None:
             hint, message = self.guard.grace_s, f"{message} (admission state recovering after a Redis loss)"
         else:
             try:
-                hint = self.retry_after(cluster, cls, tokens)
+                hint = self.retry_after(cluster, cls, tokens, round_s=expected_s)
             except (redis.RedisError, OSError):
                 hint = max(cls.max_wait_s, 0.1)  # no holders to read: the queue turns over in about max_wait_s
         with self._rng_lock:

@@ -198,7 +198,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if self.gate is not None and self.gate.enabled:
                 uncached = self.gate.uncached_tokens(key, req.prompt_ids, pin.serving)
                 cls = self.gate.request_class(uncached)
-                hint = max(hint, self.gate.retry_hint(pin.serving, cls, uncached))
+                progress.cls = cls.name
+                hint = max(hint, self.gate.retry_hint(pin.serving, cls, uncached, progress.remaining_s()))
                 by = f"router:{pin.serving}/{cls.name}"
             self._reject(context, hint, by, f"this router serves {self.slots.max_streams} streams at most")
         try:

@@ -4,7 +4,8 @@ gRPC's thread pool serves one stream per thread, and a request that waits for ad
 too. Without a bound, streams beyond the pool queue invisibly inside gRPC, and health checks and status queue
 behind them. So the server runs ``max_streams`` + headroom threads (the headroom keeps health, status and quick
 rejections answering), and a stream over ``max_streams`` is refused at once with RESOURCE_EXHAUSTED and a
-retry-after: when the first of this router's streams is expected to end (progress.StreamProgress).
+retry-after: when its streams are expected to have freed slots (see ``retry_after_s``), or when the admission
+budget the request would join is expected to have room, whichever is later (server.py).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class StreamSlots:
             return len(self._active)
 
     def retry_after_s(self) -> float:
-        """When a slot is expected to free: the soonest expected end among this router's streams."""
+        """When slots are expected to free: the median expected end among this router's streams. Not the
+        soonest: the first slot to free goes to whichever client comes back first, and a full router has many
+        refused clients; by the median end half of the slots are free."""
         with self._lock:
-            active = list(self._active)
-        return max(min((p.remaining_s() for p in active), default=0.0), MIN_HINT_S)
+            active = sorted(p.remaining_s() for p in self._active)
+        return max(active[len(active) // 2] if active else 0.0, MIN_HINT_S)
