@@ -3,7 +3,7 @@
 A generation may legitimately run for hours, so there is no per-call deadline (the client's own deadline, if
 any, is forwarded to the cluster and is the client's business). What ends a call as a *cluster* fault is:
 
-* its cluster left the membership (its heartbeat expired, or it deregistered): the front is gone or broken;
+* its cluster's heartbeat expired (registered, not alive): the front is gone or wedged;
 * a stall: ``stall_timeout_s`` without a message once tokens flow. Before the first token a long prefill may
   take minutes and the cluster's heartbeat is the liveness signal; between tokens a decode step takes
   milliseconds, so a long silence means a stuck cluster.
@@ -63,7 +63,7 @@ class Watchdog:
             p = w.progress
             last = max(p.last_progress, w.since)
             if not self._alive(w.cluster):
-                w.fault = f"cluster {w.cluster} left the membership"
+                w.fault = f"cluster {w.cluster} stopped heartbeating"
             elif p.first_token_at is not None and now - last > self.stall_timeout_s:
                 w.fault = f"no token from {w.cluster} for {now - last:.1f}s (stall timeout {self.stall_timeout_s}s)"
             if w.fault:

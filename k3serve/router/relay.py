@@ -9,7 +9,7 @@ What is *not* a cluster fault: the client's own error (INVALID_ARGUMENT, RESOURC
 a duplicate in-flight request id: passed through with the cluster's message), the client's deadline
 (DEADLINE_EXCEEDED: the router forwards the client's remaining time and sets no timer of its own), and the
 client leaving. Only those never mark a cluster suspect; everything else (UNAVAILABLE, INTERNAL, a stall, a
-cluster that left the membership, a stream that ended without finishing) fails over.
+cluster whose heartbeat expired, a stream that ended without finishing) fails over.
 """
 
 from __future__ import annotations

@@ -93,8 +93,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return self.view.routable(self.view.snapshot(max_age_s=max(2.0, 10 * self.view.refresh_interval_s)))
 
     def _cluster_alive(self, cluster: str) -> bool:
+        """False only when the cluster is registered but its heartbeat expired. A cluster missing from the
+        membership may just not have re-registered yet after a Redis restart: its own stream errors (a broken
+        front fails its requests, a dead process breaks the connection) are the signal then."""
         info = self.view.snapshot(max_age_s=max(2.0, 10 * self.view.refresh_interval_s)).get(cluster)
-        return info is not None and info.alive
+        return info is None or info.alive
 
     # --------------------------------------------------------------------------------------------- api
     def Generate(self, request, context) -> Iterator[router_pb2.GenerateResponse]:

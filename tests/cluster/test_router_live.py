@@ -74,6 +74,30 @@ def test_a_session_id_that_is_not_utf8_is_invalid_argument(deployment):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in err.value.details()
 
 
+def test_anonymous_conversations_each_keep_their_checkpoints(deployment):
+    """Five anonymous conversations on one cluster: with one shared (empty) session id they would share one
+    budget of 4 checkpoints and evict each other's; each has its own identity now, so every second turn hits."""
+    from k3serve.router.hashing import rank_clusters, session_key
+
+    clusters = sorted(deployment.cluster_endpoints)
+    target = clusters[0]
+    firsts, seed = [], 1000
+    while len(firsts) < 5:  # first turns whose routing key puts them on the same cluster
+        prompt = _ids(560, seed)  # one checkpoint, at 512
+        seed += 1
+        if rank_clusters(session_key("", prompt), clusters)[0] == target:
+            firsts.append(prompt)
+    stub = _stub(deployment.router_addresses[0])
+    sp = pb.SamplingParams(max_tokens=4, ignore_eos=True)
+    replies = [_collect(stub, pb.GenerateRequest(prompt_token_ids=p, sampling=sp))[0] for p in firsts]
+    hits = []
+    for i, (p, reply) in enumerate(zip(firsts, replies)):
+        _, last = _collect(stub, pb.GenerateRequest(prompt_token_ids=p + reply + _ids(30, 2000 + i), sampling=sp))
+        assert last.usage.cluster_id == target
+        hits.append(last.usage.cached_tokens)
+    assert hits == [512] * 5
+
+
 # ------------------------------------------------------------------------------------------------ load
 MAX_CONCURRENT, QUEUE = 2, 2  # per cluster: the service is sized for 3 x (2 + 2) = 12 of the 200 streams
 FLOOR_S = 0.1  # waits and hints below this are compared as this (sampling granularity, minimum hint)

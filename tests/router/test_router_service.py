@@ -269,3 +269,22 @@ def test_router_counters_lose_no_update_under_threads(rig):
     for t in threads:
         t.join()
     assert svc.counters["invalid"] == 80_000
+
+
+def test_a_cluster_whose_heartbeat_expires_mid_stream_is_failed_over(rig):
+    from k3serve.router.membership import Membership
+
+    rig.add_cluster("c0", Behaviour(delay_s=0.05))
+    rig.add_cluster("c1", Behaviour(delay_s=0.05))
+    svc, stub = rig.add_router()
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=_run(stub, session_id="hb", prompt_token_ids=[1],
+                                                          sampling=pb.SamplingParams(max_tokens=60, ignore_eos=True))))
+    t.start()
+    time.sleep(0.6)
+    serving = next(c for c, fc in rig.clusters.items() if fc.running)
+    # its heartbeat key expires (registration kept): the cluster is wedged, though its stream still flows here
+    Membership(connect(rig.url), rig.ns).heartbeat(serving, {}, ttl_s=0.001)
+    t.join(20)
+    tokens, last = out["r"]
+    assert tokens == expected_tokens(60) and last.usage.failovers == 1 and last.usage.cluster_id != serving
