@@ -195,7 +195,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                           f"suspect {[c for c in snap.alive_ids() if not self.view.breaker.allows(c)]}")
         progress = StreamProgress("", req.sampling.max_tokens, self.durations)
         if not self.slots.try_acquire(progress):
-            # room for this request needs a slot here (the soonest end of this router's streams) and room in the
+            # room for this request needs slots here (the median end of this router's streams) and room in the
             # admission budget it would join (that budget's drain time): the later of the two
             hint, by = self.slots.retry_after_s(), "router"
             if self.gate is not None and self.gate.enabled:
