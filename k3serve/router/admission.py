@@ -467,7 +467,7 @@ class Admission:
     def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
                   expected_s: float = 0.0) -> AdmissionRejected:
         """The rejection with its hint: the expected drain time of what holds the budget (the recovery grace while
-        Redis recovers from a state loss), jittered by +-10% so rejected clients do not all return at once."""
+        Redis recovers from a state loss), jittered by +0-20% so rejected clients do not all return at once."""
         if self._recovering and self.guard is not None:
             hint, message = self.guard.grace_s, f"{message} (admission state recovering after a Redis loss)"
         else:
@@ -475,6 +475,6 @@ class Admission:
                 hint = self.retry_after(cluster, cls, tokens, round_s=expected_s)
             except (redis.RedisError, OSError):
                 hint = max(cls.max_wait_s, 0.1)  # no holders to read: the queue turns over in about max_wait_s
-        with self._rng_lock:
-            hint = max(hint, MIN_RETRY_AFTER_S) * self._rng.uniform(0.9, 1.1)
+        with self._rng_lock:  # late rather than early: an early retry is refused again, a late one only waits
+            hint = max(hint, MIN_RETRY_AFTER_S) * self._rng.uniform(1.0, 1.2)
         return AdmissionRejected(round(hint, 3), message, reason, cluster, cls.name)
