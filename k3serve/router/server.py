@@ -35,7 +35,7 @@ from k3serve.router.membership import MembershipView
 from k3serve.router.metrics import RouterMetrics
 from k3serve.router.pins import NoHealthyCluster, PinStore
 from k3serve.router.validate import InvalidRequest, ModelLimits, ValidRequest, validate_generate
-from k3serve.tokenizer import ByteTokenizer
+from k3serve.tokenizer import ByteTokenizer, StreamDecoder
 from k3serve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class _Progress:
     failovers: int = 0
     cached: int = 0
     finished: bool = False
+    # one incremental decoder per client request, surviving failovers: text pieces follow the token stream
+    text: StreamDecoder = field(default_factory=StreamDecoder)
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -233,7 +235,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 state.streamed += resp.token_ids
                 msg = router_pb2.GenerateResponse(token_ids=resp.token_ids, finish_reason=resp.finish_reason)
                 if self._tok is not None:
-                    msg.text = self._tok.decode(resp.token_ids)
+                    msg.text = state.text.decode(resp.token_ids, final=bool(resp.finish_reason))
                 if resp.finish_reason:
                     msg.usage.CopyFrom(router_pb2.Usage(
                         prompt_tokens=len(req.prompt_ids), cached_tokens=state.cached,
