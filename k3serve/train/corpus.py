@@ -121,9 +121,11 @@ def sample_windows(stream: torch.Tensor, batch: int, length: int, seed: int, ste
 
 
 def eval_windows(stream: torch.Tensor, length: int, max_tokens: int) -> torch.Tensor:
-    """The first `max_tokens` tokens of `stream` as non-overlapping windows `[n, length]` int64 (a ragged tail
-    is dropped; at least one window when the stream is long enough)."""
-    n = min(stream.numel(), max(max_tokens, length)) // length
-    if n == 0:
+    """About `max_tokens` tokens of `stream` as non-overlapping windows `[n, length]` int64, spread evenly over
+    the whole stream (every held-out file is sampled, not just the first), deterministic; at least one window."""
+    total = stream.numel() // length
+    if total == 0:
         raise CorpusError(f"held-out text has {stream.numel()} tokens; need at least {length}")
-    return stream[: n * length].long().view(n, length)
+    n = min(total, max(1, max_tokens // length))
+    picks = torch.arange(n) * total // n  # window indices, evenly spaced
+    return stream[: total * length].long().view(total, length)[picks]
