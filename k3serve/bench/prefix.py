@@ -23,8 +23,8 @@ from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
 from k3serve.engine.prefix_cache import PrefixCachePolicy
-from k3serve.engine.requests import PrefillRequest
-from k3serve.engine.sampling import SamplingParams
+from k3serve.contracts.requests import PrefillRequest
+from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.checkpoint import load_config
 from k3serve.model.config import ModelConfig
 from k3serve.model.presets import write_preset_checkpoint

@@ -34,8 +34,8 @@ def generate(
 ) -> None:
     import torch
 
-    from k3serve.engine.requests import PrefillRequest
-    from k3serve.engine.sampling import SamplingError, SamplingParams
+    from k3serve.contracts.requests import PrefillRequest
+    from k3serve.contracts.sampling import SamplingError, SamplingParams
     from k3serve.model.checkpoint import CheckpointError, load_config
     from k3serve.model.config import ConfigError
     from k3serve.model.reference import PromptError
@@ -60,7 +60,7 @@ def generate(
             res = reference_generate(load_model(checkpoint), ids, params)
             out_ids, reason, cached = res.token_ids, res.finish_reason, 0
         else:
-            from k3serve.engine.pipeline import LocalPipeline
+            from k3serve.disagg.pipeline import LocalPipeline
 
             with LocalPipeline(checkpoint, prefill_tp, decode_tp) as pipe:
                 res = pipe.generate([PrefillRequest("cli-0", tuple(ids), params)])["cli-0"]

@@ -63,6 +63,7 @@ class ClusterActor:
         from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 
         from k3serve.cluster.front import ClusterFront
+        from k3serve.disagg.loop import DisaggLoop
 
         d, c = self.deploy, self.deploy.clusters
         cfg = load_config(self.checkpoint)
@@ -76,28 +77,35 @@ class ClusterActor:
         # decode ranks take the bundles after the prefill ranks
         self.executors["decode"] = RayExecutor(ray_worker_spec(self.checkpoint, c.decode_tp, dec_pools,
                                                                d.torch_threads), pg, bundle_offset=c.prefill_tp)
-        handoff = None
-        if c.transfer == "grpc":
-            from k3serve.auth import AuthConfig
-            from k3serve.transfer.handoff_send import GrpcHandoff
-            from k3serve.transfer.receiver import ReceiverConfig
-
-            rx = ReceiverConfig(AuthConfig(d.secret, peer=f"decode-{self.cluster_id}"), host=d.bind_host)
-            endpoints = tuple(ray.get([a.start_receiver.remote(rx) for a in self.executors["decode"].actors]))
-            handoff = GrpcHandoff(self.cluster_id, cfg, endpoints, d.secret, c.prefill_tp, c.decode_tp,
-                                  c.prefill_pools.page_size)
+        channel = self._channel(cfg)
         policy = PrefixCachePolicy(scheme=c.prefix_scheme, page_size=c.prefill_pools.page_size)
         prefill = PrefillEngine(cfg, self.executors["prefill"],
                                 PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget,
                                               long_threshold=_long_threshold(d),
                                               long_step_tokens=c.long_step_tokens or None),
-                                model_fingerprint(cfg.to_hf_dict()), transfer=handoff)
-        decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch))
-        front = ClusterFront(self.cluster_id, prefill, decode, d.secret, c.prefill_tp, c.decode_tp,
-                             drop_transfer=handoff.cancel if handoff else None)
+                                model_fingerprint(cfg.to_hf_dict()), channel)
+        decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch),
+                              channel)
+        front = ClusterFront(self.cluster_id, DisaggLoop(prefill, decode), d.secret, c.prefill_tp, c.decode_tp)
         endpoint = front.start(d.bind_host)
         self.front = front
         return endpoint
+
+    def _channel(self, cfg):
+        """The StateChannel between this cluster's groups (`clusters.transfer`)."""
+        d, c = self.deploy, self.deploy.clusters
+        if c.transfer == "object_store":
+            from k3serve.transfer.inprocess import InProcessChannel
+
+            return InProcessChannel()
+        from k3serve.auth import AuthConfig
+        from k3serve.transfer.handoff_send import GrpcChannel
+        from k3serve.transfer.receiver import ReceiverConfig
+
+        rx = ReceiverConfig(AuthConfig(d.secret, peer=f"decode-{self.cluster_id}"), host=d.bind_host)
+        endpoints = tuple(ray.get([a.start_receiver.remote(rx) for a in self.executors["decode"].actors]))
+        return GrpcChannel(self.cluster_id, cfg, endpoints, d.secret, c.prefill_tp, c.decode_tp,
+                           c.prefill_pools.page_size)
 
     def _teardown(self) -> None:
         """Stop the front and kill the rank actors and placement group (what a failed _build left, too)."""

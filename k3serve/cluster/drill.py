@@ -170,7 +170,7 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
 
 def check_against_reference(checkpoint: str, records: list[RequestRecord]) -> int:
     """Number of completed requests whose tokens differ from the single-process reference."""
-    from k3serve.engine.sampling import SamplingParams
+    from k3serve.contracts.sampling import SamplingParams
     from k3serve.model.loader import load_model
     from k3serve.model.reference import reference_generate
 
@@ -180,9 +180,7 @@ def check_against_reference(checkpoint: str, records: list[RequestRecord]) -> in
         if r.error:
             continue
         p = r.params
-        ref = reference_generate(model, r.prompt, SamplingParams(
-            temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed, max_tokens=p.max_tokens,
-            ignore_eos=p.ignore_eos))
+        ref = reference_generate(model, r.prompt, SamplingParams.from_proto(p))
         bad += ref.token_ids != r.tokens
     return bad
 

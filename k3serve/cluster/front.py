@@ -2,8 +2,8 @@
 ``k3serve.internal.v1.Cluster`` gRPC API to routers.
 
 ```
- router ──Generate──▶ gRPC handler thread ──inbox──▶ engine thread: prefill.step ─handoff─▶ decode.submit/step
-        ◀──stream──── per-request queue ◀──────────── token events / failures ◀─────────────────────┘
+ router ──Generate──▶ gRPC handler thread ──inbox──▶ engine thread: DisaggLoop.step (disagg/loop.py)
+        ◀──stream──── per-request queue ◀──────────── StreamEvents (tokens, end, failure) ◀──┘
 ```
 The engine thread is the only one that touches the engines. A worker failure (a dead rank) fails every
 in-flight request with UNAVAILABLE, so routers fail over at once, and marks the front broken: it stops
@@ -15,44 +15,26 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
-from k3serve.decode.engine import DecodeEngine
 from k3serve.engine.executor import WorkerFailure
-from k3serve.engine.requests import PrefillRequest, RequestFailure
-from k3serve.engine.sampling import SamplingParams
+from k3serve.contracts.errors import ErrorCode
+from k3serve.contracts.requests import PrefillRequest, RequestFailure, StreamEvent
+from k3serve.contracts.sampling import SamplingParams
 from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
-from k3serve.prefill.engine import PrefillEngine
+from k3serve.disagg.loop import DisaggLoop
 
 log = logging.getLogger(__name__)
 
-_CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT, "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
-          "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE, "CANCELLED": grpc.StatusCode.CANCELLED}
-
-
-@dataclass(frozen=True)
-class _Out:
-    tokens: tuple[int, ...] = ()
-    finish_reason: str = ""
-    cached_tokens: int = -1
-    error: RequestFailure | None = None
-
-
-def sampling_from_proto(s) -> SamplingParams:
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed,
-                          max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
-
 
 class ClusterFront(cluster_pb2_grpc.ClusterServicer):
-    def __init__(self, cluster_id: str, prefill: PrefillEngine, decode: DecodeEngine, secret: str,
-                 prefill_tp: int, decode_tp: int, drop_transfer: Callable[[str], object] | None = None) -> None:
-        self.drop_transfer = drop_transfer
-        self.cluster_id, self.prefill, self.decode = cluster_id, prefill, decode
+    def __init__(self, cluster_id: str, loop: DisaggLoop, secret: str, prefill_tp: int, decode_tp: int) -> None:
+        """loop: the cluster's prefill/decode pair (its engines share one StateChannel)."""
+        self.cluster_id, self.loop = cluster_id, loop
+        self.prefill, self.decode = loop.prefill, loop.decode
         self.secret, self.prefill_tp, self.decode_tp = secret, prefill_tp, decode_tp
         self._inbox: queue.Queue = queue.Queue()
         self._outs: dict[str, queue.Queue] = {}
@@ -103,16 +85,16 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running here")
             self._outs[rid] = out
         self.metrics["requests"] += 1
-        self._inbox.put(("add", PrefillRequest(rid, tuple(req.prompt_token_ids), sampling_from_proto(req.sampling),
+        self._inbox.put(("add", PrefillRequest(rid, tuple(req.prompt_token_ids), SamplingParams.from_proto(req.sampling),
                                                req.session_id)))
         context.add_callback(lambda: self._inbox.put(("cancel", rid)))
         try:
             while True:
-                item: _Out = out.get()
+                item: StreamEvent = out.get()
                 if item.error is not None:
                     self.metrics["failed"] += 1
-                    context.abort(_CODES.get(item.error.code, grpc.StatusCode.INTERNAL), item.error.message)
-                yield cluster_pb2.ClusterGenerateResponse(token_ids=item.tokens, finish_reason=item.finish_reason,
+                    context.abort(item.error.code.grpc_status, item.error.message)
+                yield cluster_pb2.ClusterGenerateResponse(token_ids=item.token_ids, finish_reason=item.finish_reason,
                                                           cached_tokens=max(item.cached_tokens, 0))
                 if item.finish_reason:
                     self.metrics["completed"] += 1
@@ -129,7 +111,7 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
                                         metrics={k: float(v) for k, v in self.metrics.items()})
 
     # ------------------------------------------------------------------------------------------- engine
-    def _send(self, rid: str, item: _Out) -> None:
+    def _send(self, rid: str, item: StreamEvent) -> None:
         with self._lock:
             out = self._outs.get(rid)
         if out is not None:
@@ -142,9 +124,9 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
             return
         while True:
             if kind == "add":
-                self.prefill.add_request(value)
+                self.loop.add(value)
             elif kind == "cancel":
-                self.prefill.cancel(value) or self.decode.cancel(value)
+                self.loop.cancel(value)
             try:
                 kind, value = self._inbox.get_nowait()
             except queue.Empty:
@@ -152,7 +134,7 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            idle = not (self.prefill.has_work or self.decode.has_work)
+            idle = not self.loop.has_work
             self._drain_inbox(block=idle)
             try:
                 self._step()
@@ -165,17 +147,10 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
                 return
 
     def _step(self) -> None:
-        for f in self.prefill.take_failures() + self.decode.take_failures():
-            self._send(f.request_id, _Out(error=f))
-        for h in self.prefill.step():
-            self.metrics["prefix_hit_tokens"] += h.cached_tokens
-            self.metrics["grpc_transfers"] += bool(h.transfer_id)
-            events = (self.decode.submit_staged(h, h.transfer_id, drop=self.drop_transfer) if h.transfer_id
-                      else self.decode.submit(h))
-            for ev in events:
-                self._send(ev.request_id, _Out(ev.token_ids, ev.finish_reason, h.cached_tokens))
-        for ev in self.decode.step():
-            self._send(ev.request_id, _Out(ev.token_ids, ev.finish_reason))
+        for ev in self.loop.step():
+            self._send(ev.request_id, ev)
+        self.metrics["prefix_hit_tokens"] = float(self.loop.stats.prefix_hit_tokens)
+        self.metrics["grpc_transfers"] = float(self.loop.stats.staged_transfers)
 
     def mark_broken(self, why: str) -> None:
         """From outside the engine (a rank found dead while idle): fail in-flight requests, refuse new ones."""
@@ -187,5 +162,6 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         with self._lock:
             rids = list(self._outs)
         for rid in rids:
-            self._send(rid, _Out(error=RequestFailure(rid, "UNAVAILABLE", f"cluster {self.cluster_id}: {why}")))
+            failure = RequestFailure(rid, ErrorCode.UNAVAILABLE, f"cluster {self.cluster_id}: {why}")
+            self._send(rid, StreamEvent(rid, error=failure))
 

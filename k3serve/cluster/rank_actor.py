@@ -16,7 +16,7 @@ from dataclasses import replace
 import ray
 import torch
 
-from k3serve.engine.executor import WorkerFailure, WorkerSpec
+from k3serve.engine.executor import OpFailed, WorkerDied, WorkerSpec
 from k3serve.engine.worker import ModelWorker
 
 ACTOR_CPU = 0.01
@@ -96,7 +96,7 @@ class RayExecutor:
             ray.get([a.setup.remote(init) for a in self.actors])
         except Exception as e:
             self.close()
-            raise WorkerFailure(f"TP group failed to start: {e}") from e
+            raise WorkerDied(f"TP group failed to start: {e}") from e
         self._watches = [a.watch.remote() for a in self.actors]
 
     def dead_ranks(self) -> list[int]:
@@ -116,8 +116,10 @@ class RayExecutor:
                 ready, pending = ray.wait(pending, num_returns=1)
                 ray.get(ready)
             return ray.get(refs)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-            raise WorkerFailure(f"{type(ops[0]).__name__} failed: {e}") from e
+        except ray.exceptions.RayActorError as e:  # the rank's process is gone
+            raise WorkerDied(f"{type(ops[0]).__name__}: a rank died: {e}") from e
+        except ray.exceptions.RayTaskError as e:  # the op raised; the rank is alive
+            raise OpFailed(f"{type(ops[0]).__name__} failed: {e}") from e
 
     def pids(self) -> list[int]:
         return ray.get([a.pid.remote() for a in self.actors])

@@ -16,7 +16,7 @@ def sample_texts(router: str, checkpoint: str, prompts: tuple[str, ...] = SAMPLE
 
     ``text`` joins the streamed messages' ``text`` fields as a client sees them (incremental detokenization).
     """
-    from k3serve.engine.sampling import SamplingParams
+    from k3serve.contracts.sampling import SamplingParams
     from k3serve.model.loader import load_model
     from k3serve.model.reference import reference_generate
 

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.executor import Executor
-from k3serve.engine.handoff import Handoff
-from k3serve.engine.ops import DecodeBatch, InstallStaged, InstallState, PoolConfig
-from k3serve.engine.requests import RequestFailure, TokenEvent
+from k3serve.contracts.handoff import Handoff
+from k3serve.contracts.channel import StateChannel, StateInstallError
+from k3serve.engine.ops import DecodeBatch, PoolConfig
+from k3serve.contracts.errors import ErrorCode
+from k3serve.contracts.requests import RequestFailure, TokenEvent
 from k3serve.engine.sampling import is_stop, sample_token
 from k3serve.model.config import ModelConfig
-from k3serve.transfer.plan import reshard_kda
+from k3serve.transfer.inprocess import InProcessChannel
+
+
+TIMINGS_WINDOW = 1024  # finished requests whose timings are kept (benches read them; oldest dropped first)
 
 
 @dataclass(frozen=True)
@@ -47,14 +50,6 @@ class _Decoding:
 
 
 @dataclass(frozen=True)
-class _Staged:
-    """A request whose state waits, verified, in every rank's transfer staging under `transfer_id`."""
-
-    transfer_id: str
-    drop: Callable[[str], object] | None  # frees the staging if the request leaves before install
-
-
-@dataclass(frozen=True)
 class RequestTimings:
     ttft_s: float  # prefill start -> first token
     tpot_s: float  # mean time per output token after the first
@@ -62,11 +57,15 @@ class RequestTimings:
 
 
 class DecodeEngine:
-    def __init__(self, cfg: ModelConfig, executor: Executor, config: DecodeConfig) -> None:
+    def __init__(self, cfg: ModelConfig, executor: Executor, config: DecodeConfig,
+                 channel: StateChannel | None = None) -> None:
+        """channel: how handoffs' state reaches this group's pools (the same channel the prefill group
+        exports through); default in-process (state inline in the ticket)."""
         self.cfg, self.executor, self.config = cfg, executor, config
+        self.channel: StateChannel = channel or InProcessChannel()
         self.slots = SlotAllocator(config.pools.kda_slots)
         self.pages = PageAllocator(config.pools.mla_pages)
-        self.waiting: deque[tuple[Handoff, list[torch.Tensor] | _Staged]] = deque()
+        self.waiting: deque[Handoff] = deque()
         self.running: dict[str, _Decoding] = {}
         self.failures: list[RequestFailure] = []
         self.timings: dict[str, RequestTimings] = {}
@@ -76,76 +75,50 @@ class DecodeEngine:
         total = min(h.num_tokens + h.params.max_tokens, self.cfg.max_position_embeddings)
         return -(-total // self.config.pools.page_size)
 
-    def submit(self, handoff: Handoff, kda_parts: list[torch.Tensor] | None = None) -> list[TokenEvent]:
-        """Accept a prefilled request. kda_parts: this group's per-rank KDA state (resharded here if None).
-
-        Returns the first-token event (the prefill's token is the first one the client sees).
-        """
+    def submit(self, handoff: Handoff) -> list[TokenEvent]:
+        """Accept a prefilled request (its ticket); its state is installed through the channel once a slot and
+        pages are free. Returns the first-token event (the prefill's token is the first one the client sees)."""
         first = TokenEvent(handoff.request_id, (handoff.first_token,), handoff.finished, handoff.finish_reason)
-        if handoff.finished:
-            self.timings[handoff.request_id] = RequestTimings(
-                handoff.first_token_s - handoff.prefill_started_s, 0.0, 1)
+        if handoff.finished or handoff.state is None:
+            if handoff.state is not None:
+                self.channel.discard(handoff.state)
+            self._record(handoff.request_id, RequestTimings(handoff.first_token_s - handoff.prefill_started_s,
+                                                            0.0, 1))
             return [first]
         if self.pages_needed(handoff) > self.pages.capacity:
-            self.failures.append(RequestFailure(handoff.request_id, "RESOURCE_EXHAUSTED",
+            self.channel.discard(handoff.state)
+            self.failures.append(RequestFailure(handoff.request_id, ErrorCode.RESOURCE_EXHAUSTED,
                                                 f"prompt + max_tokens needs {self.pages_needed(handoff)} pages; "
                                                 f"this decode group has {self.pages.capacity}"))
             return []
-        parts = kda_parts if kda_parts is not None else reshard_kda(list(handoff.kda), self.executor.tp)
-        self.waiting.append((handoff, parts))
+        self.waiting.append(handoff)
         self._admit()
         return [first]
 
-    def submit_staged(self, handoff: Handoff, transfer_id: str,
-                      drop: Callable[[str], object] | None = None) -> list[TokenEvent]:
-        """Accept a prefilled request whose state is already verified in every rank's transfer staging.
-
-        handoff: the request's metadata (its kda/mla may be empty: the state came over k3serve.transfer).
-        Installed with InstallStaged(slot, block_table, transfer_id) once a slot and pages are free. `drop`
-        (e.g. ReceiverClient.cancel) is called with transfer_id if the request leaves before install.
-        """
-        staged = _Staged(transfer_id, drop)
-        if handoff.finished or self.pages_needed(handoff) > self.pages.capacity:
-            self._drop(staged)  # nothing to install: the first token ended it, or it can never fit
-            return self.submit(handoff, kda_parts=[])
-        self.waiting.append((handoff, staged))
-        self._admit()
-        return [TokenEvent(handoff.request_id, (handoff.first_token,), False, "")]
-
-    @staticmethod
-    def _drop(staged: object) -> None:
-        if isinstance(staged, _Staged) and staged.drop is not None:
-            staged.drop(staged.transfer_id)
-
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_batch:
-            handoff, parts = self.waiting[0]
+            handoff = self.waiting[0]
             need = self.pages_needed(handoff)
             if self.slots.num_free < 1 or self.pages.num_free < need:
                 return
             self.waiting.popleft()
             slot, pages = self.slots.alloc(), self.pages.alloc(need)
             n_pages = -(-handoff.num_tokens // self.config.pools.page_size)
-            table = tuple(pages[:n_pages])
-            if isinstance(parts, _Staged):
-                try:
-                    self.executor.run(InstallStaged(slot, table, parts.transfer_id))
-                except Exception as e:  # noqa: BLE001 - not verified on some rank: fail this request only
-                    self.pages.decref(pages)
-                    self.slots.free(slot)
-                    self._drop(parts)
-                    self.failures.append(RequestFailure(handoff.request_id, "ABORTED", f"install failed: {e}"))
-                    continue
-            else:
-                self.executor.run_each([InstallState(slot, table, part, handoff.mla) for part in parts])
+            try:
+                self.channel.install(self.executor, handoff.state, slot, tuple(pages[:n_pages]))
+            except StateInstallError as e:  # not verified on some rank: fail this request only
+                self.pages.decref(pages)
+                self.slots.free(slot)
+                self.failures.append(RequestFailure(handoff.request_id, ErrorCode.UNAVAILABLE, str(e)))
+                continue
             self.running[handoff.request_id] = _Decoding(handoff, slot, pages, [handoff.first_token])
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request now; its slot and pages are free when this returns."""
-        for item in list(self.waiting):
-            if item[0].request_id == request_id:
-                self.waiting.remove(item)
-                self._drop(item[1])
+        for handoff in list(self.waiting):
+            if handoff.request_id == request_id:
+                self.waiting.remove(handoff)
+                self.channel.discard(handoff.state)
                 return True
         run = self.running.pop(request_id, None)
         if run is None:
@@ -196,8 +169,14 @@ class DecodeEngine:
         ttft = h.first_token_s - h.prefill_started_s
         steps = run.token_times
         tpot = (steps[-1] - h.first_token_s) / len(steps) if steps else 0.0
-        self.timings[h.request_id] = RequestTimings(ttft, tpot, len(run.generated))
+        self._record(h.request_id, RequestTimings(ttft, tpot, len(run.generated)))
         self._free(run)
+
+    def _record(self, request_id: str, timing: RequestTimings) -> None:
+        """Keep the last TIMINGS_WINDOW requests' timings (bounded: a long-lived engine must not grow)."""
+        self.timings[request_id] = timing
+        while len(self.timings) > TIMINGS_WINDOW:
+            self.timings.pop(next(iter(self.timings)))
 
     def _free(self, run: _Decoding) -> None:
         self.pages.decref(run.pages)

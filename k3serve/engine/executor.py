@@ -63,12 +63,15 @@ class LocalExecutor:
         self.worker = build_worker(spec, 0, None)
 
     def run(self, op: object) -> list[object]:
-        return [self.worker.execute(op)]
+        return self.run_each([op])
 
     def run_each(self, ops: list[object]) -> list[object]:
         if len(ops) != 1:
             raise ValueError("LocalExecutor has one rank")
-        return [self.worker.execute(ops[0])]
+        try:
+            return [self.worker.execute(ops[0])]
+        except Exception as e:  # the same contract as a worker process: an op that raised is OpFailed
+            raise OpFailed(f"{type(ops[0]).__name__} failed on rank 0: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         pass
@@ -111,7 +114,15 @@ def _rank_main(spec: WorkerSpec, rank: int, init_file: str, conn, setup: RankSet
 
 
 class WorkerFailure(RuntimeError):
-    """A rank raised or died; the message carries its traceback."""
+    """An op did not complete on every rank; the message carries the rank's traceback. Two kinds:"""
+
+
+class OpFailed(WorkerFailure):
+    """An op raised on a rank that is still alive: the op's request fails, the group keeps serving."""
+
+
+class WorkerDied(WorkerFailure):
+    """A rank died (or never started): the whole group is broken and must be rebuilt."""
 
 
 class MultiprocExecutor:
@@ -142,17 +153,18 @@ class MultiprocExecutor:
         return tuple(p.pid for p in self._procs)
 
     def _collect(self, what: str) -> list[object]:
-        results, errors = [], []
+        results, errors, died = [], [], False
         for rank, conn in enumerate(self._conns):
             try:
                 status, value = conn.recv()
-            except EOFError:
-                status, value = "error", f"rank {rank} exited"
+            except (EOFError, OSError):
+                status, value, died = "error", f"rank {rank} exited", True
             if status == "error":
                 errors.append(f"rank {rank}: {value}")
             results.append(value)
         if errors:
-            raise WorkerFailure(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+            kind = WorkerDied if died or what == "start" else OpFailed
+            raise kind(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return results
 
     def run(self, op: object) -> list[object]:
@@ -161,8 +173,11 @@ class MultiprocExecutor:
     def run_each(self, ops: list[object]) -> list[object]:
         if len(ops) != self.tp:
             raise ValueError(f"{len(ops)} ops for {self.tp} ranks")
-        for conn, op in zip(self._conns, ops):
-            conn.send(op)
+        for rank, (conn, op) in enumerate(zip(self._conns, ops)):
+            try:
+                conn.send(op)
+            except (BrokenPipeError, OSError) as e:
+                raise WorkerDied(f"rank {rank} is gone ({e}); {type(op).__name__} not sent") from e
         return self._collect(type(ops[0]).__name__)
 
     def close(self) -> None:

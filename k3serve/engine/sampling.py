@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler.
+"""The sampler (parameters: `k3serve.contracts.sampling.SamplingParams`).
 
 Randomness is keyed by ``(seed, absolute position)``: the token at position p is drawn with a generator seeded
 from ``xxh64(seed, p)`` and nothing else, so a request resumed on another cluster, re-prefilled after a
@@ -8,47 +8,11 @@ failover, or batched differently draws exactly the same tokens as an uninterrupt
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
 
 import torch
 import xxhash
 
-MAX_TOKENS_LIMIT = 1 << 20
-
-
-class SamplingError(ValueError):
-    """Invalid sampling parameters; the message names the field."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int = 0
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self, vocab_size: int | None = None) -> None:
-        if not self.temperature >= 0.0:
-            raise SamplingError(f"sampling.temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SamplingError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise SamplingError(f"sampling.top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.max_tokens <= MAX_TOKENS_LIMIT:
-            raise SamplingError(f"sampling.max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
-        if not 0 <= self.seed < 1 << 64:
-            raise SamplingError("sampling.seed must fit in 64 bits")
-        if vocab_size is not None:
-            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-            if bad:
-                raise SamplingError(f"sampling.stop_token_ids has ids outside the vocabulary: {bad[:5]}")
+from k3serve.contracts.sampling import SamplingParams
 
 
 def position_generator(seed: int, position: int) -> torch.Generator:

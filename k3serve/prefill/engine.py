@@ -22,18 +22,20 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
-
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.chunk_plan import ChunkCandidate, plan_chunks
 from k3serve.engine.executor import Executor
-from k3serve.engine.handoff import Handoff
-from k3serve.engine.ops import CopySlot, ExportState, PoolConfig, PrefillChunk, ResetSlots, SendState
+from k3serve.contracts.channel import StateChannel, StateTransferError
+from k3serve.contracts.handoff import Handoff
+from k3serve.engine.ops import CopySlot, PoolConfig, PrefillChunk, ResetSlots
 from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy
-from k3serve.engine.requests import PrefillRequest, RequestFailure
-from k3serve.engine.sampling import SamplingError, is_stop, sample_token
+from k3serve.contracts.errors import ErrorCode
+from k3serve.contracts.requests import PrefillRequest, RequestFailure
+from k3serve.contracts.sampling import SamplingError
+from k3serve.engine.sampling import is_stop, sample_token
 from k3serve.model.config import ModelConfig
 from k3serve.model.reference import PromptError, validate_prompt
+from k3serve.transfer.inprocess import InProcessChannel
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,10 @@ class _Running:
 
 class PrefillEngine:
     def __init__(self, cfg: ModelConfig, executor: Executor, config: PrefillConfig, seed: int,
-                 transfer=None) -> None:
-        """transfer: a k3serve.transfer.handoff_send.GrpcHandoff to stream states to a decode group over
-        gRPC (handoffs then carry a transfer id); None hands the tensors over in the Handoff."""
-        self.transfer = transfer
+                 channel: StateChannel | None = None) -> None:
+        """channel: how finished prefills hand their state to the decode group (default in-process: the
+        tensors travel in the Handoff; `transfer.handoff_send.GrpcChannel` streams them over gRPC)."""
+        self.channel: StateChannel = channel or InProcessChannel()
         if config.pools.page_size != config.cache.page_size:
             raise ValueError("pool page_size must equal the prefix cache policy's page_size")
         self.cfg, self.executor, self.config = cfg, executor, config
@@ -88,12 +90,12 @@ class PrefillEngine:
             validate_prompt(list(req.prompt_ids), self.cfg.vocab_size, self.cfg.max_position_embeddings)
             req.params.validate(self.cfg.vocab_size)
         except (PromptError, SamplingError) as e:
-            self.failures.append(RequestFailure(req.request_id, "INVALID_ARGUMENT", str(e)))
+            self.failures.append(RequestFailure(req.request_id, ErrorCode.INVALID_ARGUMENT, str(e)))
             return
         need = self._pages_for(len(req.prompt_ids))
         if need > self.pages.capacity:
             self.failures.append(RequestFailure(
-                req.request_id, "RESOURCE_EXHAUSTED",
+                req.request_id, ErrorCode.RESOURCE_EXHAUSTED,
                 f"prompt of {len(req.prompt_ids)} tokens needs {need} MLA pages; this prefill group has "
                 f"{self.pages.capacity}"))
             return
@@ -223,31 +225,20 @@ class PrefillEngine:
         first = sample_token(logits, req.params, n)
         stop = is_stop(first, req.params, self.cfg.eos_token_id)
         reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
-        transfer_id = ""
-        if reason:  # the first token ended the request: no state to hand over
-            kda, mla = (), torch.empty(0)
-        elif self.transfer is not None:
-            job = self.transfer.job(req.request_id, n)
-            outcomes = self.executor.run(SendState(run.slot, tuple(run.pages), n, job))
-            errors = [o.error for o in outcomes if o.error]
-            if errors:
-                self.transfer.cancel(job.spec.transfer_id)
+        state = None
+        if not reason:  # a first token that ends the request leaves no state to hand over
+            try:
+                state = self.channel.export(self.executor, req.request_id, run.slot, tuple(run.pages), n)
+            except StateTransferError as e:
                 self._release(run, keep_checkpoints=True)
                 self.running.remove(run)
-                self.failures.append(RequestFailure(req.request_id, "UNAVAILABLE",
-                                                    f"state transfer to decode failed: {errors[0]}"))
+                self.failures.append(RequestFailure(req.request_id, ErrorCode.UNAVAILABLE, str(e)))
                 return None
-            kda, mla, transfer_id = (), torch.empty(0), job.spec.transfer_id
-        else:
-            results = self.executor.run(ExportState(run.slot, tuple(run.pages), n))
-            kda = tuple(r[0] for r in results)
-            mla = results[0][1]
-        reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
         self._release(run, keep_checkpoints=True)
         self.running.remove(run)
         return Handoff(req.request_id, req.session_id, req.prompt_ids, first, req.params, n, run.cached_tokens,
-                       kda, mla, finished=bool(reason), finish_reason=reason, prefill_started_s=run.started_s,
-                       first_token_s=time.monotonic(), transfer_id=transfer_id)
+                       state, finished=bool(reason), finish_reason=reason, prefill_started_s=run.started_s,
+                       first_token_s=time.monotonic())
 
     def _release(self, run: _Running, keep_checkpoints: bool) -> None:
         if keep_checkpoints and self.config.enable_prefix_cache:

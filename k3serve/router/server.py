@@ -216,10 +216,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def _stream(self, cluster: str, req: ValidRequest, state: "_Progress", context):
         """Yield the cluster's tokens to the client; True when the request is over, False to fail over."""
         stub = self._stub(cluster)
-        sampling = router_pb2.SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-            max_tokens=req.max_tokens - len(state.streamed), stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos)
+        sampling = req.sampling.with_max_tokens(req.sampling.max_tokens - len(state.streamed)).to_proto()
         inner = router_pb2.GenerateRequest(request_id=req.request_id, session_id=req.session_id,
                                            prompt_token_ids=list(req.prompt_ids) + state.streamed, sampling=sampling)
         try:

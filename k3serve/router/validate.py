@@ -7,7 +7,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from k3serve.engine.sampling import MAX_TOKENS_LIMIT
+from k3serve.contracts.sampling import MAX_TOKENS_LIMIT, SamplingParams
 from k3serve.tokenizer import ByteTokenizer
 
 _ID = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
@@ -29,13 +29,7 @@ class ValidRequest:
     request_id: str
     session_id: str
     prompt_ids: tuple[int, ...]
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    max_tokens: int
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
+    sampling: SamplingParams
 
 
 def validate_generate(req, limits: ModelLimits) -> ValidRequest:
@@ -77,5 +71,4 @@ def validate_generate(req, limits: ModelLimits) -> ValidRequest:
     bad_stop = [t for t in s.stop_token_ids if t >= limits.vocab_size]
     if bad_stop:
         raise InvalidRequest(f"sampling.stop_token_ids {bad_stop[:3]} are outside the vocabulary")
-    return ValidRequest(rid, req.session_id, ids, float(s.temperature), float(top_p), int(s.top_k), int(s.seed),
-                        int(s.max_tokens), tuple(s.stop_token_ids), bool(s.ignore_eos))
+    return ValidRequest(rid, req.session_id, ids, SamplingParams.from_proto(s))

@@ -1,24 +1,29 @@
-"""The prefill side of a handoff over gRPC, as one worker op.
+"""The gRPC state channel: each prefill rank streams its share of a request's state as one worker op.
 
 Each prefill rank runs ``SendState`` on its own worker: it reads its KDA heads and the MLA rows of the request
 straight from its pools and streams its share (plan.py) to the decode group's receivers. The op returns a
 :class:`SendOutcome` instead of raising, so a failed transfer fails one request, not the prefill group.
 
 ```
- PrefillEngine._finish ──SendState(slot, pages, n, job)──▶ every prefill rank r
+ GrpcChannel.export ──SendState(slot, pages, n, job)──▶ every prefill rank r
         ◀── SendOutcome(verified decode ranks | error) ───┘   (sender r -> receivers, CRC + manifest)
- DecodeEngine.submit_staged(handoff, transfer_id) ──InstallStaged──▶ decode ranks (verified staging only)
+ GrpcChannel.install(StagedState) ──InstallStaged──▶ decode ranks (verified staging only)
+ GrpcChannel.discard(StagedState) ──Cancel──▶ receivers drop the staging
 ```
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import xxhash
 
 from k3serve.auth import AuthConfig
+from k3serve.contracts.channel import StateInstallError, StateTransferError
+from k3serve.contracts.handoff import StagedState, StateRef
+from k3serve.engine.ops import InstallStaged, SendState
 from k3serve.transfer.client import ReceiverClient
 from k3serve.transfer.sender import SenderConfig, TransferFailed, TransferSender
 from k3serve.transfer.spec import StateGeometry, TransferSpec
@@ -86,8 +91,13 @@ def send_state(job: StateSendJob, rank: int, kda, mla, senders: SenderCache | No
             sender.close()
 
 
-class GrpcHandoff:
-    """A prefill group's view of its decode group's receivers: makes send jobs, cancels transfers."""
+log = logging.getLogger(__name__)
+
+
+class GrpcChannel:
+    """The StateChannel over k3serve.transfer: a prefill group's view of its decode group's receivers."""
+
+    name = "grpc"
 
     def __init__(self, cluster_id: str, cfg, endpoints: tuple[str, ...], secret: str, prefill_tp: int,
                  decode_tp: int, page_size: int, chunk_bytes: int = 1 << 20) -> None:
@@ -105,8 +115,33 @@ class GrpcHandoff:
                             self.decode_tp, page_tokens=self.page_size, chunk_bytes=self.chunk_bytes)
         return StateSendJob(spec, self.endpoints, SenderConfig(self.auth))
 
-    def cancel(self, transfer_id: str) -> None:
+    # ---------------------------------------------------------------------------------- StateChannel
+    def export(self, executor, request_id: str, slot: int, block_table: tuple[int, ...],
+               num_tokens: int) -> StagedState:
+        job = self.job(request_id, num_tokens)
+        outcomes = executor.run(SendState(slot, block_table, num_tokens, job))
+        errors = [o.error for o in outcomes if o.error]
+        if errors:
+            self.cancel(job.spec.transfer_id)
+            raise StateTransferError(f"state transfer to decode failed: {errors[0]}")
+        return StagedState(job.spec.transfer_id, sum(o.bytes_sent for o in outcomes))
+
+    def install(self, executor, state: StateRef, slot: int, block_table: tuple[int, ...]) -> None:
+        if not isinstance(state, StagedState):
+            raise StateInstallError(f"the gRPC channel installs staged state, got {type(state).__name__}")
+        from k3serve.engine.executor import OpFailed
+
         try:
-            self.client.cancel(transfer_id)
-        except Exception:  # noqa: BLE001 - receivers expire abandoned transfers on their own
-            pass
+            executor.run(InstallStaged(slot, block_table, state.transfer_id))
+        except OpFailed as e:  # not verified on some rank: nothing was kept
+            self.cancel(state.transfer_id)
+            raise StateInstallError(f"install of transfer {state.transfer_id} failed: {e}") from e
+
+    def discard(self, state: StateRef) -> None:
+        if isinstance(state, StagedState):
+            self.cancel(state.transfer_id)
+
+    def cancel(self, transfer_id: str) -> None:
+        """Tell every receiver to drop the transfer (best effort: receivers expire abandoned ones anyway)."""
+        if None in self.client.cancel(transfer_id):
+            log.warning("cancel of transfer %s did not reach every receiver; it expires there", transfer_id)

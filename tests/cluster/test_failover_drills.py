@@ -86,7 +86,7 @@ def _new_session_served_exactly_on(dep, target: str, prefix: str) -> None:
     import grpc
     import torch
 
-    from k3serve.engine.sampling import SamplingParams
+    from k3serve.contracts.sampling import SamplingParams
     from k3serve.model.loader import load_model
     from k3serve.model.reference import reference_generate
     from k3serve.v1 import router_pb2 as pb

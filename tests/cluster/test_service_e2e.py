@@ -7,7 +7,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from k3serve.engine.sampling import SamplingParams
+from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.reference import reference_generate
 from k3serve.v1 import router_pb2 as pb
 from k3serve.v1 import router_pb2_grpc
@@ -34,9 +34,7 @@ def test_outputs_equal_reference_greedy_and_seeded(deployment, reference_model):
                                              ignore_eos=True), "e2e-c")]
     for prompt, sp, session in cases:
         tokens, last = _collect(stub, pb.GenerateRequest(session_id=session, prompt_token_ids=prompt, sampling=sp))
-        want = reference_generate(reference_model, prompt, SamplingParams(
-            temperature=sp.temperature, top_p=sp.top_p or 1.0, top_k=sp.top_k, seed=sp.seed,
-            max_tokens=sp.max_tokens, ignore_eos=True)).token_ids
+        want = reference_generate(reference_model, prompt, SamplingParams.from_proto(sp)).token_ids
         assert tokens == want
         assert last.finish_reason == "length" and last.usage.completion_tokens == len(want)
         assert last.usage.prompt_tokens == len(prompt) and last.usage.cluster_id

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3serve.engine.pipeline import LocalPipeline
-from k3serve.engine.requests import PrefillRequest
-from k3serve.engine.sampling import SamplingParams
+from k3serve.disagg.pipeline import LocalPipeline
+from k3serve.contracts.requests import PrefillRequest
+from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.reference import reference_generate
 
 LENGTHS = (1, 511, 512, 513, 3000)

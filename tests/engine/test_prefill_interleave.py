@@ -12,8 +12,8 @@ import torch
 from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig, PrefillChunk
-from k3serve.engine.requests import PrefillRequest
-from k3serve.engine.sampling import SamplingParams
+from k3serve.contracts.requests import PrefillRequest
+from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.checkpoint import load_config
 from k3serve.model.reference import reference_generate
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine

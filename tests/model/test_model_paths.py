@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3serve.engine.sampling import SamplingParams
+from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.reference import reference_generate
 from k3serve.model.state import DenseLatentCache, ForwardBatch, PagedLatentCache
 

@@ -3,8 +3,10 @@
 from types import SimpleNamespace
 
 from k3serve.auth import AuthConfig
+from k3serve.contracts.sampling import SamplingParams
 from k3serve.router import server as router_server
 from k3serve.router.server import RouterService, _Progress
+from k3serve.router.validate import ValidRequest
 from k3serve.tokenizer import ByteTokenizer
 from k3serve.v1 import router_pb2
 
@@ -51,8 +53,7 @@ def test_router_stream_text_across_messages(monkeypatch):
     stub = SimpleNamespace(Generate=lambda *a, **kw: _FakeCall(pieces))
     monkeypatch.setattr(RouterService, "_stub", lambda self, c: stub)
     monkeypatch.setattr(router_server, "sign", lambda *a: ())
-    req = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, seed=0, max_tokens=8, stop_token_ids=[],
-                          ignore_eos=True, request_id="r", session_id="s", prompt_ids=(1, 2))
+    req = ValidRequest("r", "s", (1, 2), SamplingParams(max_tokens=8, ignore_eos=True))
     ctx = SimpleNamespace(add_callback=lambda f: None, is_active=lambda: True)
     msgs = list(svc._stream("c0", req, _Progress(), ctx))
     assert all(isinstance(m, router_pb2.GenerateResponse) for m in msgs)

@@ -10,9 +10,9 @@ import torch
 
 from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import PoolConfig, PrefillChunk, ResetSlots
-from k3serve.engine.pipeline import LocalPipeline
-from k3serve.engine.requests import PrefillRequest
-from k3serve.engine.sampling import SamplingParams
+from k3serve.disagg.pipeline import LocalPipeline
+from k3serve.contracts.requests import PrefillRequest
+from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.loader import load_model
 from k3serve.model.presets import write_preset_checkpoint
 from k3serve.model.reference import reference_generate

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,14 +16,16 @@ from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
-from k3serve.engine.requests import PrefillRequest
-from k3serve.engine.sampling import SamplingParams
+from k3serve.contracts.handoff import StagedState
+from k3serve.contracts.requests import PrefillRequest
+from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.checkpoint import load_config
 from k3serve.model.reference import reference_generate
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.client import ReceiverClient
 from k3serve.transfer.faults import SenderFaults
+from k3serve.transfer.handoff_send import GrpcChannel
 from k3serve.transfer.plan import reshard_kda
 from k3serve.transfer.procs import ReceiverProc, SenderProc, SendJob
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver, attach
@@ -150,8 +153,9 @@ def test_retried_transfer_installs_and_decodes_like_the_reference(tiny_ckpt, tin
         with TransferSender(0, [rx.endpoint], fast_sender, SenderFaults(drop_after_chunks=4, corrupt_chunk=1)) as s:
             res = s.send(spec, h.kda[0], h.mla)
         assert res.streams[0].attempts == 2 and res.verified_ranks == {0}
-        engine = DecodeEngine(cfg, decode_ex, DecodeConfig(pools))
-        (first,) = engine.submit_staged(h, spec.transfer_id, drop=rx.store.cancel)
+        channel = GrpcChannel("faults", cfg, (rx.endpoint,), auth.secret, 1, 1, pools.page_size)
+        engine = DecodeEngine(cfg, decode_ex, DecodeConfig(pools), channel)
+        (first,) = engine.submit(replace(h, state=StagedState(spec.transfer_id)))
         assert rx.store.occupancy() == (0, 0)  # installed: staging dropped
         out = [h.first_token]
         while engine.has_work:
@@ -161,9 +165,9 @@ def test_retried_transfer_installs_and_decodes_like_the_reference(tiny_ckpt, tin
         assert out == reference_generate(tiny_model, prompt, params).token_ids
         assert engine.slots.num_used == 0 and engine.pages.num_used == 0
         # installing a transfer that is not verified fails this request only, leaving nothing behind
-        engine.submit_staged(h, "never-sent", drop=rx.store.cancel)
+        engine.submit(replace(h, state=StagedState("never-sent")))
         (failure,) = engine.take_failures()
-        assert failure.code == "ABORTED" and "not verified" in failure.message
+        assert failure.code == "UNAVAILABLE" and "not verified" in failure.message
         assert engine.slots.num_used == 0 and engine.pages.num_used == 0 and rx.store.occupancy() == (0, 0)
 
 

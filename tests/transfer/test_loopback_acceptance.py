@@ -6,6 +6,8 @@ and greedy decode from it equals the single-process reference.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,12 +15,14 @@ from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import ExportState, PoolConfig
-from k3serve.engine.requests import PrefillRequest
-from k3serve.engine.sampling import SamplingParams
+from k3serve.contracts.handoff import StagedState
+from k3serve.contracts.requests import PrefillRequest
+from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.checkpoint import load_config
 from k3serve.model.reference import reference_generate
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 from k3serve.transfer.client import ReceiverClient
+from k3serve.transfer.handoff_send import GrpcChannel
 from k3serve.transfer.decode_host import ReceivingExecutor
 from k3serve.transfer.plan import reshard_kda
 from k3serve.transfer.procs import SenderProc, SendJob
@@ -68,7 +72,8 @@ def decode_groups(tiny_ckpt, auth):
     def get(d: int):
         if d not in groups:
             ex = ReceivingExecutor(WorkerSpec(tiny_ckpt, d, POOLS), ReceiverConfig(auth))
-            groups[d] = (ex, DecodeEngine(cfg, ex, DecodeConfig(POOLS)))
+            channel = GrpcChannel("acc", cfg, ex.endpoints, auth.secret, 1, d, POOLS.page_size)
+            groups[d] = (ex, DecodeEngine(cfg, ex, DecodeConfig(POOLS), channel))
         return groups[d]
 
     yield get
@@ -94,7 +99,7 @@ def test_grpc_transfer_is_byte_identical_and_decodes_like_the_reference(
 
     with ReceiverClient(ex.endpoints, auth) as client:
         assert [s.state for s in client.status(tid)] == ["verified"] * d
-        engine.submit_staged(h, tid, drop=client.cancel)
+        engine.submit(replace(h, state=StagedState(tid)))
         run = engine.running[h.request_id]
         n_pages = -(-h.num_tokens // POOLS.page_size)
         exported = ex.run(ExportState(run.slot, tuple(run.pages[:n_pages]), h.num_tokens))

@@ -1,20 +1,23 @@
-"""The local disaggregated path: a prefill group and a decode group in one driver, handoffs in process.
+"""The local disaggregated path: a prefill group and a decode group in one driver, the state in process.
 
 Used by ``k3serve generate`` and by tests that drive prefill -> handoff -> decode directly; the cluster service
-runs the same engines in Ray actors with the transfer layer between them.
+runs the same loop (`disagg/loop.py`) in its front, with the groups in Ray actors and a transfer plane between
+them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k3serve.contracts.requests import PrefillRequest, RequestFailure, StreamEvent
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
+from k3serve.disagg.loop import DisaggLoop
 from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import PoolConfig
-from k3serve.engine.requests import PrefillRequest, RequestFailure
 from k3serve.model.checkpoint import load_config
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
+from k3serve.transfer.inprocess import InProcessChannel
 
 
 @dataclass
@@ -38,29 +41,30 @@ class LocalPipeline:
         except BaseException:
             self._prefill_exec.close()
             raise
-        self.prefill = PrefillEngine(self.cfg, self._prefill_exec, prefill, model_fingerprint(self.cfg.to_hf_dict()))
-        self.decode = DecodeEngine(self.cfg, self._decode_exec, decode)
+        channel = InProcessChannel()
+        self.prefill = PrefillEngine(self.cfg, self._prefill_exec, prefill, model_fingerprint(self.cfg.to_hf_dict()),
+                                     channel)
+        self.decode = DecodeEngine(self.cfg, self._decode_exec, decode, channel)
+        self.loop = DisaggLoop(self.prefill, self.decode)
 
     def generate(self, requests: list[PrefillRequest]) -> dict[str, RequestOutput]:
         """Run requests to completion; outputs by request id (failures carry `error`)."""
         outs = {r.request_id: RequestOutput(r.request_id) for r in requests}
         for r in requests:
-            self.prefill.add_request(r)
-        while self.prefill.has_work or self.decode.has_work or self.prefill.failures or self.decode.failures:
-            for f in self.prefill.take_failures() + self.decode.take_failures():
-                outs[f.request_id].error = f
-            for h in self.prefill.step():
-                outs[h.request_id].cached_tokens = h.cached_tokens
-                for ev in self.decode.submit(h):
-                    self._apply(outs[ev.request_id], ev)
-            for ev in self.decode.step():
+            self.loop.add(r)
+        while self.loop.has_work:
+            for ev in self.loop.step():
                 self._apply(outs[ev.request_id], ev)
         return outs
 
     @staticmethod
-    def _apply(out: RequestOutput, ev) -> None:
+    def _apply(out: RequestOutput, ev: StreamEvent) -> None:
         out.token_ids.extend(ev.token_ids)
-        if ev.finished:
+        if ev.cached_tokens >= 0:
+            out.cached_tokens = ev.cached_tokens
+        if ev.error is not None:
+            out.error = ev.error
+        elif ev.finish_reason:
             out.finish_reason = ev.finish_reason
 
     def close(self) -> None:

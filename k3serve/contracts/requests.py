@@ -1,0 +1,53 @@
+"""Request messages shared by the router, the cluster front and the prefill and decode roles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3serve.contracts.errors import ErrorCode
+from k3serve.contracts.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    session_id: str = ""
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request the engine refused or could not finish; `code` maps to a gRPC status upstream."""
+
+    request_id: str
+    code: ErrorCode
+    message: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "code", ErrorCode(self.code))  # a plain string names the code too
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New tokens of one request from one decode step (the first token comes from prefill)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str = ""  # "stop" | "length" | "cancelled"
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What one request's client gets next from a prefill/decode pair: tokens, the end, or a failure."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str = ""  # set on the last event of a request that completed
+    cached_tokens: int = -1  # prompt tokens served from the prefix cache; set on the first event only
+    error: RequestFailure | None = None  # the request ended without its full output
+
+    @property
+    def final(self) -> bool:
+        return bool(self.finish_reason) or self.error is not None
