@@ -35,7 +35,7 @@ from k3serve.model.presets import preset
 from k3serve.auth import AuthConfig
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.plan import reshard_kda
-from k3serve.transfer.procs import ReceiverProc, SenderProc, SendJob
+from k3serve.bench.transfer_procs import ReceiverProc, SenderProc, SendJob
 from k3serve.transfer.receiver import ReceiverConfig
 from k3serve.transfer.sender import SenderConfig, SendResult
 from k3serve.transfer.spec import DTYPES, StateGeometry, TransferSpec

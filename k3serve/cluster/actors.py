@@ -72,11 +72,13 @@ class ClusterActor:
         ray.get(pg.ready())
         pre_pools = c.prefill_pools.pool_config(cfg, c.prefill_tp)
         dec_pools = c.decode_pools.pool_config(cfg, c.decode_tp)
+        send_hooks, receive_hooks = self._transfer_hooks()
         self.executors["prefill"] = RayExecutor(ray_worker_spec(self.checkpoint, c.prefill_tp, pre_pools,
-                                                                d.torch_threads), pg)
+                                                                d.torch_threads, send_hooks), pg)
         # decode ranks take the bundles after the prefill ranks
         self.executors["decode"] = RayExecutor(ray_worker_spec(self.checkpoint, c.decode_tp, dec_pools,
-                                                               d.torch_threads), pg, bundle_offset=c.prefill_tp)
+                                                               d.torch_threads, receive_hooks), pg,
+                                               bundle_offset=c.prefill_tp)
         channel = self._channel(cfg)
         policy = PrefixCachePolicy(scheme=c.prefix_scheme, page_size=c.prefill_pools.page_size)
         prefill = PrefillEngine(cfg, self.executors["prefill"],
@@ -91,6 +93,19 @@ class ClusterActor:
         self.front = front
         return endpoint
 
+    def _transfer_hooks(self) -> tuple[object, object]:
+        """(prefill ranks' hooks, decode ranks' hooks) for `clusters.transfer`."""
+        d = self.deploy
+        if d.clusters.transfer == "object_store":
+            return None, None
+        from k3serve.auth import AuthConfig
+        from k3serve.transfer.decode_host import ReceiverHooks
+        from k3serve.transfer.handoff_send import GrpcSendHooks
+        from k3serve.transfer.receiver import ReceiverConfig
+
+        rx = ReceiverConfig(AuthConfig(d.secret, peer=f"decode-{self.cluster_id}"), host=d.bind_host)
+        return GrpcSendHooks(), ReceiverHooks(rx)
+
     def _channel(self, cfg):
         """The StateChannel between this cluster's groups (`clusters.transfer`)."""
         d, c = self.deploy, self.deploy.clusters
@@ -98,12 +113,9 @@ class ClusterActor:
             from k3serve.transfer.inprocess import InProcessChannel
 
             return InProcessChannel()
-        from k3serve.auth import AuthConfig
         from k3serve.transfer.handoff_send import GrpcChannel
-        from k3serve.transfer.receiver import ReceiverConfig
 
-        rx = ReceiverConfig(AuthConfig(d.secret, peer=f"decode-{self.cluster_id}"), host=d.bind_host)
-        endpoints = tuple(ray.get([a.start_receiver.remote(rx) for a in self.executors["decode"].actors]))
+        endpoints = tuple(ray.get([a.report.remote() for a in self.executors["decode"].actors]))
         return GrpcChannel(self.cluster_id, cfg, endpoints, d.secret, c.prefill_tp, c.decode_tp,
                            c.prefill_pools.page_size)
 

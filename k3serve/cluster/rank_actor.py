@@ -51,15 +51,16 @@ class RankActor:
             dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.spec.tp,
                                      timeout=timedelta(seconds=60))
             tp = TPGroup(self.rank, self.spec.tp)
-        self.worker = ModelWorker(load_model(self.spec.checkpoint, tp, self.spec.device), self.spec.pools)
+        model = load_model(self.spec.checkpoint, tp, self.spec.device)
+        hooks = self.spec.hooks(model.cfg, self.rank, self.spec.tp) if self.spec.hooks is not None else None
+        self.worker = ModelWorker(model, self.spec.pools, hooks)
         return True
 
-    def start_receiver(self, rx) -> str:
-        """Serve a k3serve.transfer receiver next to this (decode) rank's pools; returns its endpoint."""
-        from k3serve.transfer.decode_host import ReceiverSetup
-
-        endpoint, self._stop_receiver = ReceiverSetup(rx)(self.worker, self.rank, self.spec.tp)
-        return endpoint
+    def report(self) -> object:
+        """What this rank's hooks report (a decode rank's transfer receiver endpoint)."""
+        if self.worker is None:
+            raise RuntimeError("rank not set up")
+        return self.worker.hooks.report
 
     def execute(self, op: object) -> object:
         if self.worker is None:
@@ -129,5 +130,6 @@ class RayExecutor:
             ray.kill(a, no_restart=True)
 
 
-def ray_worker_spec(checkpoint: str, tp: int, pools, torch_threads: int) -> WorkerSpec:
-    return replace(WorkerSpec(checkpoint, tp, pools), torch_threads=torch_threads)
+def ray_worker_spec(checkpoint: str, tp: int, pools, torch_threads: int, hooks=None) -> WorkerSpec:
+    """hooks: a HooksFactory joining each rank to the cluster's transfer plane (None: in-process/object store)."""
+    return replace(WorkerSpec(checkpoint, tp, pools), torch_threads=torch_threads, hooks=hooks)

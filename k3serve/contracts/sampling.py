@@ -1,7 +1,7 @@
 """Sampling parameters: the one representation, from the public proto to the sampler.
 
 `SamplingParams` is what the router validates, what crosses router -> cluster -> prefill -> decode, and what the
-sampler (`engine/sampling.py`) reads. The public proto (`k3serve.v1.SamplingParams`) is converted here and only
+sampler (`model/sampling.py`) reads. The public proto (`k3serve.v1.SamplingParams`) is converted here and only
 here, in both directions.
 """
 

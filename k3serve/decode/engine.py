@@ -20,7 +20,7 @@ from k3serve.contracts.channel import StateChannel, StateInstallError
 from k3serve.engine.ops import DecodeBatch, PoolConfig
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.requests import RequestFailure, TokenEvent
-from k3serve.engine.sampling import is_stop, sample_token
+from k3serve.model.sampling import is_stop, sample_token
 from k3serve.model.config import ModelConfig
 from k3serve.transfer.inprocess import InProcessChannel
 

@@ -16,12 +16,12 @@ import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from k3serve.engine.ops import PoolConfig
-from k3serve.engine.worker import ModelWorker
+from k3serve.engine.worker import HooksFactory, ModelWorker
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class WorkerSpec:
     pools: PoolConfig
     device: str = "cpu"
     torch_threads: int = 1  # several ranks share few cores: oversubscription makes every rank crawl
+    hooks: HooksFactory | None = None  # joins each rank to a transfer plane (engine/worker.py WorkerHooks)
 
 
 class Executor(Protocol):
@@ -52,7 +53,9 @@ def build_worker(spec: WorkerSpec, rank: int, init_file: str | None) -> ModelWor
     from k3serve.model.tp import SINGLE, init_tp_group
 
     tp = SINGLE if spec.tp == 1 else init_tp_group(rank, spec.tp, init_file)
-    return ModelWorker(load_model(spec.checkpoint, tp, spec.device), spec.pools)
+    model = load_model(spec.checkpoint, tp, spec.device)
+    hooks = spec.hooks(model.cfg, rank, spec.tp) if spec.hooks is not None else None
+    return ModelWorker(model, spec.pools, hooks)
 
 
 class LocalExecutor:
@@ -61,6 +64,7 @@ class LocalExecutor:
             raise ValueError("LocalExecutor runs TP=1 only; use MultiprocExecutor")
         self.tp = 1
         self.worker = build_worker(spec, 0, None)
+        self.ready: tuple[object, ...] = (self.worker.hooks.report,)
 
     def run(self, op: object) -> list[object]:
         return self.run_each([op])
@@ -74,28 +78,17 @@ class LocalExecutor:
             raise OpFailed(f"{type(ops[0]).__name__} failed on rank 0: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
-        pass
+        self.worker.hooks.close()
 
 
-class RankSetup(Protocol):
-    """Optional per-rank hook run in the rank process after its worker is built (e.g. start a transfer
-    receiver next to the pools). Must be picklable. Returns (a value reported to the driver, a cleanup)."""
-
-    def __call__(self, worker: ModelWorker, rank: int, tp: int) -> tuple[object, Callable[[], None]]: ...
-
-
-def _rank_main(spec: WorkerSpec, rank: int, init_file: str, conn, setup: RankSetup | None = None) -> None:
+def _rank_main(spec: WorkerSpec, rank: int, init_file: str, conn) -> None:
     torch.set_num_threads(spec.torch_threads)
-    cleanup: Callable[[], None] = lambda: None  # noqa: E731
     try:
         worker = build_worker(spec, rank, init_file)
-        ready = None
-        if setup is not None:
-            ready, cleanup = setup(worker, rank, spec.tp)
-        conn.send(("ready", ready))
+        cleanup = worker.hooks.close
+        conn.send(("ready", worker.hooks.report))
     except BaseException:  # report the failure to the driver instead of hanging it
         conn.send(("error", traceback.format_exc()))
-        cleanup()
         return
     try:
         while True:
@@ -126,10 +119,10 @@ class WorkerDied(WorkerFailure):
 
 
 class MultiprocExecutor:
-    """TP worker processes; `setup` (optional) runs in each rank after its worker is built, and what it
-    reports comes back in :attr:`ready` (rank order)."""
+    """TP worker processes; what each rank's hooks report (WorkerHooks.report) comes back in :attr:`ready`
+    (rank order)."""
 
-    def __init__(self, spec: WorkerSpec, setup: RankSetup | None = None) -> None:
+    def __init__(self, spec: WorkerSpec) -> None:
         self.tp = spec.tp
         ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="k3serve-tp-")
@@ -138,7 +131,7 @@ class MultiprocExecutor:
         try:
             for rank in range(spec.tp):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_rank_main, args=(spec, rank, init_file, child, setup), daemon=True)
+                proc = ctx.Process(target=_rank_main, args=(spec, rank, init_file, child), daemon=True)
                 proc.start()
                 child.close()  # only the rank holds its end: a dead rank then reads as EOF here, not a hang
                 self._conns.append(parent)

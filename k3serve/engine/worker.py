@@ -5,23 +5,65 @@
  page_store [mla_pages, L_mla, page_size, D]          dtype  MLA latent rows, identical on every rank
 ```
 A slot's blocks for one layer, ``kda_store[slot, layer]``, are the head-contiguous transfer units.
+
+A worker is joined to a state-transfer plane by the `WorkerHooks` it is built with (made by the plane, e.g.
+`transfer.handoff_send.GrpcSendHooks` on prefill ranks, `transfer.decode_host.ReceiverHooks` on decode ranks),
+and executes ops through one explicit table (`ModelWorker.HANDLERS`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
 from k3serve.engine.ops import (CopySlot, DecodeBatch, ExportState, InstallStaged, InstallState, PoolConfig,
-                                SendState,
-                                PrefillChunk, ResetSlots)
+                                PrefillChunk, ResetSlots, SendState)
 from k3serve.model.model import HybridModel
 from k3serve.model.state import ForwardBatch, PagedLatentCache
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class Staging(Protocol):
+    """A decode rank's verified transfers (transfer/staging.py StagingStore)."""
+
+    def take(self, transfer_id: str) -> object:
+        """The verified state (`.kda [L_kda, H_local, block]`, `.mla [L_mla, n, D]`); raises if not verified."""
+
+    def recycle(self, state: object) -> None: ...
+
+
+def _no_cleanup() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class WorkerHooks:
+    """What joins a worker to a transfer plane, fixed at construction.
+
+    send_state(job, rank, kda `[L_kda, H_local, block]`, mla `[L_mla, n, D]`) -> outcome: SendState's work.
+    staging: where InstallStaged takes verified transfers from.
+    report: a value the rank reports to its driver once built (a receiver's endpoint).
+    close: stops what the hooks started (a receiver, cached senders).
+    """
+
+    send_state: Callable[[object, int, torch.Tensor, torch.Tensor], object] | None = None
+    staging: Staging | None = None
+    report: object = None
+    close: Callable[[], None] = _no_cleanup
+
+
+class HooksFactory(Protocol):
+    """Builds a rank's hooks in the rank's own process (so it must pickle): cfg is the model's ModelConfig."""
+
+    def __call__(self, cfg: object, rank: int, tp: int) -> WorkerHooks: ...
+
+
 class ModelWorker:
-    def __init__(self, model: HybridModel, pools: PoolConfig) -> None:
+    def __init__(self, model: HybridModel, pools: PoolConfig, hooks: WorkerHooks | None = None) -> None:
         cfg = model.cfg
         self.model, self.pools = model, pools
         dev = model.device
@@ -29,14 +71,13 @@ class ModelWorker:
                                      cfg.kda_head_block_floats, dtype=torch.float32, device=dev)
         self.page_store = torch.zeros(pools.mla_pages, cfg.num_mla_layers, pools.page_size, cfg.mla_latent_dim,
                                       dtype=_DTYPES.get(cfg.torch_dtype, torch.float32), device=dev)
-        self.staging = None  # a k3serve.transfer StagingStore, set by k3serve.transfer.receiver.attach
-        self.senders = None  # a k3serve.transfer.handoff_send.SenderCache, made by the first SendState
+        self.hooks = hooks or WorkerHooks()
 
     def execute(self, op: object) -> object:
-        handler = getattr(self, "_" + type(op).__name__, None)
+        handler = self.HANDLERS.get(type(op))
         if handler is None:
             raise TypeError(f"worker cannot execute {type(op).__name__}")
-        return handler(op)
+        return handler(self, op)
 
     # ------------------------------------------------------------------------------------------------ ops
     def _ResetSlots(self, op: ResetSlots) -> None:
@@ -89,17 +130,22 @@ class ModelWorker:
             latent.write(i, mla[i].unsqueeze(0).to(self.page_store.device), [0])
 
     def _SendState(self, op: SendState) -> object:
-        from k3serve.transfer.handoff_send import SenderCache, send_state
-
-        if self.senders is None:
-            self.senders = SenderCache()
+        if self.hooks.send_state is None:
+            raise RuntimeError("SendState: this worker was built without a transfer sender (WorkerHooks.send_state)")
         kda, mla = self._ExportState(ExportState(op.slot, op.block_table, op.num_tokens))
-        return send_state(op.job, self.model.tp.rank, kda, mla, self.senders)
+        return self.hooks.send_state(op.job, self.model.tp.rank, kda, mla)
 
     def _InstallStaged(self, op: InstallStaged) -> None:
-        if self.staging is None:
-            raise RuntimeError("InstallStaged: no transfer receiver is attached to this worker")
-        state = self.staging.take(op.transfer_id)  # verified only; raises (installing nothing) otherwise
+        staging = self.hooks.staging
+        if staging is None:
+            raise RuntimeError("InstallStaged: this worker was built without a transfer receiver (WorkerHooks.staging)")
+        state = staging.take(op.transfer_id)  # verified only; raises (installing nothing) otherwise
         self._InstallState(InstallState(op.slot, op.block_table, state.kda.to(self.kda_store.device),
                                         state.mla.to(self.page_store.device)))
-        self.staging.recycle(state)  # the buffers go back to the receiver's free pool
+        staging.recycle(state)  # the buffers go back to the receiver's free pool
+
+    HANDLERS: dict[type, Callable[["ModelWorker", object], object]] = {
+        ResetSlots: _ResetSlots, CopySlot: _CopySlot, PrefillChunk: _PrefillChunk, DecodeBatch: _DecodeBatch,
+        ExportState: _ExportState, InstallState: _InstallState, SendState: _SendState,
+        InstallStaged: _InstallStaged,
+    }

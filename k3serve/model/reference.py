@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.engine.sampling import is_stop, sample_token
+from k3serve.model.sampling import is_stop, sample_token
 from k3serve.model.model import HybridModel
 from k3serve.model.state import DenseLatentCache, ForwardBatch
 

@@ -32,7 +32,7 @@ from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.requests import PrefillRequest, RequestFailure
 from k3serve.contracts.sampling import SamplingError
-from k3serve.engine.sampling import is_stop, sample_token
+from k3serve.model.sampling import is_stop, sample_token
 from k3serve.model.config import ModelConfig
 from k3serve.model.reference import PromptError, validate_prompt
 from k3serve.transfer.inprocess import InProcessChannel

@@ -1,4 +1,5 @@
-"""Prefill -> decode state transfer over gRPC, resharded on the path (DESIGN.md §6).
+"""State channels between a prefill group and a decode group (contracts/channel.py), and the gRPC transfer
+plane, resharded on the path (DESIGN.md §6, §9).
 
 ```
  plan.py / chunks.py   pure plan: head spans P -> D, round-robin MLA page ranges, chunk byte offsets
@@ -7,11 +8,11 @@
  sender.py             TransferSender: one prefill rank's parallel, layer-wise, retried streams
  receiver.py           TransferReceiver: a decode rank's gRPC service over staging.py (verify, then install)
  client.py             Status / Cancel on a decode group's receivers
- faults.py             fault-injection switches (peer authentication: k3serve/auth.py)
  decode_host.py        decode TP group whose rank processes host the receivers (InstallStaged)
- handoff_send.py       the SendState op's side: a prefill rank's send job, its cached senders
+ inprocess.py          InProcessChannel: the state as tensors in the ticket (local pipeline, Ray object store)
+ handoff_send.py       GrpcChannel: SendState on every prefill rank, InstallStaged on every decode rank
  memory.py             allocator tuning so ~MiB message buffers reuse warm pages
- procs.py              sender / receiver helper processes (loopback tests, bench)
 ```
+Harnesses live outside: sender/receiver helper processes, baselines and fault taps in k3serve/bench/transfer_*.py.
 Generated protobuf code: k3serve.transfer.v1 (source k3serve/proto/k3serve/transfer/v1/transfer.proto).
 """

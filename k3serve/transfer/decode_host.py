@@ -6,35 +6,35 @@
  prefill ranks ──Push──▶ endpoints[r]          InstallStaged(slot, table, tid) copies staging -> pools
 ```
 The same Executor protocol as engine.executor.MultiprocExecutor (run / run_each / close) plus ``endpoints``
-(decode-rank order) to hand to the senders. Ray actors do the same with ``receiver.attach(worker, ...)``.
+(decode-rank order) to hand to the senders. Ray rank actors take the same ReceiverHooks in their WorkerSpec.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from k3serve.engine.executor import MultiprocExecutor, WorkerSpec
-from k3serve.engine.worker import ModelWorker
-from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver, attach
+from k3serve.engine.worker import WorkerHooks
+from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.spec import StateGeometry
 
 
 @dataclass(frozen=True)
-class ReceiverSetup:
-    """Rank hook: start this rank's receiver next to its worker; reports the receiver's endpoint."""
+class ReceiverHooks:
+    """WorkerHooks factory for a decode rank: start this rank's receiver next to its pools (InstallStaged takes
+    from its staging); the hooks report the receiver's endpoint and stop it with the worker."""
 
     rx: ReceiverConfig
 
-    def __call__(self, worker: ModelWorker, rank: int, tp: int):
-        geometry = StateGeometry.of_config(worker.model.cfg, 0).without_tokens()
+    def __call__(self, cfg, rank: int, tp: int) -> WorkerHooks:
+        geometry = StateGeometry.of_config(cfg, 0).without_tokens()
         receiver = TransferReceiver(self.rx.for_rank(rank, tp), expect_geometry=geometry)
-        attach(worker, receiver)
-        return receiver.endpoint, lambda: receiver.stop(0)
+        return WorkerHooks(staging=receiver.store, report=receiver.endpoint, close=lambda: receiver.stop(0))
 
 
 class ReceivingExecutor(MultiprocExecutor):
     """TP=spec.tp decode worker processes, each serving a transfer receiver (ReceiverConfig, rank filled in)."""
 
     def __init__(self, spec: WorkerSpec, receiver: ReceiverConfig) -> None:
-        super().__init__(spec, setup=ReceiverSetup(receiver))
+        super().__init__(replace(spec, hooks=ReceiverHooks(receiver)))
         self.endpoints: tuple[str, ...] = tuple(self.ready)

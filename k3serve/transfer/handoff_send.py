@@ -24,6 +24,7 @@ from k3serve.auth import AuthConfig
 from k3serve.contracts.channel import StateInstallError, StateTransferError
 from k3serve.contracts.handoff import StagedState, StateRef
 from k3serve.engine.ops import InstallStaged, SendState
+from k3serve.engine.worker import WorkerHooks
 from k3serve.transfer.client import ReceiverClient
 from k3serve.transfer.sender import SenderConfig, TransferFailed, TransferSender
 from k3serve.transfer.spec import StateGeometry, TransferSpec
@@ -92,6 +93,16 @@ def send_state(job: StateSendJob, rank: int, kda, mla, senders: SenderCache | No
 
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GrpcSendHooks:
+    """WorkerHooks factory for a prefill rank that sends over gRPC: SendState streams through this rank's
+    SenderCache (channels kept across requests), closed with the worker."""
+
+    def __call__(self, cfg, rank: int, tp: int) -> WorkerHooks:
+        cache = SenderCache()
+        return WorkerHooks(send_state=lambda job, r, kda, mla: send_state(job, r, kda, mla, cache), close=cache.close)
 
 
 class GrpcChannel:

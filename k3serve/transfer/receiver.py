@@ -151,8 +151,3 @@ class TransferReceiver:
         state = self.store.status(req.transfer_id) if req.transfer_id else "unknown"
         return pb.StatusReply(transfer_id=req.transfer_id, state=STATE_CODES[state], staged_transfers=n,
                               staged_bytes=nbytes, decode_rank=self.config.rank, decode_tp=self.config.tp)
-
-
-def attach(worker, receiver: TransferReceiver) -> None:
-    """Let a ModelWorker install this receiver's verified transfers (InstallStaged)."""
-    worker.staging = receiver.store

@@ -20,8 +20,9 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import torch
@@ -30,7 +31,6 @@ from k3serve.transfer.v1 import transfer_pb2 as pb
 from k3serve.auth import AuthConfig, sign
 from k3serve.transfer.chunks import KDA, MLA, ChunkRef, all_layers, by_layer, stream_plan
 from k3serve.transfer.client import ReceiverClient, open_channel
-from k3serve.transfer.faults import NO_FAULTS, SenderFaults
 from k3serve.transfer.memory import tune_allocator
 from k3serve.transfer.receiver import PUSH
 from k3serve.transfer.spec import DTYPES, TransferSpec
@@ -88,11 +88,23 @@ class SendResult:
         return frozenset(s.dst_rank for s in self.streams if s.state in (VERIFIED, INSTALLED))
 
 
+class StreamTap(Protocol):
+    """A hook on a sender's streams, for fault injection in tests and benches (k3serve/bench/transfer_faults.py).
+    Off the hot path: a sender without one checks a single None per stream."""
+
+    def active(self, attempt: int, dst: int) -> bool:
+        """Whether this attempt's stream to decode rank `dst` is tapped."""
+
+    def inject(self, index: int, chunk: ChunkRef, data: bytes, cancel_stream: Callable[[], None],
+               pause: Callable[[float], object]) -> bytes | None:
+        """Chunk `index` (encoded `data`) is about to go out: return what to send, or None to end the stream."""
+
+
 class TransferSender:
     """One prefill rank's channels to a decode group (endpoints in decode-rank order)."""
 
     def __init__(self, rank: int, endpoints: Sequence[str], config: SenderConfig,
-                 faults: SenderFaults = NO_FAULTS) -> None:
+                 faults: StreamTap | None = None) -> None:
         if not endpoints:
             raise ValueError("a sender needs the decode group's receiver endpoints")
         tune_allocator()  # process-wide: message buffers reuse warm heap pages (memory.py)
@@ -266,7 +278,7 @@ class SendSession:
     def _messages(self, dst: int, attempt: int, holder: dict, started: threading.Event):
         """Open, then every ready chunk in the order layers became ready, then the manifest."""
         spec, faults, stats = self.spec, self.sender.faults, self._stats[dst]
-        faulty = faults.any and faults.active(attempt, dst)
+        faulty = faults is not None and faults.active(attempt, dst)
         yield encode(pb.PushMessage(open=pb.StreamOpen(spec=self._spec_pb, src_rank=self.sender.rank, dst_rank=dst,
                                                        attempt=attempt)))
         sent, i, nbytes = [], 0, 0
@@ -286,7 +298,8 @@ class SendSession:
                 data = encode_chunk(chunk_header(spec, c, crc), payload)
                 stats[0], stats[1] = stats[0] + t1 - t0, stats[1] + time.thread_time() - t1
                 if faulty:
-                    data = self._inject(faults, i, c, data, holder, started)
+                    data = faults.inject(i, c, data, lambda: started.wait(5.0) and holder["call"].cancel(),
+                                         self._aborted.wait)
                     if data is None:
                         return
                 sent.append(c)
@@ -300,17 +313,3 @@ class SendSession:
         yield encode(pb.PushMessage(manifest=pb.Manifest(
             transfer_id=spec.transfer_id, src_rank=self.sender.rank, dst_rank=dst, num_chunks=len(sent),
             num_bytes=nbytes, crc32c=digest_crcs(crcs))))
-
-    def _inject(self, faults: SenderFaults, i: int, c: ChunkRef, data: bytes, holder: dict,
-                started: threading.Event) -> bytes | None:
-        if faults.drop_after_chunks == i:
-            if started.wait(5.0):
-                holder["call"].cancel()  # like a reset connection: the receiver sees the stream cancelled
-            return None
-        if faults.stall_after_chunks == i:
-            self._aborted.wait(faults.stall_s)
-        if faults.corrupt_chunk == i:
-            buf = bytearray(data)
-            buf[len(buf) - c.length] ^= 0xFF  # first payload byte, after its CRC went into the header
-            data = bytes(buf)
-        return data

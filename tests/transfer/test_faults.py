@@ -24,11 +24,12 @@ from k3serve.model.reference import reference_generate
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.client import ReceiverClient
-from k3serve.transfer.faults import SenderFaults
+from k3serve.bench.transfer_faults import SenderFaults
 from k3serve.transfer.handoff_send import GrpcChannel
 from k3serve.transfer.plan import reshard_kda
-from k3serve.transfer.procs import ReceiverProc, SenderProc, SendJob
-from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver, attach
+from k3serve.bench.transfer_procs import ReceiverProc, SenderProc, SendJob
+from k3serve.transfer.decode_host import ReceiverHooks
+from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.sender import SendResult, TransferFailed, TransferSender
 from k3serve.transfer.spec import StateGeometry, TransferSpec
 from k3serve.transfer.wire import byte_view, crc32c
@@ -142,21 +143,23 @@ def test_retried_transfer_installs_and_decodes_like_the_reference(tiny_ckpt, tin
     """Drop + corrupt on the first attempt; the retried state goes into the pools via InstallStaged."""
     cfg, pools = load_config(tiny_ckpt), PoolConfig(kda_slots=2, mla_pages=16)
     prompt, params = list(range(40, 240)), SamplingParams(max_tokens=4, ignore_eos=True)
-    prefill_ex, decode_ex = (LocalExecutor(WorkerSpec(tiny_ckpt, 1, pools)) for _ in range(2))
+    prefill_ex = LocalExecutor(WorkerSpec(tiny_ckpt, 1, pools))
+    # the decode rank is built with its receiver (hooks at construction), as a cluster's decode ranks are
+    decode_ex = LocalExecutor(WorkerSpec(tiny_ckpt, 1, pools, hooks=ReceiverHooks(ReceiverConfig(auth))))
     prefill = PrefillEngine(cfg, prefill_ex, PrefillConfig(pools), model_fingerprint(cfg.to_hf_dict()))
     prefill.add_request(PrefillRequest("r-install", tuple(prompt), params))
     (h,) = prefill.run_to_completion()
-    with TransferReceiver(ReceiverConfig(auth)) as rx:
-        attach(decode_ex.worker, rx)
+    (endpoint,), store = decode_ex.ready, decode_ex.worker.hooks.staging
+    try:
         spec = TransferSpec("install-1", h.request_id, StateGeometry.of_state(h.kda, h.mla), 1, 1,
                             chunk_bytes=8192)
-        with TransferSender(0, [rx.endpoint], fast_sender, SenderFaults(drop_after_chunks=4, corrupt_chunk=1)) as s:
+        with TransferSender(0, [endpoint], fast_sender, SenderFaults(drop_after_chunks=4, corrupt_chunk=1)) as s:
             res = s.send(spec, h.kda[0], h.mla)
         assert res.streams[0].attempts == 2 and res.verified_ranks == {0}
-        channel = GrpcChannel("faults", cfg, (rx.endpoint,), auth.secret, 1, 1, pools.page_size)
+        channel = GrpcChannel("faults", cfg, (endpoint,), auth.secret, 1, 1, pools.page_size)
         engine = DecodeEngine(cfg, decode_ex, DecodeConfig(pools), channel)
         (first,) = engine.submit(replace(h, state=StagedState(spec.transfer_id)))
-        assert rx.store.occupancy() == (0, 0)  # installed: staging dropped
+        assert store.occupancy() == (0, 0)  # installed: staging dropped
         out = [h.first_token]
         while engine.has_work:
             for ev in engine.step():
@@ -168,7 +171,10 @@ def test_retried_transfer_installs_and_decodes_like_the_reference(tiny_ckpt, tin
         engine.submit(replace(h, state=StagedState("never-sent")))
         (failure,) = engine.take_failures()
         assert failure.code == "UNAVAILABLE" and "not verified" in failure.message
-        assert engine.slots.num_used == 0 and engine.pages.num_used == 0 and rx.store.occupancy() == (0, 0)
+        assert engine.slots.num_used == 0 and engine.pages.num_used == 0 and store.occupancy() == (0, 0)
+    finally:
+        decode_ex.close()
+        prefill_ex.close()
 
 
 def _wait_receiving(proc: ReceiverProc, tid: str, chunks: int) -> None:

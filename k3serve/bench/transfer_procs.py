@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from k3serve.transfer.baselines import GrpcSink, SocketSink, grpc_source, socket_source
+from k3serve.bench.transfer_baselines import GrpcSink, SocketSink, grpc_source, socket_source
 from k3serve.transfer.chunks import all_layers, stream_plan
-from k3serve.transfer.faults import NO_FAULTS, SenderFaults
+from k3serve.bench.transfer_faults import NO_FAULTS, SenderFaults
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.sender import SenderConfig, TransferFailed, TransferSender
 from k3serve.transfer.spec import TransferSpec
@@ -118,7 +118,7 @@ def _sender_main(conn) -> None:
 
     def send(job: SendJob):
         kda, mla = states[job.key]
-        with TransferSender(job.rank, job.endpoints, job.config, job.faults) as sender:
+        with TransferSender(job.rank, job.endpoints, job.config, job.faults if job.faults.any else None) as sender:
             try:
                 session = sender.begin(job.spec, kda, mla)
                 if job.layerwise:

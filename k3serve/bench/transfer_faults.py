@@ -1,4 +1,4 @@
-"""Fault injection for the transfer path (tests and drills): a frozen switch handed to a sender.
+"""Fault injection for the transfer path (tests and benches): a `StreamTap` handed to a sender.
 
 Faults hit the first ``attempts`` attempts of each matching stream, so a retry succeeds; ``attempts=0`` hits
 every attempt, so the transfer must end in a clean failure. Killing a receiver or a sender process is done
@@ -13,6 +13,7 @@ from outside (the test kills the process); these switches cover what happens ins
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -30,6 +31,8 @@ class SenderFaults:
             raise ValueError(f"fault attempts and stall_s must be >= 0: {self}")
 
     def active(self, attempt: int, dst: int) -> bool:
+        if not self.any:
+            return False
         if self.dst_ranks is not None and dst not in self.dst_ranks:
             return False
         return self.attempts == 0 or attempt <= self.attempts
@@ -37,6 +40,20 @@ class SenderFaults:
     @property
     def any(self) -> bool:
         return any(v is not None for v in (self.drop_after_chunks, self.corrupt_chunk, self.stall_after_chunks))
+
+    def inject(self, index: int, chunk, data: bytes, cancel_stream: Callable[[], None],
+               pause: Callable[[float], object]) -> bytes | None:
+        """The StreamTap hook (transfer/sender.py): chunk `index` of a faulty stream, about to be sent."""
+        if self.drop_after_chunks == index:
+            cancel_stream()  # like a reset connection: the receiver sees the stream cancelled
+            return None
+        if self.stall_after_chunks == index:
+            pause(self.stall_s)
+        if self.corrupt_chunk == index:
+            buf = bytearray(data)
+            buf[len(buf) - chunk.length] ^= 0xFF  # first payload byte, after its CRC went into the header
+            data = bytes(buf)
+        return data
 
 
 NO_FAULTS = SenderFaults()
