@@ -7,8 +7,6 @@ import torch
 from k3serve.model.model import HybridModel
 from k3serve.train.step import TokenNLL, byte_nll, count_bytes, window_logits
 
-EVAL_CONTEXT = 256  # tokens per window (the training context); every window starts from a zero state
-
 
 def windows_nll(model: HybridModel, windows: torch.Tensor, batch: int = 8) -> TokenNLL:
     """Summed next-byte NLL over windows `[n, L]` int64, each prefilled alone from a zero state (first token
