@@ -25,7 +25,7 @@ from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
 from k3serve.router.liveness import Watchdog
 from k3serve.router.progress import StreamProgress
 from k3serve.router.validate import ValidRequest
-from k3serve.tokenizer import ByteTokenizer
+from k3serve.tokenizer import ByteTokenizer, StreamDecoder
 from k3serve.v1 import router_pb2
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ class Attempts:
     streamed: list[int] = field(default_factory=list)
     failovers: int = 0
     cached: int = 0
+    # one incremental decoder per client request, surviving failovers: text pieces follow the token stream
+    text: StreamDecoder = field(default_factory=StreamDecoder)
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ def stream_attempt(target: Target, req: ValidRequest, st: Attempts, progress: St
             progress.advance(len(resp.token_ids))
             msg = router_pb2.GenerateResponse(token_ids=resp.token_ids, finish_reason=resp.finish_reason)
             if tok is not None:
-                msg.text = tok.decode(resp.token_ids)
+                msg.text = st.text.decode(resp.token_ids, final=bool(resp.finish_reason))
             if resp.finish_reason:
                 msg.usage.CopyFrom(router_pb2.Usage(
                     prompt_tokens=len(req.prompt_ids), cached_tokens=st.cached, completion_tokens=len(st.streamed),
