@@ -4,8 +4,7 @@ from types import SimpleNamespace
 
 from k3serve.auth import AuthConfig
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.router import server as router_server
-from k3serve.router.server import RouterService, _Progress
+from k3serve.router import relay
 from k3serve.router.validate import ValidRequest
 from k3serve.tokenizer import ByteTokenizer
 from k3serve.v1 import router_pb2
@@ -42,20 +41,16 @@ class _FakeCall:
 
 
 def test_router_stream_text_across_messages(monkeypatch):
-    """The router's own streaming path: each message's text continues the previous one's bytes."""
+    """The router's own streaming path (router/relay.py): each message's text continues the previous one's bytes."""
     pieces = [SNOWMAN[:2], SNOWMAN[2:3], SNOWMAN[3:7], SNOWMAN[7:]]
-    svc = object.__new__(RouterService)  # only what _stream touches; no Redis, no cluster
-    svc._auth = AuthConfig("s" * 32, peer="router")
-    svc._tok = ByteTokenizer()
-    svc.timeout_s = 5.0
-    svc.counters = {"completed": 0}
-    svc.view = SimpleNamespace(mark_ok=lambda c: None)
     stub = SimpleNamespace(Generate=lambda *a, **kw: _FakeCall(pieces))
-    monkeypatch.setattr(RouterService, "_stub", lambda self, c: stub)
-    monkeypatch.setattr(router_server, "sign", lambda *a: ())
+    watchdog = SimpleNamespace(watch=lambda *a: SimpleNamespace(fault=""), unwatch=lambda w: None)
+    progress = SimpleNamespace(advance=lambda n: None)
+    monkeypatch.setattr(relay, "sign", lambda *a: ())
     req = ValidRequest("r", "s", (1, 2), SamplingParams(max_tokens=8, ignore_eos=True))
-    ctx = SimpleNamespace(add_callback=lambda f: None, is_active=lambda: True)
-    msgs = list(svc._stream("c0", req, _Progress(), ctx))
+    ctx = SimpleNamespace(add_callback=lambda f: None, is_active=lambda: True, time_remaining=lambda: None)
+    msgs = list(relay.stream_attempt(relay.Target("c0", stub, "s", ""), req, relay.Attempts(), progress,
+                                     AuthConfig("s" * 32, peer="router"), watchdog, ByteTokenizer(), ctx))
     assert all(isinstance(m, router_pb2.GenerateResponse) for m in msgs)
     texts = [m.text for m in msgs]
     assert "\ufffd" not in "".join(texts)
