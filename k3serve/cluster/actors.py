@@ -59,7 +59,6 @@ class ClusterActor:
 
         from k3serve.decode.engine import DecodeConfig, DecodeEngine
         from k3serve.engine.block_hash import model_fingerprint
-        from k3serve.engine.prefix_cache import PrefixCachePolicy
         from k3serve.model.checkpoint import load_config
         from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 
@@ -81,7 +80,7 @@ class ClusterActor:
                                                                d.torch_threads, receive_hooks), pg,
                                                bundle_offset=c.prefill_tp)
         channel = self._channel(cfg)
-        policy = PrefixCachePolicy(scheme=c.prefix_scheme, page_size=c.prefill_pools.page_size)
+        policy = c.prefix_policy()
         prefill = PrefillEngine(cfg, self.executors["prefill"],
                                 PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget,
                                               long_threshold=_long_threshold(d),
@@ -240,6 +239,15 @@ def _staging(client) -> "PoolUsage":
     return PoolUsage(sum(r.staged_bytes for r in client.status("")))
 
 
+def router_max_streams(d: DeployConfig) -> int:
+    """Streams one router serves at once: the deploy file's, else what admission can hold (every class's
+    concurrency and queue on every cluster), at most 256 (one gRPC thread each)."""
+    if d.control.router_max_streams:
+        return d.control.router_max_streams
+    per_cluster = sum(c.max_concurrent + c.queue_limit for c in d.request_classes)
+    return min(256, per_cluster * len(d.clusters.cluster_ids))
+
+
 def _long_threshold(d: DeployConfig) -> int:
     """The engine's long class starts above the smallest class bound of the deploy file."""
     return min(c.max_uncached_tokens for c in d.request_classes) + 1
@@ -272,7 +280,7 @@ class RouterActor:
         classes = [ClassSpec(c.name, c.max_uncached_tokens, c.inflight_token_budget, c.max_concurrent, c.queue_limit,
                              c.max_wait_s) for c in d.request_classes]
         gate = AdmissionGate(client, ctl.namespace, classes, enabled=d.admission,
-                             block_size=512, context_ttl_s=ctl.pin_ttl_s)
+                             policy=d.clusters.prefix_policy(), context_ttl_s=ctl.pin_ttl_s)
         from k3serve.router.metrics import RouterMetrics, class_stats_source
 
         # the service is built after its metrics: the cluster gauges read it at scrape time
@@ -280,7 +288,8 @@ class RouterActor:
                                 cluster_infos=lambda: self.service.cluster_infos())
         self.metrics_address = metrics.serve(d.bind_host)
         self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
-                                     d.api_keys, gate=gate, metrics=metrics)
+                                     d.api_keys, gate=gate, metrics=metrics, stall_timeout_s=ctl.stall_timeout_s,
+                                     max_streams=router_max_streams(d))
         self.server, addr = start_router_server(self.service, d.bind_host)
         return addr
 

@@ -73,6 +73,16 @@ class ClusterSpec:
     def cluster_ids(self) -> tuple[str, ...]:
         return self.ids or tuple(f"c{i}" for i in range(self.count))
 
+    def prefix_policy(self):
+        """The prefix-cache policy every cluster's prefill engine runs, and that routers estimate hits with: one
+        object, so the router's block size and scheme can never disagree with the engine's."""
+        from k3serve.engine.prefix_policy import PrefixCachePolicy
+
+        try:
+            return PrefixCachePolicy(scheme=self.prefix_scheme, page_size=self.prefill_pools.page_size)
+        except ValueError as e:
+            raise DeployError(f"clusters: {e}") from None
+
 
 @dataclass(frozen=True)
 class RequestClassSpec:
@@ -92,6 +102,8 @@ class ControlSpec:
     heartbeat_interval_s: float = 0.5
     pin_ttl_s: float = 3600.0
     suspect_cooldown_s: float = 5.0
+    stall_timeout_s: float = 30.0  # a router fails a call over after this long without a token (once tokens flow)
+    router_max_streams: int = 0  # concurrent streams per router (0: what admission can hold, at most 256)
 
 
 @dataclass(frozen=True)

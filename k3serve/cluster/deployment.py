@@ -139,11 +139,10 @@ class Deployment:
     def _checkpoint(self) -> str:
         if self.deploy.model.checkpoint:
             return self.deploy.model.checkpoint
-        from k3serve.model.checkpoint import make_checkpoint
-        from k3serve.model.presets import preset
+        from k3serve.model.presets import write_preset_checkpoint
 
         out = Path(self.workdir) / f"ckpt-{self.deploy.model.preset}"
-        return str(make_checkpoint(preset(self.deploy.model.preset), out, seed=self.deploy.model.seed))
+        return str(write_preset_checkpoint(self.deploy.model.preset, out, seed=self.deploy.model.seed))
 
     def wait_healthy(self, n: int, timeout_s: float) -> None:
         from k3serve.cluster.redis_server import connect

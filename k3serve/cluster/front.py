@@ -123,7 +123,8 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
             self._outs[call.engine_id] = call.out
         self._count("requests")
         self._inbox.put(("add", PrefillRequest(call.engine_id, tuple(req.prompt_token_ids),
-                                               SamplingParams.from_proto(req.sampling), req.session_id)))
+                                               SamplingParams.from_proto(req.sampling), req.session_id,
+                                               cache_salt=request.cache_salt)))
 
         def ended() -> None:  # any end of the call: cancel in the engine (a no-op if it finished), wake the handler
             self._inbox.put(("cancel", call.engine_id))

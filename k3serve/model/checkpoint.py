@@ -137,6 +137,31 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | Path, *, seed: int = 0, sha
     return out
 
 
+def save_checkpoint(cfg: ModelConfig, tensors: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
+    """Write given tensors (full shapes, e.g. trained weights) as a one-file checkpoint of `cfg` in `out_dir`.
+
+    Every spec of `cfg` must be present with its full shape; each is stored in its storage dtype, so the result
+    reads exactly like a :func:`make_checkpoint` one. Earlier weight files in `out_dir` are replaced.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {}
+    for spec in checkpoint_specs(cfg):
+        t = tensors.get(spec.name)
+        if t is None:
+            raise CheckpointError(f"save_checkpoint: tensor {spec.name!r} is missing")
+        if tuple(t.shape) != tuple(spec.shape):
+            raise CheckpointError(f"save_checkpoint: {spec.name!r} has shape {list(t.shape)}, "
+                                  f"expected {list(spec.shape)}")
+        data[spec.name] = t.detach().to("cpu", storage_dtype(spec, cfg)).contiguous()
+    _save_atomic(data, out / SINGLE_FILE)  # replaces an earlier single file atomically (resumable runs)
+    for p in out.iterdir():  # an earlier sharded checkpoint would shadow the new file
+        if p.is_file() and (p.name == INDEX_FILE or _SHARD_RE.match(p.name)):
+            p.unlink()
+    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- read
 def _weight_map(ckpt_dir: Path) -> dict[str, str] | None:
     """name -> file for a checkpoint dir from its index (or the single file's header); None if no weights."""

@@ -208,7 +208,7 @@ class PrefillEngine:
 
     def _try_start(self, req: PrefillRequest) -> _Running | None:
         prompt = list(req.prompt_ids)
-        hit = self.cache.lookup(prompt) if self.config.enable_prefix_cache else None
+        hit = self.cache.lookup(prompt, req.cache_salt) if self.config.enable_prefix_cache else None
         cached = hit.num_tokens if hit else 0
         fresh = self._pages_for(len(prompt)) - (len(hit.pages) if hit else 0)
         if self.slots.num_free < 1 or self.pages.num_free < fresh:
@@ -274,7 +274,7 @@ class PrefillEngine:
     def _release(self, run: _Running, keep_checkpoints: bool) -> None:
         if keep_checkpoints and self.config.enable_prefix_cache:
             self.cache.register(list(run.req.prompt_ids[: run.num_computed]), run.pages, run.checkpoints,
-                                run.req.session_id)
+                                run.req.session_id, run.req.cache_salt)
         else:
             for ckpt in run.checkpoints.values():
                 self.slots.free(ckpt)

@@ -6,12 +6,45 @@ requests, queue length) is read from Redis when Prometheus scrapes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+log = logging.getLogger(__name__)
+
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class Counters(Mapping[str, int]):
+    """Named counters bumped by many gRPC handler threads: ``+=`` on a dict entry is a read-modify-write that
+    loses updates under threads, so every bump takes a lock. Reads (as a Mapping) see a consistent snapshot."""
+
+    def __init__(self, *names: str) -> None:
+        self._lock = threading.Lock()
+        self._c: dict[str, int] = dict.fromkeys(names, 0)
+
+    def inc(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[name] = self._c.get(name, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._c)
+
+    def __getitem__(self, name: str) -> int:
+        with self._lock:
+            return self._c.get(name, 0)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.snapshot())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._c)
 
 
 class _ClassCollector:
@@ -26,7 +59,8 @@ class _ClassCollector:
                                    labels=["cls"])
         try:
             stats = self._stats()
-        except Exception:  # noqa: BLE001 - Redis down: scrape what we have
+        except (redis.RedisError, OSError) as e:  # Redis down: scrape what we have
+            log.warning("class stats unavailable for /metrics: %s: %s", type(e).__name__, e)
             stats = {}
         for cls, s in stats.items():
             tokens.add_metric([cls], s["inflight_tokens"])
