@@ -157,7 +157,8 @@ def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, tiny_m
         assert "was stopped" in (status.stdout + status.stderr).lower()
         assert "SIGTERM: draining" in logs and "8 stream(s) were in flight, 0 cut" in logs, logs[-3000:]
         # stopped by the drain, not force-killed at the supervisor's deadline
-        sup_logs = "".join(p.read_text(errors="replace") for p in temp_dir.glob("session_*/logs/*job*"))
+        sup_logs = "".join(p.read_text(errors="replace") for p in temp_dir.glob("session_*/logs/**/*job*")
+                           if p.is_file())
         assert "force-killed" not in sup_logs
         print(f"ray job stop -> stopped in {took:.1f} s; drained: "
               f"{[ln for ln in logs.splitlines() if 'drained in' in ln]}")
