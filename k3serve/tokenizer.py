@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable
 
 BOS_ID = 256
@@ -24,3 +25,19 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def stream_decoder(self) -> "StreamDecoder":
+        """An incremental decoder for one streamed request (see :class:`StreamDecoder`)."""
+        return StreamDecoder()
+
+
+class StreamDecoder:
+    """Decodes a token stream piece by piece: a UTF-8 sequence split across two pieces comes out whole with the
+    later piece (held back until complete), never as replacement characters; broken bytes still become U+FFFD.
+    Call :meth:`decode` with ``final=True`` on the last piece to flush an unfinished sequence."""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def decode(self, ids: Iterable[int], final: bool = False) -> str:
+        return self._utf8.decode(bytes(i for i in ids if 0 <= i < 256), final)

@@ -32,12 +32,12 @@ from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.model.checkpoint import load_config, make_checkpoint
+from k3serve.model.checkpoint import load_config
 from k3serve.model.config import ModelConfig
 from k3serve.model.model import PROFILE_LABELS
 from k3serve.decode.engine import SAMPLING_LABEL
 from k3serve.model.names import SplitKind, checkpoint_specs
-from k3serve.model.presets import preset
+from k3serve.model.presets import write_preset_checkpoint
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 
 
@@ -114,7 +114,7 @@ def _decode_rate(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: i
 def run_decode_bench(preset_name: str = "bench", batches: tuple[int, ...] = (1, 8, 32), context: int = 256,
                      steps: int = 8) -> dict:
     with tempfile.TemporaryDirectory(prefix="k3serve-bench-") as d:
-        ckpt = str(make_checkpoint(preset(preset_name), d, seed=0))
+        ckpt = str(write_preset_checkpoint(preset_name, d))
         cfg = load_config(ckpt)
         ceiling = copy_gbps()
         tokens_per_s, achieved, breakdown = {}, {}, {}

@@ -26,9 +26,9 @@ from k3serve.engine.ops import PoolConfig
 from k3serve.engine.prefix_cache import PrefixCachePolicy
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.model.checkpoint import load_config, make_checkpoint
+from k3serve.model.checkpoint import load_config
 from k3serve.model.config import ModelConfig
-from k3serve.model.presets import preset
+from k3serve.model.presets import write_preset_checkpoint
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 
 K3_FULL = dict(kda_layers=69, kda_heads=96, head_dim=128, conv=3, mla_layers=24, latent=576, elem=2)
@@ -122,7 +122,7 @@ def run_prefix_bench(preset_name: str = "tiny", sessions: int = 3, turns: int = 
                      increment: tuple[int, int] = (32, 160), reply: int = 48, ttft_prefix: int = 8192,
                      ttft_increment: int = 128) -> dict:
     with tempfile.TemporaryDirectory(prefix="k3serve-bench-") as d:
-        ckpt = str(make_checkpoint(preset(preset_name), d, seed=0))
+        ckpt = str(write_preset_checkpoint(preset_name, d))
         cfg = load_config(ckpt)
         trace = agentic_trace(sessions, turns, system_len, increment, reply)
         k3 = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace)

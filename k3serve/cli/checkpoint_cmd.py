@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 import typer
 
 from k3serve.model.checkpoint import inspect_checkpoint, make_checkpoint
-from k3serve.model.presets import PRESETS, preset
+from k3serve.model.presets import PRESETS, TRAINED, preset, write_preset_checkpoint
 
 app = typer.Typer(help="Make and inspect checkpoints.", no_args_is_help=True, pretty_exceptions_enable=False)
 
@@ -44,12 +44,17 @@ def make(
     shards: int = typer.Option(1, "--shards", help="Number of safetensors files."),
     dtype: str = typer.Option(None, "--dtype", help="Override the preset's torch_dtype (float32, bfloat16)."),
 ) -> None:
-    """Write a random checkpoint of a preset: config.json + safetensors."""
+    """Write a checkpoint of a preset: config.json + safetensors (random values; shipped ones for tiny-trained)."""
     try:
         cfg = preset(preset_name)
-        if dtype:
-            cfg = cfg.replace(torch_dtype=dtype)
-        path = make_checkpoint(cfg, out, seed=seed, shards=shards)
+        if preset_name in TRAINED:
+            if dtype:
+                raise ValueError(f"--dtype does not apply to the trained preset {preset_name!r}")
+            path = write_preset_checkpoint(preset_name, out, seed=seed, shards=shards)
+        else:
+            if dtype:
+                cfg = cfg.replace(torch_dtype=dtype)
+            path = make_checkpoint(cfg, out, seed=seed, shards=shards)
         info = inspect_checkpoint(path)
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         fail(str(e))
@@ -72,6 +77,7 @@ def _table(info: dict[str, Any]) -> str:
         ("vocab_size", str(info["vocab_size"])),
         ("num_experts", str(info["num_experts"])),
         ("torch_dtype", info["torch_dtype"]),
+        ("quantization", info.get("quantization") or "none"),
         ("tensors", f"{info['num_tensors']:,}"),
         ("params", f"{info['num_params']:,} ({human_count(info['num_params'])})"),
         ("KDA state / request", f"{info['kda_state_bytes_per_request']:,} B "

@@ -17,6 +17,8 @@ def drill(config: str = typer.Option("configs/local.yaml", "--config"),
           sessions: int = typer.Option(24, "--sessions"),
           turns: int = typer.Option(3, "--turns"),
           max_tokens: int = typer.Option(24, "--max-tokens"),
+          samples: bool = typer.Option(True, "--samples/--no-samples",
+                                       help="Also generate a few code prompts (report key 'samples', text on stderr)."),
           as_json: bool = typer.Option(False, "--json")) -> None:
     from k3serve.cluster.deploy import DeployError, load_deploy
     from k3serve.cluster.deployment import Deployment
@@ -36,6 +38,13 @@ def drill(config: str = typer.Option("configs/local.yaml", "--config"),
         typer.echo(f"drill: deployment up, routers {dep.router_addresses}; running {sessions} sessions x {turns} turns,"
                    f" fault {kill} at {at_s}s", err=True)
         result = run_drill(dep, fault, at_s, sessions, turns, max_tokens)
+        if samples:
+            from k3serve.cluster.samples import sample_texts
+
+            result["samples"] = sample_texts(dep.router_addresses[-1], dep.checkpoint)
+            for s in result["samples"]:  # readable next to the JSON report, which stays alone on stdout
+                typer.echo(f"--- sample ({'= reference' if s['matches_reference'] else 'DIFFERS from reference'})"
+                           f"\n{s['prompt']}{s['text']}", err=True)
     emit(result, as_json)
     ok = result["failed"] == 0 and result["mismatches"] == 0
     raise typer.Exit(0 if ok else 1)

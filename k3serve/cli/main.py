@@ -28,6 +28,8 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("k3serve.cli.serve_cmd", "serve"),  # run the cluster service
     ("k3serve.cli.drill_cmd", "drill"),  # failover drills
     ("k3serve.cli.status_cmd", "status"),  # clusters, health, load, pins
+    ("k3serve.cli.train_cmd", "train"),  # train target: pretraining at tiny scale
+    ("k3serve.cli.eval_cmd", "eval"),  # bits per byte of a checkpoint on text
 ]
 # -------------------------------------------------------------------------------------------------
 

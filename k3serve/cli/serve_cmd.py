@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -25,18 +28,38 @@ def serve(config: str = typer.Option("configs/local.yaml", "--config", help="dep
     except DeployError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
+    logging.basicConfig(level=os.environ.get("K3SERVE_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    dep = Deployment(deploy).start()
+    signals: list[str] = []
+
+    def on_signal(signum, _frame) -> None:
+        signals.append(signal.Signals(signum).name)
+        stop.set()
+
+    def install_handlers() -> None:
+        # ray.init replaces the SIGTERM handler (with one that exits at once), so this runs again after it
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    install_handlers()
+    dep = Deployment(deploy, on_ray_ready=install_handlers)
     try:
+        dep.start()
         info = {"routers": dep.router_addresses, "clusters": dep.cluster_endpoints, "redis": dep.redis_url,
                 "checkpoint": dep.checkpoint}
         typer.echo(f"k3serve: router listening on {', '.join(dep.router_addresses)}")
-        typer.echo(json.dumps(info))
+        typer.echo(json.dumps(info), nl=True)
         if endpoints_file:
             Path(endpoints_file).write_text(json.dumps(info))
+        sys.stdout.flush()
         stop.wait(duration_s or None)
-        typer.echo("k3serve: draining and stopping")
-    finally:
-        dep.stop()
+        why = signals[0] if signals else f"--duration-s {duration_s}"
+        typer.echo(f"k3serve: {why}: draining (up to {deploy.drain_timeout_s:g} s for in-flight streams)")
+        sys.stdout.flush()
+        report = dep.stop(drain_timeout_s=None)
+        typer.echo(f"k3serve: drained in {report.drain_s:.1f} s: {report.inflight_at_start} stream(s) were in "
+                   f"flight, {report.cut} cut at the timeout; stopped in {report.stop_s:.1f} s")
+    except BaseException:
+        dep.stop(drain_timeout_s=0.0)
+        raise

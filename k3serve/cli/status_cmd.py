@@ -35,9 +35,11 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
         typer.echo(f"error: router {router}: {e.code().name}: {e.details()}", err=True)
         raise typer.Exit(1)
     rows = [{"cluster": c.cluster_id, "healthy": c.healthy, "suspect": c.suspect, "endpoint": c.endpoint,
-             "running": c.running_requests, "prefill_tp": c.prefill_tp, "decode_tp": c.decode_tp}
+             "running": c.running_requests, "inflight_tokens": c.inflight_tokens,
+             "pinned_sessions": c.pinned_sessions, "prefill_tp": c.prefill_tp, "decode_tp": c.decode_tp,
+             "pools": {p.name: {"used": p.used, "capacity": p.capacity} for p in c.pools}}
             for c in resp.clusters]
-    pins = None
+    pins = resp.pinned_sessions  # counted by the router in Redis
     if redis_url:
         from k3serve.cluster.redis_server import connect
         from k3serve.router.membership import key_prefix
@@ -56,12 +58,21 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
     from rich.table import Table
 
     table = Table(title=f"k3serve @ {router}" + (" (membership stale: Redis unreachable)" if resp.membership_stale else ""))
-    for col in ("cluster", "health", "endpoint", "running", "TP (P/D)"):
+    for col in ("cluster", "health", "endpoint", "running", "in-flight tokens", "pinned", "TP (P/D)"):
         table.add_column(col)
     for r in rows:
         health = "suspect" if r["suspect"] else ("healthy" if r["healthy"] else "dead")
-        table.add_row(r["cluster"], health, r["endpoint"], str(r["running"]), f"{r['prefill_tp']}/{r['decode_tp']}")
+        table.add_row(r["cluster"], health, r["endpoint"], str(r["running"]), str(r["inflight_tokens"]),
+                      str(r["pinned_sessions"]), f"{r['prefill_tp']}/{r['decode_tp']}")
     Console().print(table)
+    pt = Table(title="pools (used / capacity)")
+    names = sorted({n for r in rows for n in r["pools"]})
+    for col in ("cluster", *names):
+        pt.add_column(col)
+    for r in rows:
+        pt.add_row(r["cluster"], *(_usage(r["pools"].get(n)) for n in names))
+    if names:
+        Console().print(pt)
     if classes:
         ct = Table(title="request classes (admission)")
         for col in ("class", "in-flight tokens", "in-flight requests", "queued", "rejected here"):
@@ -72,3 +83,9 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
         Console().print(ct)
     if pins is not None:
         Console().print(f"pinned sessions: {pins}")
+
+
+def _usage(u: dict | None) -> str:
+    if u is None:
+        return "-"
+    return f"{u['used']}/{u['capacity']}" if u["capacity"] else str(u["used"])

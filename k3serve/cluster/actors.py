@@ -20,6 +20,7 @@ import logging
 import threading
 
 import ray
+from redis.exceptions import RedisError
 
 from k3serve.cluster.deploy import DeployConfig
 from k3serve.cluster.rank_actor import ACTOR_CPU, RayExecutor, ray_worker_spec
@@ -58,7 +59,6 @@ class ClusterActor:
 
         from k3serve.decode.engine import DecodeConfig, DecodeEngine
         from k3serve.engine.block_hash import model_fingerprint
-        from k3serve.engine.prefix_cache import PrefixCachePolicy
         from k3serve.model.checkpoint import load_config
         from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 
@@ -80,7 +80,7 @@ class ClusterActor:
                                                                d.torch_threads, receive_hooks), pg,
                                                bundle_offset=c.prefill_tp)
         channel = self._channel(cfg)
-        policy = PrefixCachePolicy(scheme=c.prefix_scheme, page_size=c.prefill_pools.page_size)
+        policy = c.prefix_policy()
         prefill = PrefillEngine(cfg, self.executors["prefill"],
                                 PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget,
                                               long_threshold=_long_threshold(d),
@@ -89,6 +89,9 @@ class ClusterActor:
         decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch),
                               channel)
         front = ClusterFront(self.cluster_id, DisaggLoop(prefill, decode), d.secret, c.prefill_tp, c.decode_tp)
+        client = getattr(channel, "client", None)  # the gRPC channel's receivers report their staging
+        if client is not None:
+            front.staging = lambda: _staging(client)
         endpoint = front.start(d.bind_host)
         self.front = front
         return endpoint
@@ -169,8 +172,8 @@ class ClusterActor:
             if front is None or front.broken:
                 try:  # routers drop it at their next refresh instead of after the heartbeat TTL
                     members.deregister(self.cluster_id)
-                except Exception:  # noqa: BLE001 - Redis down: the TTL removes it anyway
-                    pass
+                except (RedisError, OSError) as e:  # Redis down: the heartbeat TTL removes it anyway
+                    log.warning("deregistering broken cluster %s failed (TTL removes it): %s", self.cluster_id, e)
                 if not c.rebuild:
                     return  # stays out of rotation until the deployment restarts
                 endpoint = self._rebuild()
@@ -184,7 +187,7 @@ class ClusterActor:
                     members.register(self.cluster_id, {"cluster": endpoint}, ttl_s=ctl.heartbeat_ttl_s * 20,
                                      heartbeat_ttl_s=ctl.heartbeat_ttl_s)
                     registered = True
-            except Exception as e:  # noqa: BLE001 - Redis down: keep serving, retry next beat
+            except (RedisError, OSError) as e:  # Redis down: keep serving, retry next beat
                 log.warning("heartbeat of %s failed: %s", self.cluster_id, e)
 
     def watch(self) -> None:
@@ -199,6 +202,20 @@ class ClusterActor:
         return {"cluster_id": self.cluster_id, "broken": front.broken if front else "not running",
                 "rebuilds": self.rebuilds, **(front.metrics if front else {})}
 
+    def pids(self) -> dict[str, int]:
+        """Process ids of this cluster: the actor itself and every rank (RSS checks of the soak test)."""
+        import os
+
+        out = {"cluster": os.getpid()}
+        for role, ex in self.executors.items():
+            out.update({f"{role}{r}": pid for r, pid in enumerate(ex.pids())})
+        return out
+
+    def load(self) -> dict[str, float]:
+        """What the agent heartbeats: running requests, in-flight tokens, pool occupancy (``pool.*``)."""
+        front = self.front
+        return front.load if front is not None else {}
+
     def stop(self, grace_s: float = 2.0) -> None:
         self._stop.set()
         if self._agent is not None:
@@ -210,9 +227,25 @@ class ClusterActor:
             from k3serve.router.membership import Membership
 
             Membership(connect(self.redis_url), self.deploy.control.namespace).deregister(self.cluster_id)
-        except Exception:  # noqa: BLE001 - best effort: the TTL removes it anyway
-            pass
+        except (RedisError, OSError) as e:  # best effort: the heartbeat TTL removes it anyway
+            log.warning("deregistering cluster %s at stop failed (TTL removes it): %s", self.cluster_id, e)
         self._teardown()
+
+
+def _staging(client) -> "PoolUsage":
+    """Staging bytes held on this cluster's decode ranks (unreachable receivers count 0)."""
+    from k3serve.contracts.status import PoolUsage
+
+    return PoolUsage(sum(r.staged_bytes for r in client.status("")))
+
+
+def router_max_streams(d: DeployConfig) -> int:
+    """Streams one router serves at once: the deploy file's, else what admission can hold (every class's
+    concurrency and queue on every cluster), at most 256 (one gRPC thread each)."""
+    if d.control.router_max_streams:
+        return d.control.router_max_streams
+    per_cluster = sum(c.max_concurrent + c.queue_limit for c in d.request_classes)
+    return min(256, per_cluster * len(d.clusters.cluster_ids))
 
 
 def _long_threshold(d: DeployConfig) -> int:
@@ -247,15 +280,23 @@ class RouterActor:
         classes = [ClassSpec(c.name, c.max_uncached_tokens, c.inflight_token_budget, c.max_concurrent, c.queue_limit,
                              c.max_wait_s) for c in d.request_classes]
         gate = AdmissionGate(client, ctl.namespace, classes, enabled=d.admission,
-                             block_size=512, context_ttl_s=ctl.pin_ttl_s)
+                             policy=d.clusters.prefix_policy(), context_ttl_s=ctl.pin_ttl_s)
         from k3serve.router.metrics import RouterMetrics, class_stats_source
 
-        metrics = RouterMetrics(class_stats_source(gate, lambda: view.snapshot().alive_ids()))
+        # the service is built after its metrics: the cluster gauges read it at scrape time
+        metrics = RouterMetrics(class_stats_source(gate, lambda: view.snapshot().alive_ids()),
+                                cluster_infos=lambda: self.service.cluster_infos())
         self.metrics_address = metrics.serve(d.bind_host)
         self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
-                                     d.api_keys, gate=gate, metrics=metrics)
+                                     d.api_keys, gate=gate, metrics=metrics, stall_timeout_s=ctl.stall_timeout_s,
+                                     max_streams=router_max_streams(d))
         self.server, addr = start_router_server(self.service, d.bind_host)
         return addr
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def metrics_endpoint(self) -> str:
         return f"http://{self.metrics_address}/metrics"
@@ -269,6 +310,14 @@ class RouterActor:
 
     def class_stats(self, clusters: list[str]) -> dict:
         return self.service.gate.class_stats(clusters)
+
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new requests (health NOT_SERVING, UNAVAILABLE) and wait up to timeout_s for in-flight streams;
+        returns how many were still in flight at the end."""
+        return self.service.drain(timeout_s) if self.server is not None else 0
+
+    def inflight(self) -> int:
+        return self.service.inflight if self.server is not None else 0
 
     def stop(self, grace_s: float = 2.0) -> None:
         if self.server is not None:

@@ -73,6 +73,16 @@ class ClusterSpec:
     def cluster_ids(self) -> tuple[str, ...]:
         return self.ids or tuple(f"c{i}" for i in range(self.count))
 
+    def prefix_policy(self):
+        """The prefix-cache policy every cluster's prefill engine runs, and that routers estimate hits with: one
+        object, so the router's block size and scheme can never disagree with the engine's."""
+        from k3serve.engine.prefix_policy import PrefixCachePolicy
+
+        try:
+            return PrefixCachePolicy(scheme=self.prefix_scheme, page_size=self.prefill_pools.page_size)
+        except ValueError as e:
+            raise DeployError(f"clusters: {e}") from None
+
 
 @dataclass(frozen=True)
 class RequestClassSpec:
@@ -92,6 +102,8 @@ class ControlSpec:
     heartbeat_interval_s: float = 0.5
     pin_ttl_s: float = 3600.0
     suspect_cooldown_s: float = 5.0
+    stall_timeout_s: float = 30.0  # a router fails a call over after this long without a token (once tokens flow)
+    router_max_streams: int = 0  # concurrent streams per router (0: what admission can hold, at most 256)
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,8 @@ class DeployConfig:
     )
     admission: bool = True  # per-class budgets in the routers (off: every request goes straight through)
     torch_threads: int = 1
+    # on SIGTERM/SIGINT routers stop taking requests and in-flight streams get this long to finish
+    drain_timeout_s: float = 60.0
 
     def with_secret(self) -> "DeployConfig":
         return self if self.secret else dataclasses.replace(self, secret=secrets.token_hex(16))
@@ -134,6 +148,8 @@ class DeployConfig:
             raise DeployError(f"clusters.transfer must be 'grpc' or 'object_store', got {c.transfer!r}")
         if not self.request_classes:
             raise DeployError("request_classes must not be empty")
+        if not self.drain_timeout_s > 0:
+            raise DeployError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         names = [rc.name for rc in self.request_classes]
         if len(set(names)) != len(names):
             raise DeployError("request_classes names must be unique")

@@ -7,12 +7,14 @@ checkpoint in the deploy file it makes one from the preset (on a shared path whe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +42,9 @@ class Deployment:
     _uid: str = field(default_factory=lambda: secrets.token_hex(4))  # names this deployment's placement groups
     _stopping: threading.Event = field(default_factory=threading.Event)
     _supervisor: threading.Thread | None = None
+    _stopped: bool = False
+    # called right after Ray is initialised (ray.init installs its own SIGTERM handler; `serve` puts back its own)
+    on_ray_ready: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------------------------------- start
     def start(self, timeout_s: float = 300.0) -> "Deployment":
@@ -50,6 +55,8 @@ class Deployment:
             self._tmp = tempfile.TemporaryDirectory(prefix="k3serve-deploy-")
             self.workdir = self._tmp.name
         self._start_ray()
+        if self.on_ray_ready is not None:
+            self.on_ray_ready()
         self._start_redis()
         self.checkpoint = self._checkpoint()
         handles = {cid: ClusterActor.remote(cid, self.deploy, self.checkpoint, self.redis_url, self._pg_name(cid))
@@ -132,11 +139,10 @@ class Deployment:
     def _checkpoint(self) -> str:
         if self.deploy.model.checkpoint:
             return self.deploy.model.checkpoint
-        from k3serve.model.checkpoint import make_checkpoint
-        from k3serve.model.presets import preset
+        from k3serve.model.presets import write_preset_checkpoint
 
         out = Path(self.workdir) / f"ckpt-{self.deploy.model.preset}"
-        return str(make_checkpoint(preset(self.deploy.model.preset), out, seed=self.deploy.model.seed))
+        return str(write_preset_checkpoint(self.deploy.model.preset, out, seed=self.deploy.model.seed))
 
     def wait_healthy(self, n: int, timeout_s: float) -> None:
         from k3serve.cluster.redis_server import connect
@@ -171,39 +177,74 @@ class Deployment:
         self._redis.resume()
 
     # --------------------------------------------------------------------------------------------- stop
-    def stop(self) -> None:
-        """Drain and stop routers, then clusters, then Redis and (if we started it) Ray."""
-        self._stopping.set()  # first: the supervisor must not bring back what is being stopped
+    def drain(self, timeout_s: float | None = None) -> DrainReport:
+        """Every router stops taking requests (health NOT_SERVING, new calls UNAVAILABLE); wait up to
+        timeout_s (default: the deploy file's drain_timeout_s) for the in-flight streams to finish."""
+        timeout_s = self.deploy.drain_timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        before = sum(_get(r.inflight.remote(), 10, 0) for r in self.routers)
+        # all routers at once: each waits for its own streams
+        refs = [r.drain.remote(timeout_s) for r in self.routers]
+        left = sum(_get(ref, timeout_s + 30, 0) for ref in refs)
+        return DrainReport(before, left, time.monotonic() - t0)
+
+    def stop(self, drain_timeout_s: float | None = 0.0) -> DrainReport:
+        """Drain the routers (drain_timeout_s; None: the deploy file's), then stop routers, clusters, Redis and
+        (if we started it) Ray."""
+        if self._stopped:
+            return DrainReport(0, 0, 0.0)
+        self._stopped = True
+        report = self.drain(drain_timeout_s) if self.routers else DrainReport(0, 0, 0.0)
+        t0 = time.monotonic()
+        self._stopping.set()  # the supervisor must not bring back what is being stopped
         if self._supervisor is not None:
             self._supervisor.join(timeout=330)
+        phases = {"supervisor": time.monotonic() - t0}
         for r in self.routers:
-            try:
-                ray.get(r.stop.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - a killed router is already gone
-                pass
-        for h in self.clusters.values():
-            try:
-                ray.get(h.stop.remote(), timeout=20)
-            except Exception:  # noqa: BLE001
-                pass
-            try:
-                ray.kill(h, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-        for r in self.routers:
-            try:
-                ray.kill(r, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            _get(r.stop.remote(), 10, None)
+        phases["routers"] = time.monotonic() - t0
+        for cid, h in self.clusters.items():
+            _get(h.stop.remote(), 20, None)
+            _kill(h, f"cluster {cid}")
+        phases["clusters"] = time.monotonic() - t0
+        for i, r in enumerate(self.routers):
+            _kill(r, f"router {i}")
         if self._redis is not None:
             self._redis.stop()
         if self._own_ray:
             ray.shutdown()
+        phases["ray"] = time.monotonic() - t0
         if self._tmp is not None:
             self._tmp.cleanup()
+        log.info("stopped: %s", {k: round(v, 2) for k, v in phases.items()})
+        return dataclasses.replace(report, stop_s=time.monotonic() - t0)
 
     def __enter__(self) -> "Deployment":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    inflight_at_start: int  # streams in flight at the routers when the drain began
+    cut: int  # still in flight when the drain timeout passed (then stopped)
+    drain_s: float
+    stop_s: float = 0.0  # from the end of the drain until everything was stopped
+
+
+def _get(ref, timeout_s: float, default):
+    """ray.get(ref), or `default` when its actor is gone or slow (logged: a stop goes on regardless)."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except (ray.exceptions.RayError, TimeoutError) as e:
+        log.warning("during stop: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return default
+
+
+def _kill(actor, what: str) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except ValueError as e:  # not an actor handle any more
+        log.warning("killing %s: %s", what, e)

@@ -12,6 +12,7 @@ and the remaining max_tokens (randomness is keyed by position, so the continuati
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -19,10 +20,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
+import ray
+from redis.exceptions import RedisError
 
 from k3serve.cluster.deployment import Deployment
 from k3serve.router.hashing import rank_clusters, session_key
 from k3serve.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 FAULT_KINDS = ("cluster", "decode", "prefill", "router", "redis")
 
@@ -221,8 +226,6 @@ def report(dep: Deployment, records: list[RequestRecord], fault: Fault | None, f
 
 def _recoveries(dep: Deployment, fault: Fault) -> int:
     """How often the fault's target cluster has been brought back so far (replaced actor or in-place rebuild)."""
-    import ray
-
     if fault.kind == "cluster":
         return dep.restarts.get(fault.target, 0)
     return ray.get(dep.clusters[fault.target].stats.remote(), timeout=30)["rebuilds"]
@@ -238,7 +241,8 @@ def wait_rejoined(dep: Deployment, fault: Fault, before: int, fault_abs: float, 
     while time.monotonic() < deadline:
         try:
             back = _recoveries(dep, fault) > before and fault.target in {c.id for c in members.healthy_clusters()}
-        except Exception:  # noqa: BLE001 - the replaced actor may not answer yet
+        except (ray.exceptions.RayError, RedisError, OSError) as e:  # the replaced actor may not answer yet
+            log.debug("recovery probe of %s: %s", fault.target, e)
             back = False
         if back:
             return time.monotonic() - fault_abs

@@ -8,23 +8,34 @@
 The engine thread is the only one that touches the engines. A worker failure (a dead rank) fails every
 in-flight request with UNAVAILABLE, so routers fail over at once, and marks the front broken: it stops
 heartbeating and refuses new work until rebuilt.
+
+Cancellation: when a call ends for any reason (client cancel, deadline, normal end) its gRPC callback puts a
+cancel in the inbox and wakes the handler thread, which returns at once: the id is free again immediately,
+and the engine thread drops the request from whichever pool or queue holds it (prefill queue, prefill, waiting
+for install with staged state, decoding) before it reads anything queued after the cancel. Each call runs in
+the engines under its own internal id (`<request_id>#<n>`), so a re-sent id never receives an event of the
+call it replaces.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
-from k3serve.engine.executor import WorkerFailure
+from k3serve.engine.executor import WorkerDied
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.requests import PrefillRequest, RequestFailure, StreamEvent
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
+from k3serve.contracts.status import PoolUsage
 from k3serve.disagg.loop import DisaggLoop
 
 log = logging.getLogger(__name__)
@@ -37,12 +48,16 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         self.prefill, self.decode = loop.prefill, loop.decode
         self.secret, self.prefill_tp, self.decode_tp = secret, prefill_tp, decode_tp
         self._inbox: queue.Queue = queue.Queue()
-        self._outs: dict[str, queue.Queue] = {}
-        self._lock = threading.Lock()
+        self._calls: dict[str, _Call] = {}  # by the client's request id: one call per id at a time
+        self._outs: dict[str, queue.Queue] = {}  # by internal id: where the engine thread sends events
+        self._seq = itertools.count()
+        self._lock = threading.Lock()  # guards _calls, _outs and _metrics (gRPC threads + engine thread)
         self._stop = threading.Event()
         self.broken: str = ""
-        self.metrics = {"requests": 0.0, "completed": 0.0, "failed": 0.0, "prefix_hit_tokens": 0.0,
-                        "grpc_transfers": 0.0}
+        self._metrics = {"requests": 0.0, "completed": 0.0, "failed": 0.0, "cancelled": 0.0,
+                         "prefix_hit_tokens": 0.0, "grpc_transfers": 0.0}
+        self._pools: dict[str, PoolUsage] = {}  # snapshot taken by the engine thread (see cluster/pools.py)
+        self.staging: Callable[[], PoolUsage] | None = None  # decode staging, asked of the receivers
         self._thread = threading.Thread(target=self._loop, name=f"engine-{cluster_id}", daemon=True)
         self._server: grpc.Server | None = None
 
@@ -66,10 +81,31 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         self._thread.join(timeout=10)
 
     @property
-    def load(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         with self._lock:
-            running = len(self._outs)
-        return {"running_requests": running, "broken": 1.0 if self.broken else 0.0}
+            return dict(self._metrics)
+
+    def _count(self, name: str, n: float = 1.0) -> None:
+        with self._lock:
+            self._metrics[name] += n
+
+    @property
+    def load(self) -> dict[str, float]:
+        """Heartbeat load: running requests, their in-flight tokens (prompt + streamed), pool occupancy."""
+        from k3serve.contracts.status import as_load
+
+        with self._lock:
+            running = len(self._calls)
+            tokens = sum(c.tokens for c in self._calls.values())
+        return {"running_requests": running, "inflight_tokens": tokens, "broken": 1.0 if self.broken else 0.0,
+                **as_load(self.pools())}
+
+    def pools(self) -> dict[str, PoolUsage]:
+        """Pool occupancy: the engine thread's last snapshot, plus decode staging when the channel has one."""
+        out = dict(self._pools)
+        if self.staging is not None:
+            out["decode.staging_bytes"] = self.staging()
+        return out
 
     # ---------------------------------------------------------------------------------------------- rpc
     def Generate(self, request, context):
@@ -79,33 +115,49 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "request_id is not the one this call was signed for")
         if self.broken:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cluster {self.cluster_id} is down: {self.broken}")
-        out: queue.Queue = queue.Queue()
+        call = _Call(f"{rid}#{next(self._seq)}", queue.Queue(), len(req.prompt_token_ids))
         with self._lock:
-            if rid in self._outs:
+            if rid in self._calls:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running here")
-            self._outs[rid] = out
-        self.metrics["requests"] += 1
-        self._inbox.put(("add", PrefillRequest(rid, tuple(req.prompt_token_ids), SamplingParams.from_proto(req.sampling),
-                                               req.session_id)))
-        context.add_callback(lambda: self._inbox.put(("cancel", rid)))
+            self._calls[rid] = call
+            self._outs[call.engine_id] = call.out
+        self._count("requests")
+        self._inbox.put(("add", PrefillRequest(call.engine_id, tuple(req.prompt_token_ids),
+                                               SamplingParams.from_proto(req.sampling), req.session_id,
+                                               cache_salt=request.cache_salt)))
+
+        def ended() -> None:  # any end of the call: cancel in the engine (a no-op if it finished), wake the handler
+            self._inbox.put(("cancel", call.engine_id))
+            call.out.put(_GONE)
+
+        context.add_callback(ended)
+        finished = False
         try:
             while True:
-                item: StreamEvent = out.get()
+                item = call.out.get()
+                if item is _GONE:  # cancelled or past its deadline: the engine drops it on reading the cancel
+                    return
                 if item.error is not None:
-                    self.metrics["failed"] += 1
+                    finished = True
+                    self._count("failed")
                     context.abort(item.error.code.grpc_status, item.error.message)
+                call.tokens += len(item.token_ids)
                 yield cluster_pb2.ClusterGenerateResponse(token_ids=item.token_ids, finish_reason=item.finish_reason,
                                                           cached_tokens=max(item.cached_tokens, 0))
                 if item.finish_reason:
-                    self.metrics["completed"] += 1
+                    finished = True
+                    self._count("completed")
                     return
         finally:
+            if not finished:
+                self._count("cancelled")
             with self._lock:
-                self._outs.pop(rid, None)
+                self._calls.pop(rid, None)
+                self._outs.pop(call.engine_id, None)
 
     def Status(self, request, context):
         with self._lock:
-            running = len(self._outs)
+            running = len(self._calls)
         return cluster_pb2.ClusterState(cluster_id=self.cluster_id, running_requests=running,
                                         prefill_tp=self.prefill_tp, decode_tp=self.decode_tp,
                                         metrics={k: float(v) for k, v in self.metrics.items()})
@@ -133,13 +185,16 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
                 return
 
     def _loop(self) -> None:
+        from k3serve.cluster.pools import engine_pools
+
         while not self._stop.is_set():
             idle = not self.loop.has_work
             self._drain_inbox(block=idle)
             try:
                 self._step()
-            except WorkerFailure as e:
-                self._fail_all(f"worker failure: {e}".splitlines()[0])
+                self._pools = engine_pools(self.prefill, self.decode)
+            except WorkerDied as e:  # the group is broken: fail everything here, the agent rebuilds
+                self._fail_all(f"worker died: {e}".splitlines()[0])
                 return
             except Exception as e:  # noqa: BLE001 - an engine bug must not leave clients hanging
                 log.exception("engine step failed")
@@ -149,8 +204,9 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
     def _step(self) -> None:
         for ev in self.loop.step():
             self._send(ev.request_id, ev)
-        self.metrics["prefix_hit_tokens"] = float(self.loop.stats.prefix_hit_tokens)
-        self.metrics["grpc_transfers"] = float(self.loop.stats.staged_transfers)
+        with self._lock:
+            self._metrics["prefix_hit_tokens"] = float(self.loop.stats.prefix_hit_tokens)
+            self._metrics["grpc_transfers"] = float(self.loop.stats.staged_transfers)
 
     def mark_broken(self, why: str) -> None:
         """From outside the engine (a rank found dead while idle): fail in-flight requests, refuse new ones."""
@@ -165,3 +221,14 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
             failure = RequestFailure(rid, ErrorCode.UNAVAILABLE, f"cluster {self.cluster_id}: {why}")
             self._send(rid, StreamEvent(rid, error=failure))
 
+
+@dataclass
+class _Call:
+    """One Generate call: its id in the engines, its event queue, its tokens in flight (prompt + streamed)."""
+
+    engine_id: str
+    out: queue.Queue
+    tokens: int
+
+
+_GONE = object()  # put in a call's queue when the call ended (cancel, deadline): its handler returns

@@ -16,7 +16,7 @@ from dataclasses import replace
 import ray
 import torch
 
-from k3serve.engine.executor import OpFailed, WorkerDied, WorkerSpec
+from k3serve.engine.executor import WorkerDied, WorkerSpec, group_failure
 from k3serve.engine.worker import ModelWorker
 
 ACTOR_CPU = 0.01
@@ -110,17 +110,24 @@ class RayExecutor:
 
     def run_each(self, ops: list[object]) -> list[object]:
         refs = [a.execute.remote(op) for a, op in zip(self.actors, ops)]
-        try:
-            # surface the first failure at once: the surviving ranks may be stuck in a collective with the dead one
-            pending = refs
-            while pending:
-                ready, pending = ray.wait(pending, num_returns=1)
+        what = type(ops[0]).__name__
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        raised: list[str] = []
+        pending = refs
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
                 ray.get(ready)
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as e:  # the rank's process is gone
-            raise WorkerDied(f"{type(ops[0]).__name__}: a rank died: {e}") from e
-        except ray.exceptions.RayTaskError as e:  # the op raised; the rank is alive
-            raise OpFailed(f"{type(ops[0]).__name__} failed: {e}") from e
+            except ray.exceptions.RayActorError as e:
+                # surface a dead rank at once: the survivors may be stuck in a collective with it
+                raise group_failure(what, raised, [f"rank {rank_of[ready[0]]}: {e}"]) from e
+            except ray.exceptions.RayTaskError as e:
+                # the op raised but the actor lives: wait for the other ranks (a rank stuck in a collective
+                # with this one raises at gloo's timeout), so the group is back in step before we go on
+                raised.append(f"rank {rank_of[ready[0]]}: {e}")
+        if raised:
+            raise group_failure(what, raised, [])
+        return ray.get(refs)
 
     def pids(self) -> list[int]:
         return ray.get([a.pid.remote() for a in self.actors])

@@ -194,6 +194,10 @@ class RedisServer:
             "--logfile", str(log),
             "--daemonize", "no",
             "--databases", "16",
+            # bounded: past 1 GB, keys with a TTL (pins, session records) go least-recently-used first; budget
+            # and membership state has no TTL or is rewritten every beat, so it stays
+            "--maxmemory", "1gb",
+            "--maxmemory-policy", "volatile-lru",
         ]  # fmt: skip
         if self._unix_socket:
             sock = Path(sock_path) if sock_path else self._tmpdir / "redis.sock"
@@ -291,6 +295,13 @@ class RedisServer:
         elif self._paused_url is not None:  # paused: only our directories are left to remove
             _terminate_dirs(self._owned_dirs)
         self._proc = self._paused_url = None
+
+    @property
+    def pid(self) -> int:
+        """The server's process id (drills freeze it with SIGSTOP to simulate a stalled Redis)."""
+        if self._proc is None:
+            raise RedisServerError("redis-server is not running")
+        return self._proc.pid
 
     @property
     def url(self) -> str:

@@ -13,7 +13,8 @@ class PrefillRequest:
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    session_id: str = ""
+    session_id: str = ""  # the cache identity: checkpoints are budgeted per session (the router's routing key)
+    cache_salt: str = ""  # the tenant's prefix-cache salt: prefixes are shared only under the same salt
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOKENS_LIMIT = 1 << 20
+# Every stop id is compared with every sampled token of the request, on the engine thread that serves the whole
+# batch: an unbounded list slows everyone (4M ids cost ~39 ms per token). vLLM-style usage needs a handful.
+MAX_STOP_TOKEN_IDS = 64
+# Bytes of the public GenerateRequest.cache_salt (it is hashed, never stored; a bound keeps the hash cheap).
+MAX_CACHE_SALT_BYTES = 256
 
 
 class SamplingError(ValueError):
@@ -41,6 +46,9 @@ class SamplingParams:
             raise SamplingError(f"sampling.max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
         if not 0 <= self.seed < 1 << 64:
             raise SamplingError("sampling.seed must fit in 64 bits")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingError(f"sampling.stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                                f"{MAX_STOP_TOKEN_IDS} are allowed")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torch.profiler import record_function
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
-from k3serve.engine.executor import Executor
+from k3serve.engine.executor import Executor, OpFailed
 from k3serve.contracts.handoff import Handoff
 from k3serve.contracts.channel import StateChannel, StateInstallError
 from k3serve.engine.ops import DecodeBatch, PoolConfig
@@ -109,10 +109,15 @@ class DecodeEngine:
             n_pages = -(-handoff.num_tokens // self.config.pools.page_size)
             try:
                 self.channel.install(self.executor, handoff.state, slot, tuple(pages[:n_pages]))
-            except StateInstallError as e:  # not verified on some rank: fail this request only
+            except (StateInstallError, OpFailed) as e:  # fail this request only: the group is intact
                 self.pages.decref(pages)
                 self.slots.free(slot)
-                self.failures.append(RequestFailure(handoff.request_id, ErrorCode.UNAVAILABLE, str(e)))
+                if isinstance(e, OpFailed):  # the channel frees its staging itself when it raises
+                    self.channel.discard(handoff.state)
+                # an install that found no verified state is a transfer fault: UNAVAILABLE lets the router
+                # fail over; an op that raised is INTERNAL
+                code = ErrorCode.UNAVAILABLE if isinstance(e, StateInstallError) else ErrorCode.INTERNAL
+                self.failures.append(RequestFailure(handoff.request_id, code, str(e).splitlines()[0]))
                 continue
             self.running[handoff.request_id] = _Decoding(handoff, slot, pages, [handoff.first_token])
 
@@ -146,7 +151,15 @@ class DecodeEngine:
         batch = list(self.running.values())
         op = DecodeBatch(tuple(r.slot for r in batch), tuple(r.generated[-1] for r in batch),
                          tuple(r.next_position for r in batch), tuple(tuple(r.pages) for r in batch))
-        logits = self.executor.run(op)[0]
+        try:
+            logits = self.executor.run(op)[0]
+        except OpFailed as e:  # the group is intact: fail this batch's requests, keep serving
+            for run in batch:
+                self.running.pop(run.handoff.request_id, None)
+                self._free(run)
+                self.failures.append(RequestFailure(run.handoff.request_id, ErrorCode.INTERNAL,
+                                                    f"decode step failed: {str(e).splitlines()[0]}"))
+            return []
         now = time.monotonic()
         events = []
         with record_function(SAMPLING_LABEL):

@@ -3,7 +3,9 @@
 ``hash_i = xxh64(le_u64(hash_{i-1}) + le_u32(tokens of block i))`` with ``hash_{-1} = seed``. Because each hash
 folds in its predecessor, block i's hash names the whole prefix ``[0, (i+1) * block_size)``: equal hashes mean
 equal prefixes (up to a 64-bit collision), so one dict lookup per block finds the longest shared prefix.
-The seed is the model fingerprint, so two models never share cache entries.
+The seed is the model fingerprint, so two models never share cache entries, mixed with the request's tenant
+salt (``salted_seed``), so two tenants never share them either: a hit, and the ``cached_tokens`` a client sees,
+can only come from a prefix sent under the same salt.
 """
 
 from __future__ import annotations
@@ -47,3 +49,13 @@ def model_fingerprint(config_dict: dict) -> int:
     canon = json.dumps(config_dict, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return xxhash.xxh64_intdigest(canon.encode("ascii"))
 
+
+
+def salted_seed(seed: int, salt: str) -> int:
+    """The hash seed of one tenant: ``seed`` itself for the empty salt (the shared, unsalted cache), else
+    ``xxh64(le_u64(seed) + utf8(salt))``. Every block hash chains from the seed, so salts partition the cache."""
+    if not 0 <= seed < _U64:
+        raise ValueError(f"seed must be a uint64, got {seed}")
+    if not salt:
+        return seed
+    return xxhash.xxh64_intdigest(seed.to_bytes(8, "little") + salt.encode("utf-8"))

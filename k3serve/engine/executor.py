@@ -74,8 +74,9 @@ class LocalExecutor:
             raise ValueError("LocalExecutor has one rank")
         try:
             return [self.worker.execute(ops[0])]
-        except Exception as e:  # the same contract as a worker process: an op that raised is OpFailed
-            raise OpFailed(f"{type(ops[0]).__name__} failed on rank 0: {type(e).__name__}: {e}") from e
+        except Exception as e:  # the same contract as a TP group: an op that raised is OpFailed, with context
+            raise OpFailed(f"{type(ops[0]).__name__} raised on rank 0: {type(e).__name__}: {e}\n"
+                           f"{traceback.format_exc()}") from e
 
     def close(self) -> None:
         self.worker.hooks.close()
@@ -107,15 +108,34 @@ def _rank_main(spec: WorkerSpec, rank: int, init_file: str, conn) -> None:
 
 
 class WorkerFailure(RuntimeError):
-    """An op did not complete on every rank; the message carries the rank's traceback. Two kinds:"""
+    """A TP group could not run an op: either :class:`OpFailed` or :class:`WorkerDied` (catch those)."""
 
 
 class OpFailed(WorkerFailure):
-    """An op raised on a rank that is still alive: the op's request fails, the group keeps serving."""
+    """An op raised on one or more ranks, and every rank answered: the group is intact and in step.
+
+    Fails the request(s) the op was for (``ErrorCode.INTERNAL`` unless the caller knows better), not the
+    group. The message carries the ranks' tracebacks."""
 
 
 class WorkerDied(WorkerFailure):
-    """A rank died (or never started): the whole group is broken and must be rebuilt."""
+    """A rank died (its process exited, its actor is gone) or never came back: the group is broken.
+
+    Fails every request of the group with UNAVAILABLE (routers fail over) and triggers the rebuild."""
+
+
+def group_failure(what: str, raised: list[str], died: list[str]) -> WorkerFailure:
+    """The one exception for an op's outcome: any dead rank makes it WorkerDied, else OpFailed."""
+    # first line: what happened, with the first rank's exception (the message a client sees); then the details
+    if died:
+        return WorkerDied(f"{what}: {len(died)} rank(s) died ({_last_line(died[0])})\n" + "\n".join(died + raised))
+    return OpFailed(f"{what} raised on {len(raised)} rank(s): {_last_line(raised[0])}\n" + "\n".join(raised))
+
+
+def _last_line(text: str) -> str:
+    """The exception line of a traceback (its last non-empty line)."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else text
 
 
 class MultiprocExecutor:
@@ -146,18 +166,21 @@ class MultiprocExecutor:
         return tuple(p.pid for p in self._procs)
 
     def _collect(self, what: str) -> list[object]:
-        results, errors, died = [], [], False
+        results, raised, died = [], [], []
         for rank, conn in enumerate(self._conns):
             try:
                 status, value = conn.recv()
             except (EOFError, OSError):
-                status, value, died = "error", f"rank {rank} exited", True
+                died.append(f"rank {rank} exited")
+                results.append(None)
+                continue
             if status == "error":
-                errors.append(f"rank {rank}: {value}")
+                raised.append(f"rank {rank}: {value}")
             results.append(value)
-        if errors:
-            kind = WorkerDied if died or what == "start" else OpFailed
-            raise kind(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+        if what == "start" and raised:  # a group that never formed is broken, whatever the reason
+            died, raised = died + raised, []
+        if raised or died:
+            raise group_failure(what, raised, died)
         return results
 
     def run(self, op: object) -> list[object]:
@@ -170,7 +193,7 @@ class MultiprocExecutor:
             try:
                 conn.send(op)
             except (BrokenPipeError, OSError) as e:
-                raise WorkerDied(f"rank {rank} is gone ({e}); {type(op).__name__} not sent") from e
+                raise WorkerDied(f"{type(op).__name__}: rank {rank} is gone ({e})") from e
         return self._collect(type(ops[0]).__name__)
 
     def close(self) -> None:

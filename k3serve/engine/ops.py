@@ -65,7 +65,8 @@ class PrefillChunk:
     """Run `token_ids` of one request at positions start .. start+len-1 from the state in `slot`.
 
     block_table: the request's pages (page i holds positions i*page_size ..); must cover start+len tokens.
-    Returns the last token's logits `[vocab]` when want_logits, else None.
+    Returns the last token's logits `[vocab]` when want_logits, every token's `[len, vocab]` when all_logits
+    (per-token log-probabilities, e.g. bits per byte through the serving path), else None.
     """
 
     slot: int
@@ -73,6 +74,7 @@ class PrefillChunk:
     start: int
     block_table: tuple[int, ...]
     want_logits: bool
+    all_logits: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
-from k3serve.engine.block_hash import block_hashes
+from k3serve.engine.block_hash import block_hashes, salted_seed
 from k3serve.engine.prefix_policy import CheckpointInfo, PrefixCachePolicy, PrefixHit, checkpoint_scores
 
 __all__ = ["CheckpointInfo", "HybridPrefixCache", "PrefixCachePolicy", "PrefixHit"]
@@ -68,14 +68,16 @@ class HybridPrefixCache:
                               evicted_checkpoints=0, rejected_checkpoints=0)
 
     # ----------------------------------------------------------------------------------------------- queries
-    def lookup(self, tokens: Sequence[int]) -> PrefixHit:
+    def lookup(self, tokens: Sequence[int], salt: str = "") -> PrefixHit:
         """Longest cached prefix of ``tokens`` that ends at a KDA checkpoint and leaves >= 1 token to compute.
+
+        Only prefixes registered under the same tenant ``salt`` match (block_hash.salted_seed).
 
         The returned pages are increfed for the caller; the checkpoint stays the cache's, pinned until
         ``release(hit)``. Marks the matched blocks and the used checkpoint as recently used.
         """
         bs = self.policy.block_size
-        hashes = block_hashes(tokens, bs, self._seed)
+        hashes = block_hashes(tokens, bs, salted_seed(self._seed, salt))
         self._clock += 1
         matched = 0
         for h in hashes:
@@ -121,8 +123,9 @@ class HybridPrefixCache:
 
     # ---------------------------------------------------------------------------------------------- updates
     def register(self, tokens: Sequence[int], pages: Sequence[int], checkpoints: Mapping[int, int],
-                 session_id: str) -> list[int]:
-        """Cache the full hash blocks of a prefilled ``tokens`` and take over its checkpoint slots.
+                 session_id: str, salt: str = "") -> list[int]:
+        """Cache the full hash blocks of a prefilled ``tokens`` (under the tenant ``salt``) and take over its
+        checkpoint slots.
 
         ``pages[i]`` covers positions ``[i * page_size, (i + 1) * page_size)``. Blocks already cached keep their
         (immutable) entry; new ones take their pages with a reference of the cache's own. ``checkpoints`` maps a
@@ -131,7 +134,7 @@ class HybridPrefixCache:
         anything: ValueError leaves the cache as it was.
         """
         bs, ppb = self.policy.block_size, self.policy.pages_per_block
-        hashes = block_hashes(tokens, bs, self._seed)
+        hashes = block_hashes(tokens, bs, salted_seed(self._seed, salt))
         new = [i for i, h in enumerate(hashes) if h not in self._blocks]
         self._validate_register(len(hashes), new, pages, checkpoints)
         self._clock += 1

@@ -98,8 +98,8 @@ class ModelWorker:
         blocks = [self.kda_store[op.slot: op.slot + 1, layer] for layer in range(self.model.cfg.num_kda_layers)]
         latent = PagedLatentCache(self.page_store, self._block_table((op.block_table,)))
         ids = torch.tensor([op.token_ids], dtype=torch.long, device=self.model.device)
-        logits = self.model.forward(ids, ForwardBatch(blocks, latent, [op.start], decode=False))
-        return logits[0].cpu() if op.want_logits else None
+        logits = self.model.forward(ids, ForwardBatch(blocks, latent, [op.start], decode=False), op.all_logits)
+        return logits[0].cpu() if op.want_logits or op.all_logits else None
 
     def _DecodeBatch(self, op: DecodeBatch) -> torch.Tensor:
         layers = range(self.model.cfg.num_kda_layers)

@@ -7,6 +7,8 @@ results agree to fp32 rounding.
 
 Backends (see ``_dispatch``): CUDA tensors -> Triton, CPU -> torch; ``backend=`` or the
 K3SERVE_KERNEL_BACKEND env var forces "naive" | "torch" | "triton".
+When autograd needs gradients of ``chunk_kda``'s inputs (training), it runs ``kda_autograd`` (the same chunk
+form, out-of-place) instead of the inference kernels, which are not differentiable.
 
 State layout: [B, H, K, V] fp32, i.e. S is stored [K, V] (key dim first), as in fla.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ._dispatch import resolve_backend
+from .kda_autograd import chunk_kda_autograd
 from .kda_naive import naive_recurrent_kda
 from .kda_torch import chunk_kda_torch, recurrent_kda_torch
 
@@ -54,11 +57,18 @@ def chunk_kda(
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
     if which == "naive":
         return naive_recurrent_kda(q, k, v, g, beta, **kw)
+    if _needs_grad(q, k, v, g, beta, initial_state):
+        # Training: the inference kernels (torch and Triton) are not differentiable; this path is.
+        return chunk_kda_autograd(q, k, v, g, beta, **kw)
     if which == "torch":
         return chunk_kda_torch(q, k, v, g, beta, **kw)
     from .kda_triton import chunk_kda_triton
 
     return chunk_kda_triton(q, k, v, g, beta, **kw)
+
+
+def _needs_grad(*xs: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
 def recurrent_kda(

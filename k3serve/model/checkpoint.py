@@ -107,6 +107,7 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | Path, *, seed: int = 0, sha
     the files, never the values. Weight files of an earlier checkpoint in `out_dir` are replaced.
     Memory use is one shard's tensors at a time.
     """
+    cfg.check_loadable()
     specs = checkpoint_specs(cfg)
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
@@ -132,6 +133,31 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | Path, *, seed: int = 0, sha
             del part
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    return out
+
+
+def save_checkpoint(cfg: ModelConfig, tensors: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
+    """Write given tensors (full shapes, e.g. trained weights) as a one-file checkpoint of `cfg` in `out_dir`.
+
+    Every spec of `cfg` must be present with its full shape; each is stored in its storage dtype, so the result
+    reads exactly like a :func:`make_checkpoint` one. Earlier weight files in `out_dir` are replaced.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {}
+    for spec in checkpoint_specs(cfg):
+        t = tensors.get(spec.name)
+        if t is None:
+            raise CheckpointError(f"save_checkpoint: tensor {spec.name!r} is missing")
+        if tuple(t.shape) != tuple(spec.shape):
+            raise CheckpointError(f"save_checkpoint: {spec.name!r} has shape {list(t.shape)}, "
+                                  f"expected {list(spec.shape)}")
+        data[spec.name] = t.detach().to("cpu", storage_dtype(spec, cfg)).contiguous()
+    _save_atomic(data, out / SINGLE_FILE)  # replaces an earlier single file atomically (resumable runs)
+    for p in out.iterdir():  # an earlier sharded checkpoint would shadow the new file
+        if p.is_file() and (p.name == INDEX_FILE or _SHARD_RE.match(p.name)):
+            p.unlink()
     (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     return out
 
@@ -336,6 +362,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "num_experts": cfg.num_experts,
         "torch_dtype": cfg.torch_dtype,
+        "quantization": cfg.quantization or None,
         "num_tensors": len(specs),
         "num_params": sum(s.numel for s in specs),
         **serving_sizes(cfg),

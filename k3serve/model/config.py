@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3serve.model import config_keys
+
 MODEL_TYPES = ("kimi_linear", "kimi_k3")
 
 
@@ -69,6 +71,7 @@ class ModelConfig:
     eos_token_id: int = 1
     pad_token_id: int = 2
     torch_dtype: str = "float32"
+    quantization: str = ""  # weight quantization format the config declares (K3: "mxfp4-pack-quantized")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -191,6 +194,12 @@ class ModelConfig:
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
             raise ConfigError("attn_res_block_size must be positive when set")
 
+    def check_loadable(self) -> None:
+        """Raise ConfigError unless k3serve can hold this model's weights (make, load)."""
+        if self.quantization:
+            raise ConfigError(f"quantization_config.format = {self.quantization!r} is not implemented: k3serve "
+                              "loads unquantized weights only (the config still inspects)")
+
     def check_tp(self, tp: int) -> None:
         """Raise ConfigError unless the model can be split over `tp` ranks."""
         if tp <= 0:
@@ -227,6 +236,10 @@ class ModelConfig:
         for key in ("kda_layers", "full_attn_layers", "num_heads", "head_dim"):
             if key not in lac:
                 raise ConfigError(f"linear_attn_config.{key} is missing")
+
+        # keys whose other values would make the model compute something else: refused, named
+        config_keys.check_implemented(t, raw if model_type == "kimi_k3" else {}, ConfigError,
+                                      "text_config." if model_type == "kimi_k3" else "")
 
         def req(key: str) -> Any:
             if key not in t:
@@ -270,7 +283,8 @@ class ModelConfig:
             bos_token_id=int(t.get("bos_token_id", raw.get("bos_token_id", 0)) or 0),
             eos_token_id=int(_first(t.get("eos_token_id", raw.get("eos_token_id", 1)))),
             pad_token_id=int(t.get("pad_token_id", raw.get("pad_token_id", 2)) or 0),
-            torch_dtype=str(t.get("torch_dtype", t.get("dtype", raw.get("torch_dtype", "float32")))),
+            torch_dtype=_dtype(t, raw),
+            quantization=config_keys.quantization_format(t, raw, ConfigError),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -309,6 +323,7 @@ class ModelConfig:
             "moe_layer_freq": self.moe_layer_freq,
             "moe_router_activation_func": "sigmoid",
             "moe_renormalize": True,
+            "topk_method": "noaux_tc",
             "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "model_max_length": self.max_position_embeddings,
@@ -318,6 +333,8 @@ class ModelConfig:
             "tie_word_embeddings": False,
             "torch_dtype": self.torch_dtype,
         }
+        if self.quantization:
+            text["quantization_config"] = {"format": self.quantization}
         if self.routed_expert_hidden_size is not None:
             text["routed_expert_hidden_size"] = self.routed_expert_hidden_size
             text["latent_moe_use_norm"] = True
@@ -347,6 +364,16 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
         return cls.from_hf_dict(raw)
+
+
+def _dtype(text: dict[str, Any], top: dict[str, Any]) -> str:
+    """The weights' dtype: `torch_dtype` (older transformers) or `dtype` (newer; the published K3 config),
+    in the text backbone first, then at the top level of a K3 config."""
+    for d in (text, top):
+        for key in ("torch_dtype", "dtype"):
+            if d.get(key):
+                return str(d[key])
+    return "float32"
 
 
 def _opt_int(v: Any) -> int | None:

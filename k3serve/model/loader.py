@@ -15,6 +15,7 @@ from k3serve.model.tp import SINGLE, TPGroup
 def load_weights(path: str | Path, tp: TPGroup = SINGLE, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """This rank's tensors by checkpoint name (experts it does not own are not read)."""
     cfg = load_config(path)
+    cfg.check_loadable()
     cfg.check_tp(tp.world)
     reader = CheckpointReader(path)
     weights = {}

@@ -1,8 +1,10 @@
 """The hybrid KDA/MLA model: one class for kimi_linear and kimi_k3, driven by the config.
 
-Inference only: weights are plain tensors (this rank's TP slices) keyed by their checkpoint names, and the
+Weights are plain tensors (this rank's TP slices) keyed by their checkpoint names, and the
 forward runs over an explicit :class:`~k3serve.model.state.ForwardBatch` (KDA blocks + MLA latent cache), so
 the same code serves the reference generator, chunked prefill from any initial state, and batched decode.
+Serving calls :meth:`HybridModel.forward` (inference mode); training calls :meth:`HybridModel.logits` with
+weights that require grad (``k3serve.train``), so both run the same layers.
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ class HybridModel:
 
         Advances the state in `batch` by T tokens per request (the caller advances its positions).
         """
+        return self.logits(token_ids, batch, all_logits)
+
+    def logits(self, token_ids: torch.Tensor, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
+        """:meth:`forward` without inference mode: differentiable when the weights require grad (training)."""
         if batch.decode and token_ids.shape[1] != 1:
             raise ValueError("decode forward takes exactly one token per request")
         x = F.embedding(token_ids, self.embed)

@@ -3,11 +3,16 @@
 ``tiny`` is a K3-flavoured model (bounded KDA gate, full-rank output gate, q-LoRA and gated MLA, Block
 Attention Residuals, Stable LatentMoE with SiTU-GLU); ``tiny-linear`` the Kimi-Linear flavour (softplus gate,
 low-rank output gate, plain MLA and MoE). Both use the byte tokenizer's vocabulary (256 bytes + BOS/EOS/PAD).
-Layer pattern for the 9-layer presets: ``[KDA x3, MLA] x2 + MLA`` (0-indexed MLA layers 3, 7, 8), the same
+``tiny-trained`` is ``tiny`` with narrower experts and trained weights shipped as package data (``k3serve/assets/tiny-trained``,
+made by ``k3serve train target``; README has the command and seed): :func:`write_preset_checkpoint` copies it,
+every other preset is made from random values. Layer pattern for the 9-layer presets: ``[KDA x3, MLA] x2 + MLA`` (0-indexed MLA layers 3, 7, 8), the same
 shape as K3's tail where the last two layers are both MLA.
 """
 
 from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
 
 from k3serve.model.config import ModelConfig
 from k3serve.tokenizer import BYTE_VOCAB_SIZE, BOS_ID, EOS_ID, PAD_ID
@@ -60,6 +65,12 @@ def tiny() -> ModelConfig:
     )
 
 
+def tiny_trained() -> ModelConfig:
+    """``tiny`` with narrower experts (16 x 32 wide over a 64-wide latent, shared 2 x 32), so the trained fp32
+    checkpoint ships in 14 MB and trains faster on two cores; everything else as ``tiny``."""
+    return tiny().replace(moe_intermediate_size=32, routed_expert_hidden_size=64)
+
+
 def tiny_linear() -> ModelConfig:
     return ModelConfig(model_type="kimi_linear", routed_scaling_factor=2.446, **_tiny_common())
 
@@ -100,11 +111,42 @@ def bench() -> ModelConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "tiny-linear": tiny_linear, "bench": bench}
+# presets whose weights are shipped: name -> directory under k3serve/assets
+TRAINED = {"tiny-trained": "tiny-trained"}
+
+
+def trained_dir(name: str) -> Path:
+    """The shipped checkpoint directory of a trained preset (works for editable and normal installs)."""
+    path = Path(str(resources.files("k3serve.assets") / TRAINED[name]))
+    if not (path / "config.json").is_file():
+        raise ValueError(f"preset {name!r}: its shipped checkpoint {path} is missing (package data not installed?)")
+    return path
+
+
+PRESETS = {"tiny": tiny, "tiny-linear": tiny_linear, "bench": bench, "tiny-trained": tiny_trained}
 
 
 def preset(name: str) -> ModelConfig:
     try:
-        return PRESETS[name]()
+        make = PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+    return make()
+
+
+def write_preset_checkpoint(name: str, out_dir: str | Path, *, seed: int = 0, shards: int = 1) -> Path:
+    """A checkpoint of preset `name` in `out_dir`: the shipped weights for a trained preset (`seed` and `shards`
+    must stay at their defaults there), else random values from (seed, tensor name)."""
+    from safetensors.torch import load_file
+
+    from k3serve.model.checkpoint import make_checkpoint, save_checkpoint
+
+    if name not in TRAINED:
+        return make_checkpoint(preset(name), out_dir, seed=seed, shards=shards)
+    if seed != 0 or shards != 1:
+        raise ValueError(f"preset {name!r} is a trained checkpoint: --seed and --shards do not apply")
+    src, cfg = trained_dir(name), preset(name)
+    shipped = ModelConfig.from_json_file(src / "config.json")
+    if shipped.to_hf_dict() != cfg.to_hf_dict():
+        raise ValueError(f"preset {name!r}: the shipped checkpoint {src} does not match the preset's config")
+    return save_checkpoint(cfg, load_file(str(src / "model.safetensors")), out_dir)

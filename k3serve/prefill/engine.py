@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.chunk_plan import ChunkCandidate, plan_chunks
-from k3serve.engine.executor import Executor
+from k3serve.engine.executor import Executor, OpFailed
 from k3serve.contracts.channel import StateChannel, StateTransferError
 from k3serve.contracts.handoff import Handoff
 from k3serve.engine.ops import CopySlot, PoolConfig, PrefillChunk, ResetSlots
@@ -138,19 +138,34 @@ class PrefillEngine:
         for work in plan_chunks(cands, self.config.step_token_budget, self.config.long_min_share,
                                 self.config.long_step_tokens):
             run = by_id[work.request_id]
-            last = work.end == run.prompt_len
-            op = PrefillChunk(run.slot, run.req.prompt_ids[work.start: work.end], work.start,
-                              tuple(run.pages), want_logits=last)
-            logits = self.executor.run(op)[0]
-            run.num_computed = work.end
-            self.stats["computed_tokens"] += work.num_tokens
-            if work.end in run.boundaries:
-                run.boundaries.remove(work.end)
-                self._save_checkpoint(run, work.end)
-            if last:
-                handoff = self._finish(run, logits)
-                if handoff is not None:
-                    yield handoff
+            if run not in self.running:
+                continue  # failed earlier in this step
+            try:
+                handoff = self._run_chunk(run, work)
+            except OpFailed as e:  # the group is intact: fail this request only, keep serving
+                self._fail(run, ErrorCode.INTERNAL, f"prefill failed: {str(e).splitlines()[0]}")
+                continue
+            if handoff is not None:
+                yield handoff
+
+    def _run_chunk(self, run: _Running, work) -> Handoff | None:
+        """One planned chunk of `run`; the handoff when it was the last one (None while more remain)."""
+        last = work.end == run.prompt_len
+        op = PrefillChunk(run.slot, run.req.prompt_ids[work.start: work.end], work.start,
+                          tuple(run.pages), want_logits=last)
+        logits = self.executor.run(op)[0]
+        run.num_computed = work.end
+        self.stats["computed_tokens"] += work.num_tokens
+        if work.end in run.boundaries:
+            run.boundaries.remove(work.end)
+            self._save_checkpoint(run, work.end)
+        return self._finish(run, logits) if last else None
+
+    def _fail(self, run: _Running, code: ErrorCode, message: str) -> None:
+        if run in self.running:
+            self._release(run, keep_checkpoints=False)
+            self.running.remove(run)
+        self.failures.append(RequestFailure(run.req.request_id, code, message))
 
     def run_to_completion(self) -> list[Handoff]:
         out: list[Handoff] = []
@@ -176,7 +191,13 @@ class PrefillEngine:
             short = len(req.prompt_ids) < self.config.long_threshold
             if long_blocked and not short:
                 continue
-            run = self._try_start(req)
+            try:
+                run = self._try_start(req)
+            except OpFailed as e:  # its slot could not be prepared: fail this request only
+                self.waiting.remove(req)
+                self.failures.append(RequestFailure(req.request_id, ErrorCode.INTERNAL,
+                                                    f"prefill failed: {str(e).splitlines()[0]}"))
+                continue
             if run is None:
                 if short:
                     return  # a short one that does not fit: nothing behind it would
@@ -187,7 +208,7 @@ class PrefillEngine:
 
     def _try_start(self, req: PrefillRequest) -> _Running | None:
         prompt = list(req.prompt_ids)
-        hit = self.cache.lookup(prompt) if self.config.enable_prefix_cache else None
+        hit = self.cache.lookup(prompt, req.cache_salt) if self.config.enable_prefix_cache else None
         cached = hit.num_tokens if hit else 0
         fresh = self._pages_for(len(prompt)) - (len(hit.pages) if hit else 0)
         if self.slots.num_free < 1 or self.pages.num_free < fresh:
@@ -199,12 +220,18 @@ class PrefillEngine:
             return None
         slot = self.slots.alloc()
         pages = (list(hit.pages) if hit else []) + self.pages.alloc(fresh)
-        if hit and hit.checkpoint_slot is not None:
-            self.executor.run(CopySlot(hit.checkpoint_slot, slot))
-        else:
-            self.executor.run(ResetSlots((slot,)))
-        if hit:
-            self.cache.release(hit)
+        try:
+            if hit and hit.checkpoint_slot is not None:
+                self.executor.run(CopySlot(hit.checkpoint_slot, slot))
+            else:
+                self.executor.run(ResetSlots((slot,)))
+        except OpFailed:
+            self.slots.free(slot)
+            self.pages.decref(pages)
+            raise
+        finally:
+            if hit:
+                self.cache.release(hit)
         self.stats["prompt_tokens"] += len(prompt)
         self.stats["cached_tokens"] += cached
         bounds = self.cache.checkpoint_boundaries(len(prompt), cached) if self.config.enable_prefix_cache else []
@@ -217,7 +244,11 @@ class PrefillEngine:
         ckpt = self.slots.alloc()
         if ckpt is None:
             return  # no room: the prefix simply stays uncheckpointed
-        self.executor.run(CopySlot(run.slot, ckpt))
+        try:
+            self.executor.run(CopySlot(run.slot, ckpt))
+        except OpFailed:
+            self.slots.free(ckpt)
+            raise
         run.checkpoints[boundary] = ckpt
 
     def _finish(self, run: _Running, logits: object) -> Handoff | None:
@@ -243,7 +274,7 @@ class PrefillEngine:
     def _release(self, run: _Running, keep_checkpoints: bool) -> None:
         if keep_checkpoints and self.config.enable_prefix_cache:
             self.cache.register(list(run.req.prompt_ids[: run.num_computed]), run.pages, run.checkpoints,
-                                run.req.session_id)
+                                run.req.session_id, run.req.cache_salt)
         else:
             for ckpt in run.checkpoints.values():
                 self.slots.free(ckpt)

@@ -13,6 +13,16 @@ Keys (``{...}`` is a Redis Cluster hash tag: all keys of one (cluster, class) sh
     k3s:{ns}:adm:{CLUSTER/CLASS}:qlease  ZSET  request_id -> waiter lease expiry (ms)
     k3s:{ns}:adm:{CLUSTER/CLASS}:qtok    HASH  request_id -> tokens wanted
     k3s:{ns}:adm:{CLUSTER/CLASS}:seq     STRING arrival counter
+    k3s:{ns}:adm:{CLUSTER/CLASS}:end     HASH  request_id -> expected end (Redis ms)        retry-after source
+    k3s:{ns}:adm:alive                   STRING PX a few renew intervals, refreshed by every router's renewer
+    k3s:{ns}:adm:recover                 STRING PX grace: present = Redis lost its state, no new admissions
+
+Reservations are held, or their holder knows it lost them. A renewal that finds its lease gone (Redis flushed,
+restarted, paused past the lease, or the renewer stalled) re-asserts it: the request is still running, so its
+tokens are in use whatever Redis forgot. For the others not to be admitted into that hole before every router
+has re-asserted, a missing ``alive`` key (Redis lost state, or nobody reached it for longer than its TTL) opens a
+``recover`` window of one grace period in which only re-assertions get in; new requests wait (or are refused
+with the grace as hint). A router's gate creates ``alive`` when it starts, so a fresh deployment does not wait.
 
 The admission rule, evaluated atomically with Redis's own clock after purging expired leases and waiters:
 
@@ -32,6 +42,7 @@ The class specs are passed with each call, so all router replicas must run with 
 
 from __future__ import annotations
 
+import functools
 import operator
 import random
 import threading
@@ -41,6 +52,12 @@ from dataclasses import dataclass
 
 import redis
 
+from k3serve.router.admission_lua import HOLDERS as _HOLDERS
+from k3serve.router.admission_lua import REASSERT as _REASSERT
+from k3serve.router.admission_lua import RENEW as _RENEW
+from k3serve.router.admission_lua import RESERVE as _RESERVE
+from k3serve.router.admission_lua import STATS as _STATS
+from k3serve.router.admission_lua import TOUCH as _TOUCH
 from k3serve.router.membership import check_id, key_prefix, ttl_ms
 
 __all__ = [
@@ -52,6 +69,8 @@ __all__ = [
     "AdmissionRejected",
     "AdmissionConfig",
     "Admission",
+    "RecoveryGuard",
+    "drain_wait_s",
 ]
 
 
@@ -125,13 +144,62 @@ class ClassLoad:
 
 class AdmissionRejected(Exception):
     """Not admitted: ``reason`` is "queue_full", "timeout", "over_budget" (no waiting allowed) or "cancelled".
-    Map to gRPC RESOURCE_EXHAUSTED with ``retry_after_s`` as the hint."""
+    Map to gRPC RESOURCE_EXHAUSTED with ``retry_after_s`` as the hint: when the requests holding the budget are
+    expected to have drained enough for this one (``drain_wait_s``)."""
 
-    def __init__(self, retry_after_s: float, message: str, reason: str = "timeout") -> None:
+    def __init__(self, retry_after_s: float, message: str, reason: str = "timeout", cluster: str = "",
+                 cls: str = "") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.message = message
         self.reason = reason
+        self.cluster, self.cls = cluster, cls
+
+
+@dataclass(frozen=True)
+class RecoveryGuard:
+    """The state-loss guard (module docstring). ``alive_ttl_s`` must exceed the renewers' beat with margin;
+    ``grace_s`` must cover one beat of every router, so that all of them re-assert before new work gets in."""
+
+    alive_ttl_s: float
+    grace_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.grace_s <= self.alive_ttl_s:
+            raise ValueError(f"need 0 < grace_s <= alive_ttl_s, got {self}")
+
+
+def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, queued_tokens: int, tokens: int,
+                 budget: int, max_concurrent: int, round_s: float = 0.0) -> float:
+    """Seconds until a request of ``tokens`` would fit one (cluster, class), if the holders (tokens, expected end
+    ms) end when expected and the ``queued`` waiters ahead (``queued_tokens`` in all) get in first.
+
+    The holders release in order of expected end; the answer is the first release after which the admission rule
+    (``fits``) holds for the waiters ahead plus this request. If it never does (the waiters ahead cannot all run
+    at once), they run after the holders in FIFO rounds (as many as fit; each waiter taken as the mean of
+    ``queued_tokens``), each round as long as ``round_s`` (a whole request's expected duration: waiters start
+    from scratch; 0: the holders' mean remaining time), and the answer is the start of the round this request
+    joins.
+    """
+    ordered = sorted(holders, key=lambda h: h[1])
+    count, held = len(ordered), sum(t for t, _ in ordered)
+    for k in range(count + 1):
+        end = now_ms if k == 0 else ordered[k - 1][1]
+        c, s = count - k, held - sum(t for t, _ in ordered[:k])
+        if c + queued == 0 or (s + queued_tokens + tokens <= budget and c + queued < max_concurrent):
+            return max(end - now_ms, 0) / 1000.0
+    last = max(ordered[-1][1] - now_ms, 0) if ordered else 0
+    mean = round_s * 1000.0 if round_s > 0 else (sum(max(e - now_ms, 0) for _, e in ordered) / count if count else 0.0)
+    each = queued_tokens / queued if queued else 0.0
+    sizes = [each] * queued + [float(tokens)]
+    rounds, i = 0, 0
+    while True:  # FIFO rounds; the first waiter of a round always gets in (it would run alone)
+        used, n = sizes[i], 1
+        while i + n < len(sizes) and n < max_concurrent and used + sizes[i + n] <= budget:
+            used, n = used + sizes[i + n], n + 1
+        if i + n >= len(sizes):
+            return (last + rounds * mean) / 1000.0
+        i, rounds = i + n, rounds + 1
 
 
 @dataclass(frozen=True)
@@ -150,91 +218,8 @@ class AdmissionConfig:
             raise ValueError("queue_lease_s must exceed poll_max_s, or live waiters would expire between polls")
 
 
-_LUA_COMMON = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
--- Drop the members of lease zset z whose expiry <= now, and the same members from hash h and zset z2 (if given).
--- In chunks, because unpack() has a stack limit.
-local function purge(z, h, z2)
-  while true do
-    local dead = redis.call('ZRANGEBYSCORE', z, '-inf', now, 'LIMIT', 0, 500)
-    if #dead == 0 then return end
-    redis.call('ZREM', z, unpack(dead))
-    redis.call('HDEL', h, unpack(dead))
-    if z2 then redis.call('ZREM', z2, unpack(dead)) end
-  end
-end
-local function inflight(lease, tok)
-  local sum = 0
-  for _, v in ipairs(redis.call('HVALS', tok)) do sum = sum + tonumber(v) end
-  return sum, redis.call('ZCARD', lease)
-end
-"""
-
-# KEYS: lease, tok, q, qlease, qtok, seq.
-# ARGV: request_id, tokens, budget, max_concurrent, lease_ms, mode (0 try, 1 wait), queue_limit, qlease_ms.
-# Returns {status, inflight tokens, inflight count, queue length, lease expiry ms}
-# status: 1 reserved, 0 not reserved (mode 0), 2 queued / still waiting, 3 queue full.
-_RESERVE = _LUA_COMMON + """
-local rid, tokens = ARGV[1], tonumber(ARGV[2])
-local budget, maxc, lease_ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local mode, qlimit, qlease_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-purge(KEYS[1], KEYS[2])
-purge(KEYS[4], KEYS[5], KEYS[3])
-local sum, count = inflight(KEYS[1], KEYS[2])
-if redis.call('ZSCORE', KEYS[1], rid) then
-  -- a retried call (e.g. the reply was lost): the reservation exists, renew it
-  redis.call('ZADD', KEYS[1], now + lease_ms, rid)
-  return {1, sum, count, redis.call('ZCARD', KEYS[3]), now + lease_ms}
-end
-local function fits(t, s, c) return c == 0 or (s + t <= budget and c < maxc) end
-local ok = fits(tokens, sum, count)
-if ok then
-  local head = redis.call('ZRANGE', KEYS[3], 0, 0)
-  if #head > 0 and head[1] ~= rid then
-    local ht = tonumber(redis.call('HGET', KEYS[5], head[1]) or '0')
-    ok = fits(ht, sum + tokens, count + 1)
-  end
-end
-if ok then
-  redis.call('ZADD', KEYS[1], now + lease_ms, rid)
-  redis.call('HSET', KEYS[2], rid, ARGV[2])
-  redis.call('ZREM', KEYS[3], rid)
-  redis.call('ZREM', KEYS[4], rid)
-  redis.call('HDEL', KEYS[5], rid)
-  return {1, sum + tokens, count + 1, redis.call('ZCARD', KEYS[3]), now + lease_ms}
-end
-local qlen = redis.call('ZCARD', KEYS[3])
-if mode == 0 then return {0, sum, count, qlen, 0} end
-if redis.call('ZSCORE', KEYS[4], rid) then
-  redis.call('ZADD', KEYS[4], now + qlease_ms, rid)
-  return {2, sum, count, qlen, 0}
-end
-if qlen >= qlimit then return {3, sum, count, qlen, 0} end
-redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[6]), rid)
-redis.call('ZADD', KEYS[4], now + qlease_ms, rid)
-redis.call('HSET', KEYS[5], rid, ARGV[2])
-return {2, sum, count, qlen + 1, 0}
-"""
-
-# KEYS: lease, tok. ARGV: request_id, lease_ms. Returns the new expiry (ms), or 0 when the lease is gone or expired
-# (an expired lease is never revived: its tokens may already be promised to someone else).
-_RENEW = _LUA_COMMON + """
-purge(KEYS[1], KEYS[2])
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-return now + tonumber(ARGV[2])
-"""
-
-# KEYS: lease, tok, q, qlease, qtok. Returns {inflight tokens, inflight count, queue length}.
-_STATS = _LUA_COMMON + """
-purge(KEYS[1], KEYS[2])
-purge(KEYS[4], KEYS[5], KEYS[3])
-local sum, count = inflight(KEYS[1], KEYS[2])
-return {sum, count, redis.call('ZCARD', KEYS[3])}
-"""
-
 _OK, _NO, _QUEUED, _FULL = 1, 0, 2, 3
+MIN_RETRY_AFTER_S = 0.05  # a hint of 0 invites a tight retry loop
 
 
 class Admission:
@@ -250,28 +235,40 @@ class Admission:
         rng: random.Random | None = None,
         sleep=time.sleep,
         clock=time.monotonic,
+        guard: RecoveryGuard | None = None,
     ) -> None:
         self._r = client
         self.prefix = key_prefix(namespace)
+        self.guard = guard
+        self._guard_keys = [f"{self.prefix}adm:alive", f"{self.prefix}adm:recover"]
         self.config = config
         self._rng = rng if rng is not None else random.Random()
         self._rng_lock = threading.Lock()
         self._sleep = sleep
         self._clock = clock
+        self._recovering = False  # what the last reserve call saw (for the rejection's hint)
         self._reserve = client.register_script(_RESERVE)
         self._renew = client.register_script(_RENEW)
+        self._reassert = client.register_script(_REASSERT)
+        self._touch = client.register_script(_TOUCH)
         self._stats = client.register_script(_STATS)
+        self._holders = client.register_script(_HOLDERS)
 
     # ------------------------------------------------------------------------------------------- keys
     def keys(self, cluster: str, cls: str) -> dict[str, str]:
-        """The six keys of one (cluster, class) budget, by role."""
+        """The seven keys of one (cluster, class) budget, by role."""
         check_id("cluster id", cluster)
         check_id("class name", cls)
         base = f"{self.prefix}adm:{{{cluster}/{cls}}}:"
-        return {k: base + k for k in ("lease", "tok", "q", "qlease", "qtok", "seq")}
+        return {k: base + k for k in ("lease", "tok", "q", "qlease", "qtok", "seq", "end")}
 
     # ---------------------------------------------------------------------------------- reservations
-    def _call_reserve(self, cluster, cls: ClassSpec, request_id, tokens, lease_ttl_s, mode):
+    def _guard_args(self) -> tuple[list[str], list[int]]:
+        if self.guard is None:
+            return ["", ""], [0, 0]
+        return self._guard_keys, [ttl_ms(self.guard.alive_ttl_s), ttl_ms(self.guard.grace_s)]
+
+    def _call_reserve(self, cluster, cls: ClassSpec, request_id, tokens, lease_ttl_s, mode, expected_s=0.0):
         try:
             tokens = operator.index(tokens)  # ints, numpy ints; not floats
         except TypeError:
@@ -281,15 +278,17 @@ class Admission:
         if not request_id:
             raise ValueError("empty request_id")
         k = self.keys(cluster, cls.name)
+        gkeys, gargs = self._guard_args()
         raw = self._reserve(
-            keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["seq"]],
+            keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["seq"], k["end"], *gkeys],
             args=[request_id, tokens, cls.inflight_token_budget, cls.max_concurrent, ttl_ms(lease_ttl_s), mode,
-                  cls.queue_limit, ttl_ms(self.config.queue_lease_s)],
+                  cls.queue_limit, ttl_ms(self.config.queue_lease_s), int(max(expected_s, 0.0) * 1000), *gargs],
         )  # fmt: skip
-        status, _sum, _count, qlen, expiry_ms = (int(x) for x in raw)
+        status, _sum, _count, qlen, expiry_ms, recovering = (int(x) for x in raw)
         res = None
         if status == _OK:
             res = Reservation(cluster, cls.name, request_id, tokens, expiry_ms / 1000.0, lease_ttl_s)
+        self._recovering = bool(recovering)
         return status, res, qlen
 
     def try_reserve(
@@ -311,8 +310,10 @@ class Admission:
         *,
         max_wait_s: float | None = None,
         cancel: threading.Event | None = None,
+        expected_s: float = 0.0,
     ) -> Reservation:
-        """Reserve, waiting in the class queue up to ``max_wait_s`` (default ``cls.max_wait_s``).
+        """Reserve, waiting in the class queue up to ``max_wait_s`` (default ``cls.max_wait_s``). ``expected_s``:
+        how long the request is expected to hold the reservation (published as its expected end, for hints).
 
         Raises AdmissionRejected: "queue_full" when the queue already holds ``queue_limit`` waiters, "timeout"
         after the wait, "over_budget" when waiting is disabled (max wait 0), "cancelled" when ``cancel`` is set.
@@ -320,31 +321,33 @@ class Admission:
         """
         wait = cls.max_wait_s if max_wait_s is None else max_wait_s
         mode = 1 if wait > 0 else 0
-        status, res, qlen = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, mode)
+        status, res, qlen = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, mode,
+                                                 expected_s)
         if status == _OK:
             return res
+        rej = functools.partial(self._rejected, cluster, cls, tokens, expected_s=expected_s)
         if status == _NO:
-            raise self._rejected(cls, "over_budget", f"{cls.name} on {cluster}: over budget and no waiting allowed")
+            raise rej("over_budget", f"{cls.name} on {cluster}: over budget and no waiting allowed")
         if status == _FULL:
-            raise self._rejected(cls, "queue_full", f"{cls.name} on {cluster}: queue full ({qlen} waiting)")
+            raise rej("queue_full", f"{cls.name} on {cluster}: queue full ({qlen} waiting)")
         deadline = self._clock() + wait
         try:
             while True:
                 now = self._clock()
                 if cancel is not None and cancel.is_set():
-                    raise self._rejected(cls, "cancelled", f"{request_id} cancelled while queued for {cls.name}")
+                    raise AdmissionRejected(0.0, f"{request_id} cancelled while queued for {cls.name}", "cancelled",
+                                            cluster, cls.name)
                 if now >= deadline:
-                    raise self._rejected(
-                        cls, "timeout", f"{cls.name} on {cluster}: not admitted within {wait:.3g}s ({qlen} waiting)"
-                    )
+                    self._leave_queue(cluster, cls.name, request_id)  # the hint counts the waiters ahead, not us
+                    raise rej("timeout", f"{cls.name} on {cluster}: not admitted within {wait:.3g}s ({qlen} waiting)")
                 self._sleep(min(self._jitter(), deadline - now))
-                status, res, qlen = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, 1)
+                status, res, qlen = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, 1, expected_s)
                 if status == _OK:
                     return res
                 # _FULL here means our waiter lease lapsed (a stall longer than queue_lease_s) and the queue filled
                 # meanwhile: give up like any other newcomer would.
                 if status == _FULL:
-                    raise self._rejected(cls, "queue_full", f"{cls.name} on {cluster}: lost its place in a full queue")
+                    raise rej("queue_full", f"{cls.name} on {cluster}: lost its place in a full queue")
         except BaseException:
             self._leave_queue(cluster, cls.name, request_id)
             raise
@@ -375,6 +378,27 @@ class Admission:
             )
         return out
 
+    def reassert_many(self, held: Sequence[tuple[Reservation, float]]) -> list[tuple[Reservation, bool]]:
+        """Renew the leases of running requests (reservation, expected remaining seconds) in one round trip, and
+        put back any that Redis lost (flushed, restarted, paused past the lease): (new reservation, lost)."""
+        pipe = self._r.pipeline(transaction=False)
+        for r, remaining_s in held:
+            k = self.keys(r.cluster, r.cls)
+            self._reassert(keys=[k["lease"], k["tok"], k["end"]],
+                           args=[r.request_id, ttl_ms(r.lease_ttl_s), r.tokens, int(max(remaining_s, 0) * 1000)],
+                           client=pipe)  # fmt: skip
+        out = []
+        for (r, _), (expiry, lost) in zip(held, pipe.execute(), strict=True):
+            new = Reservation(r.cluster, r.cls, r.request_id, r.tokens, int(expiry) / 1000.0, r.lease_ttl_s)
+            out.append((new, bool(int(lost))))
+        return out
+
+    def touch(self) -> bool:
+        """The renewer's beat of the state-loss guard; True while Redis is recovering (no guard: False)."""
+        if self.guard is None:
+            return False
+        return bool(int(self._touch(keys=self._guard_keys, args=self._guard_args()[1])))
+
     def release(self, reservation: Reservation) -> bool:
         """Return the tokens to the budget. Idempotent: True if this call released them, False if they were
         already gone (released before, or the lease expired)."""
@@ -382,15 +406,36 @@ class Admission:
         pipe = self._r.pipeline(transaction=True)
         pipe.zrem(k["lease"], reservation.request_id)
         pipe.hdel(k["tok"], reservation.request_id)
-        removed, _ = pipe.execute()
+        pipe.hdel(k["end"], reservation.request_id)
+        removed, _, _ = pipe.execute()
         return bool(removed)
 
     # ---------------------------------------------------------------------------------------- reads
     def stats(self, cluster: str, cls: str) -> ClassLoad:
         """In-flight tokens and requests and queue length of one (cluster, class), expired leases purged first."""
         k = self.keys(cluster, cls)
-        tokens, count, queued = self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"]])
+        tokens, count, queued = self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"]])
         return ClassLoad(int(tokens), int(count), int(queued))
+
+    def stats_many(self, pairs: Sequence[tuple[str, str]]) -> list[ClassLoad]:
+        """``stats`` of many (cluster, class) pairs in one round trip (status and metrics read them all)."""
+        pipe = self._r.pipeline(transaction=False)
+        for cluster, cls in pairs:
+            k = self.keys(cluster, cls)
+            self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"]], client=pipe)
+        return [ClassLoad(int(t), int(c), int(q)) for t, c, q in pipe.execute()]
+
+    def retry_after(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0) -> float:
+        """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends."""
+        k = self.keys(cluster, cls.name)
+        raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"]])]
+        now, queued, queued_tokens = raw[:3]
+        # a holder that published no end (a caller without a duration estimate): assume the old rule of thumb,
+        # that the class turns over in about max_wait_s
+        unknown = now + int(max(cls.max_wait_s, 0.1) * 1000)
+        holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[3::2], raw[4::2])]
+        return drain_wait_s(now, holders, queued, queued_tokens, tokens, cls.inflight_token_budget,
+                            cls.max_concurrent, round_s)
 
     def inflight(self, cluster: str, cls: str) -> tuple[int, int]:
         """(in-flight tokens, in-flight requests) of one (cluster, class)."""
@@ -414,9 +459,22 @@ class Admission:
         with self._rng_lock:
             return self._rng.uniform(self.config.poll_min_s, self.config.poll_max_s)
 
-    def _rejected(self, cls: ClassSpec, reason: str, message: str) -> AdmissionRejected:
-        # The queue turns over in about max_wait_s; jitter the hint (x0.5..1.5) so rejected clients do not all
-        # come back at the same instant.
-        with self._rng_lock:
-            hint = max(cls.max_wait_s, 0.1) * self._rng.uniform(0.5, 1.5)
-        return AdmissionRejected(round(hint, 3), message, reason)
+    def rejection(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
+                  expected_s: float = 0.0) -> AdmissionRejected:
+        """An AdmissionRejected with the honest hint, for callers that refuse on this budget's behalf."""
+        return self._rejected(cluster, cls, tokens, reason, message, expected_s=expected_s)
+
+    def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
+                  expected_s: float = 0.0) -> AdmissionRejected:
+        """The rejection with its hint: the expected drain time of what holds the budget (the recovery grace while
+        Redis recovers from a state loss), jittered by +0-20% so rejected clients do not all return at once."""
+        if self._recovering and self.guard is not None:
+            hint, message = self.guard.grace_s, f"{message} (admission state recovering after a Redis loss)"
+        else:
+            try:
+                hint = self.retry_after(cluster, cls, tokens, round_s=expected_s)
+            except (redis.RedisError, OSError):
+                hint = max(cls.max_wait_s, 0.1)  # no holders to read: the queue turns over in about max_wait_s
+        with self._rng_lock:  # late rather than early: an early retry is refused again, a late one only waits
+            hint = max(hint, MIN_RETRY_AFTER_S) * self._rng.uniform(1.0, 1.2)
+        return AdmissionRejected(round(hint, 3), message, reason, cluster, cls.name)

@@ -6,12 +6,45 @@ requests, queue length) is read from Redis when Prometheus scrapes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+log = logging.getLogger(__name__)
+
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class Counters(Mapping[str, int]):
+    """Named counters bumped by many gRPC handler threads: ``+=`` on a dict entry is a read-modify-write that
+    loses updates under threads, so every bump takes a lock. Reads (as a Mapping) see a consistent snapshot."""
+
+    def __init__(self, *names: str) -> None:
+        self._lock = threading.Lock()
+        self._c: dict[str, int] = dict.fromkeys(names, 0)
+
+    def inc(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[name] = self._c.get(name, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._c)
+
+    def __getitem__(self, name: str) -> int:
+        with self._lock:
+            return self._c.get(name, 0)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.snapshot())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._c)
 
 
 class _ClassCollector:
@@ -26,7 +59,8 @@ class _ClassCollector:
                                    labels=["cls"])
         try:
             stats = self._stats()
-        except Exception:  # noqa: BLE001 - Redis down: scrape what we have
+        except (redis.RedisError, OSError) as e:  # Redis down: scrape what we have
+            log.warning("class stats unavailable for /metrics: %s: %s", type(e).__name__, e)
             stats = {}
         for cls, s in stats.items():
             tokens.add_metric([cls], s["inflight_tokens"])
@@ -35,8 +69,35 @@ class _ClassCollector:
         yield from (tokens, reqs, queued)
 
 
+class _ClusterCollector:
+    """Per-cluster gauges from the router's status view (heartbeat load + pins), read at scrape time."""
+
+    def __init__(self, infos: Callable[[], Sequence]) -> None:
+        self._infos = infos
+
+    def collect(self):
+        running = GaugeMetricFamily("k3serve_cluster_running_requests", "requests in flight on the cluster",
+                                    labels=["cluster"])
+        tokens = GaugeMetricFamily("k3serve_cluster_inflight_tokens", "prompt + streamed tokens in flight",
+                                   labels=["cluster"])
+        pinned = GaugeMetricFamily("k3serve_cluster_pinned_sessions", "sessions pinned to the cluster",
+                                   labels=["cluster"])
+        used = GaugeMetricFamily("k3serve_cluster_pool_used", "pool occupancy (cluster/pools.py)",
+                                 labels=["cluster", "pool"])
+        cap = GaugeMetricFamily("k3serve_cluster_pool_capacity", "pool capacity (0: none)", labels=["cluster", "pool"])
+        for c in self._infos():
+            running.add_metric([c.cluster_id], c.running_requests)
+            tokens.add_metric([c.cluster_id], c.inflight_tokens)
+            pinned.add_metric([c.cluster_id], c.pinned_sessions)
+            for p in c.pools:
+                used.add_metric([c.cluster_id, p.name], p.used)
+                cap.add_metric([c.cluster_id, p.name], p.capacity)
+        yield from (running, tokens, pinned, used, cap)
+
+
 class RouterMetrics:
-    def __init__(self, class_stats: Callable[[], dict[str, dict[str, int]]] | None = None) -> None:
+    def __init__(self, class_stats: Callable[[], dict[str, dict[str, int]]] | None = None,
+                 cluster_infos: Callable[[], Sequence] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("k3serve_requests", "requests by outcome", ["outcome"], registry=r)
@@ -48,6 +109,8 @@ class RouterMetrics:
                               registry=r)
         if class_stats is not None:
             r.register(_ClassCollector(class_stats))
+        if cluster_infos is not None:
+            r.register(_ClusterCollector(cluster_infos))
         self._server = None
 
     def serve(self, host: str = "127.0.0.1") -> str:

@@ -4,13 +4,16 @@ Stateless apart from Redis: membership (heartbeats), session pins and admission 
 replicas make the same decisions. Per request:
 
 ```
- validate ─▶ session key ─▶ pin (HRW primary/secondary, kept in Redis) ─▶ stream from the serving cluster
-                                                      │ gRPC failure: breaker marks it suspect at once,
+ decode (tolerant: bad UTF-8 is INVALID_ARGUMENT) ─▶ API key ─▶ validate ─▶ tenant salt, cache identity
+   ─▶ stream slot (else RESOURCE_EXHAUSTED + retry-after) ─▶ pin (HRW, pending TTL) ─▶ admit on the serving
+   cluster (class from the uncached estimate for *that* cluster) ─▶ confirm pin ─▶ stream (relay.py)
+                                                      │ transport/cluster fault: breaker marks it suspect,
                                                       ▼ pin moves to the next survivor in HRW order
-                              resubmit prompt + tokens already streamed, max_tokens - streamed, same seed
+          resubmit prompt + tokens already streamed, max_tokens - streamed, same seed, same class and reservation
 ```
 Randomness is keyed by (seed, absolute position), so the resumed stream continues exactly as an
-uninterrupted run would have: no gap, no duplicate.
+uninterrupted run would have: no gap, no duplicate. A failover before any token is admitted afresh on the new
+cluster (it may be refused: the client has seen nothing); after the first token it keeps its reservation.
 """
 
 from __future__ import annotations
@@ -20,60 +23,72 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import grpc
+import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from k3serve.auth import AuthConfig, sign
-from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
+from k3serve.auth import AuthConfig
+from k3serve.contracts.status import from_load
+from k3serve.engine.prefix_policy import PrefixCachePolicy
+from k3serve.internal.v1 import cluster_pb2_grpc
 from k3serve.router.admission import AdmissionRejected
 from k3serve.router.gate import AdmissionGate
-from k3serve.router.hashing import rank_clusters, session_key
+from k3serve.router.hashing import rank_clusters
+from k3serve.router.liveness import Watchdog
 from k3serve.router.membership import MembershipView
-from k3serve.router.metrics import RouterMetrics
+from k3serve.router.metrics import Counters, RouterMetrics
 from k3serve.router.pins import NoHealthyCluster, PinStore
+from k3serve.router.progress import DurationModel, StreamProgress
+from k3serve.router.relay import Attempts, Ending, Target, stream_attempt
+from k3serve.router.slots import StreamSlots
+from k3serve.router.tenancy import cache_identity, tenant_salt
 from k3serve.router.validate import InvalidRequest, ModelLimits, ValidRequest, validate_generate
+from k3serve.router.wire import Undecodable, tolerant
 from k3serve.tokenizer import ByteTokenizer
 from k3serve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 << 20
-_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
-_CLUSTER_GENERATE = f"/{cluster_pb2.DESCRIPTOR.services_by_name['Cluster'].full_name}/Generate"
-
-
-@dataclass
-class _Progress:
-    """What one client request has received so far, across failovers."""
-
-    streamed: list[int] = field(default_factory=list)
-    failovers: int = 0
-    cached: int = 0
-    finished: bool = False
+HEADROOM_THREADS = 16  # gRPC threads beyond max_streams: health, status and quick rejections always answer
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
+    """``max_streams``: concurrent Generate streams (including those waiting for admission) before
+    RESOURCE_EXHAUSTED; ``stall_timeout_s``: silence between tokens that counts as a cluster fault (liveness.py).
+    ``policy``: the prefix-cache policy the clusters run (block size and scheme of the uncached estimate and of
+    anonymous routing keys); default: the gate's."""
+
     def __init__(self, view: MembershipView, pins: PinStore, limits: ModelLimits, secret: str,
-                 api_keys: tuple[str, ...] = (), request_timeout_s: float = 600.0,
-                 gate: AdmissionGate | None = None, metrics: RouterMetrics | None = None) -> None:
+                 api_keys: tuple[str, ...] = (), *, gate: AdmissionGate | None = None,
+                 metrics: RouterMetrics | None = None, stall_timeout_s: float = 30.0, max_streams: int = 128,
+                 policy: PrefixCachePolicy | None = None, durations: DurationModel | None = None) -> None:
         self.view, self.pins, self.limits, self.gate = view, pins, limits, gate
+        self._secret = secret
         self._auth = AuthConfig(secret, peer="router")  # signs each call to a cluster front
         self.metrics = metrics or RouterMetrics()
         self.api_keys = frozenset(api_keys)
-        self.timeout_s = request_timeout_s
+        self.policy = policy or (gate.policy if gate is not None else PrefixCachePolicy())
+        self.durations = durations or DurationModel()
+        self.slots = StreamSlots(max_streams)
         self._channels: dict[str, tuple[str, grpc.Channel]] = {}
         self._lock = threading.Lock()
         self._tok = ByteTokenizer() if limits.byte_tokenizer else None
-        self.counters = {"requests": 0, "completed": 0, "failed": 0, "failovers": 0, "invalid": 0}
+        self.counters = Counters("requests", "completed", "failed", "failovers", "invalid", "rejected")
+        # drain (SIGTERM/SIGINT of `serve`): refuse new requests, let the in-flight ones finish
+        self.health: health.HealthServicer | None = None  # set by start_router_server
+        self._draining = False
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
         # membership is read by a background thread, so the request path never waits on Redis; the first read
         # happens before serving (a router that never read Redis would see no cluster at all)
         self.view.refresh()
         self._closed = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="membership", daemon=True)
         self._refresher.start()
+        self.watchdog = Watchdog(self._cluster_alive, stall_timeout_s)
 
     def _refresh_loop(self) -> None:
         while not self._closed.wait(self.view.refresh_interval_s):
@@ -83,20 +98,34 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # inline refresh only if the background reader fell far behind
         return self.view.routable(self.view.snapshot(max_age_s=max(2.0, 10 * self.view.refresh_interval_s)))
 
+    def _cluster_alive(self, cluster: str) -> bool:
+        """False only when the cluster is registered but its heartbeat expired. A cluster missing from the
+        membership may just not have re-registered yet after a Redis restart: its own stream errors (a broken
+        front fails its requests, a dead process breaks the connection) are the signal then."""
+        info = self.view.snapshot(max_age_s=max(2.0, 10 * self.view.refresh_interval_s)).get(cluster)
+        return info is None or info.alive
+
     # --------------------------------------------------------------------------------------------- api
     def Generate(self, request, context) -> Iterator[router_pb2.GenerateResponse]:
-        self._check_api_key(context)
+        if isinstance(request, Undecodable):
+            self.counters.inc("invalid")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
+        api_key = self._check_api_key(context)
         try:
             req = validate_generate(request, self.limits)
         except InvalidRequest as e:
-            self.counters["invalid"] += 1
+            self.counters.inc("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self.counters["requests"] += 1
+        with self._lock:
+            if self._draining:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "router is draining (shutting down); use another router")
+            self._inflight += 1
+        self.counters.inc("requests")
         started = time.monotonic()
         first = True
         outcome = "failed"
         try:
-            for msg in self._generate(req, context):
+            for msg in self._generate(req, api_key, context):
                 if first:
                     self.metrics.ttft.observe(time.monotonic() - started)
                     first = False
@@ -104,19 +133,39 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     outcome = "completed"
                 yield msg
         finally:
+            self.counters.inc("completed" if outcome == "completed" else "failed")
             self.metrics.requests.labels(outcome=outcome).inc()
+            with self._lock:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def drain(self, timeout_s: float) -> int:
+        """Stop taking requests (health NOT_SERVING, new calls UNAVAILABLE) and wait up to timeout_s for the
+        in-flight ones to finish; returns how many are still in flight."""
+        with self._lock:
+            self._draining = True
+        if self.health is not None:
+            self.health.enter_graceful_shutdown()  # every service NOT_SERVING, and stays so
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._inflight and time.monotonic() < deadline:
+                self._idle.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return self._inflight
+
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return self._inflight
 
     def ClusterStatus(self, request, context):
+        if isinstance(request, Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
         self._check_api_key(context)
         snap = self.view.snapshot()
         out = router_pb2.ClusterStatusResponse(membership_stale=snap.stale)
-        for c in snap.clusters:
-            state = self.view.state(c.id, snap)
-            out.clusters.append(router_pb2.ClusterInfo(
-                cluster_id=c.id, healthy=c.alive and state.name != "SUSPECT", suspect=state.name == "SUSPECT",
-                endpoint=c.endpoints.get("cluster", ""), running_requests=int(c.load.get("running_requests", 0)),
-                inflight_tokens=int(c.load.get("inflight_tokens", 0)),
-                prefill_tp=int(c.load.get("prefill_tp", 0)), decode_tp=int(c.load.get("decode_tp", 0))))
+        pins = self._pin_counts()
+        out.pinned_sessions = sum(pins.values())
+        out.clusters.extend(self.cluster_infos(snap, pins))
         if self.gate is not None:
             for name, st in self.gate.class_stats(snap.alive_ids()).items():
                 out.classes.append(router_pb2.ClassStatus(
@@ -124,13 +173,40 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     queued=st["queued"], rejected=st["rejected"]))
         return out
 
+    def cluster_infos(self, snap=None, pins: dict[str, int] | None = None) -> list[router_pb2.ClusterInfo]:
+        """Per-cluster status from the last membership read (heartbeat load) and the pins in Redis."""
+        snap = snap or self.view.snapshot()
+        pins = self._pin_counts() if pins is None else pins
+        out = []
+        for c in snap.clusters:
+            state = self.view.state(c.id, snap)
+            out.append(router_pb2.ClusterInfo(
+                cluster_id=c.id, healthy=c.alive and state.name != "SUSPECT", suspect=state.name == "SUSPECT",
+                endpoint=c.endpoints.get("cluster", ""), running_requests=int(c.load.get("running_requests", 0)),
+                inflight_tokens=int(c.load.get("inflight_tokens", 0)),
+                prefill_tp=int(c.load.get("prefill_tp", 0)), decode_tp=int(c.load.get("decode_tp", 0)),
+                pinned_sessions=pins.get(c.id, 0),
+                pools=[router_pb2.PoolUsage(name=n, used=u.used, capacity=u.capacity)
+                       for n, u in from_load(c.load).items()]))
+        return out
+
+    def _pin_counts(self) -> dict[str, int]:
+        try:
+            return self.pins.serving_counts()
+        except (redis.RedisError, OSError) as e:  # Redis down: status still answers, pins unknown (0)
+            log.warning("cannot count pins: %s", e)
+            return {}
+
     # ------------------------------------------------------------------------------------------ routing
-    def _check_api_key(self, context) -> None:
+    def _check_api_key(self, context) -> str:
+        """The caller's API key ('' when the deployment has none); aborts UNAUTHENTICATED when it is wrong."""
         if not self.api_keys:
-            return
+            return ""
         auth = dict(context.invocation_metadata()).get("authorization", "")
-        if not auth.startswith("Bearer ") or auth[len("Bearer "):] not in self.api_keys:
+        key = auth[len("Bearer "):] if auth.startswith("Bearer ") else ""
+        if key not in self.api_keys:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer ...)")
+        return key
 
     def _stub(self, cluster_id: str) -> cluster_pb2_grpc.ClusterStub | None:
         info = self.view.get(cluster_id)
@@ -142,7 +218,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if cached is None or cached[0] != addr:
                 if cached is not None:
                     cached[1].close()
-                cached = (addr, grpc.insecure_channel(addr))
+                cached = (addr, grpc.insecure_channel(addr, options=[
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]))
                 self._channels[cluster_id] = cached
         return cluster_pb2_grpc.ClusterStub(cached[1])
 
@@ -152,109 +229,103 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 return c
         return None
 
-    def _generate(self, req: ValidRequest, context) -> Iterator[router_pb2.GenerateResponse]:
-        key = session_key(req.session_id, req.prompt_ids)
+    def _reject(self, context, hint_s: float, by: str, message: str) -> None:
+        self.counters.inc("rejected")
+        context.set_trailing_metadata((("retry-after-s", f"{hint_s:.3f}"), ("k3serve-rejected-by", by)))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry after {hint_s:.2f}s")
+
+    def _generate(self, req: ValidRequest, api_key: str, context) -> Iterator[router_pb2.GenerateResponse]:
+        salt = tenant_salt(self._secret, api_key, req.cache_salt)
+        key = cache_identity(req.session_id, req.prompt_ids, salt, self.policy.block_size)
         try:
             pin = self.pins.resolve(key, self._routable())
         except NoHealthyCluster:
-            self.counters["failed"] += 1
             snap = self.view.snapshot()
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"no healthy cluster: alive {snap.alive_ids()}, stale={snap.stale} ({snap.error}), "
                           f"suspect {[c for c in snap.alive_ids() if not self.view.breaker.allows(c)]}")
-        cluster: str | None = pin.serving
-        state = _Progress()
-        tried: set[str] = set()
+        progress = StreamProgress("", req.sampling.max_tokens, self.durations)
+        if not self.slots.try_acquire(progress):
+            # room for this request needs slots here (the median end of this router's streams) and room in the
+            # admission budget it would join (that budget's drain time): the later of the two
+            hint, by = self.slots.retry_after_s(), "router"
+            if self.gate is not None and self.gate.enabled:
+                uncached = self.gate.uncached_tokens(key, req.prompt_ids, pin.serving)
+                cls = self.gate.request_class(uncached)
+                progress.cls = cls.name
+                hint = max(hint, self.gate.retry_hint(pin.serving, cls, uncached, progress.remaining_s()))
+                by = f"router:{pin.serving}/{cls.name}"
+            self._reject(context, hint, by, f"this router serves {self.slots.max_streams} streams at most")
+        try:
+            yield from self._serve(req, key, salt, pin.serving, progress, context)
+        finally:
+            self.slots.release(progress)
+
+    def _serve(self, req: ValidRequest, key: str, salt: str, cluster: str, progress: StreamProgress, context):
         cancelled = threading.Event()
         context.add_callback(cancelled.set)
-        uncached = self.gate.uncached_tokens(key, req.prompt_ids) if self.gate else len(req.prompt_ids)
-        while cluster is not None:
-            reservation = self._admit(cluster, req.request_id, uncached, cancelled, context)
-            try:
-                done = yield from self._stream(cluster, req, state, context)
-            finally:
-                if self.gate is not None:
-                    self.gate.release(reservation)
-            if done:
-                if self.gate is not None and state.finished:
-                    self.gate.record_prompt(key, req.prompt_ids)
-                return
-            self.view.mark_suspect(cluster)
-            tried.add(cluster)
-            nxt = self._next_cluster(key, tried)
-            if nxt is not None:
-                state.failovers += 1
-                self.counters["failovers"] += 1
+        st = Attempts()
+        tried: set[str] = set()
+        res = self._admit(cluster, req, key, progress, cancelled, context)
+        self.pins.confirm(key)
+        try:
+            while True:
+                target = Target(cluster, self._stub(cluster), key, salt)
+                ending = yield from stream_attempt(target, req, st, progress, self._auth, self.watchdog, self._tok,
+                                                   context)
+                if ending is Ending.FINISHED:
+                    self.view.mark_ok(cluster)
+                    progress.finished()
+                    if self.gate is not None:
+                        self.gate.record_prompt(key, req.prompt_ids, cluster)
+                    return
+                if ending is Ending.CLIENT_GONE:
+                    return
+                self.view.mark_suspect(cluster)
+                tried.add(cluster)
+                nxt = self._next_cluster(key, tried)
+                if nxt is None:
+                    context.abort(grpc.StatusCode.UNAVAILABLE,
+                                  f"every cluster failed this request (tried {sorted(tried)}); retry later")
+                st.failovers += 1
+                self.counters.inc("failovers")
                 self.metrics.failovers.inc()
                 try:
                     self.pins.move(key, nxt, expected_serving=cluster)
-                except Exception:  # noqa: BLE001 - Redis down: keep serving on the computed choice
-                    log.warning("could not move pin of %s (Redis unreachable?)", key)
-            cluster = nxt
-            uncached = len(req.prompt_ids) + len(state.streamed)  # nothing of this session is cached there
-        self.counters["failed"] += 1
-        context.abort(grpc.StatusCode.UNAVAILABLE,
-                      f"every cluster failed this request (tried {sorted(tried)}); retry later")
+                except (redis.RedisError, OSError) as e:  # keep serving on the computed choice
+                    log.warning("could not move pin of %s to %s (Redis: %s: %s)", key, nxt, type(e).__name__, e)
+                if self.gate is not None and not st.streamed:
+                    # the client has seen nothing: admit afresh where the request will now run
+                    self.gate.release(res)
+                    res = None
+                    res = self._admit(nxt, req, key, progress, cancelled, context)
+                elif self.gate is not None:
+                    res = self.gate.move(res, nxt)  # same class and reservation: never refused mid-stream
+                cluster = nxt
+        finally:
+            if self.gate is not None:
+                self.gate.release(res)
 
-    def _admit(self, cluster: str, request_id: str, uncached: int, cancelled: threading.Event, context):
+    def _admit(self, cluster: str, req: ValidRequest, key: str, progress: StreamProgress,
+               cancelled: threading.Event, context):
         if self.gate is None:
             return None
-        cls = self.gate.request_class(uncached).name
+        uncached = self.gate.uncached_tokens(key, req.prompt_ids, cluster)
+        cls = self.gate.request_class(uncached)
+        progress.cls = cls.name
         t = time.monotonic()
         try:
-            res = self.gate.admit(cluster, request_id, uncached, cancelled)
-            self.metrics.admission_wait.labels(cls=cls).observe(time.monotonic() - t)
-            return res
+            res = self.gate.admit(cluster, req.request_id, uncached, cancelled, progress.remaining_s, cls)
         except AdmissionRejected as e:
-            self.counters["rejected"] = self.counters.get("rejected", 0) + 1
-            self.metrics.rejections.labels(cls=cls).inc()
-            context.set_trailing_metadata((("retry-after-s", f"{e.retry_after_s:.2f}"),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.message}; retry after {e.retry_after_s:.1f}s")
-
-    def _stream(self, cluster: str, req: ValidRequest, state: "_Progress", context):
-        """Yield the cluster's tokens to the client; True when the request is over, False to fail over."""
-        stub = self._stub(cluster)
-        sampling = req.sampling.with_max_tokens(req.sampling.max_tokens - len(state.streamed)).to_proto()
-        inner = router_pb2.GenerateRequest(request_id=req.request_id, session_id=req.session_id,
-                                           prompt_token_ids=list(req.prompt_ids) + state.streamed, sampling=sampling)
-        try:
-            if stub is None:
-                raise ConnectionError(f"cluster {cluster} has no endpoint")
-            call = stub.Generate(cluster_pb2.ClusterGenerateRequest(request=inner, absolute_offset=len(state.streamed)),
-                                 metadata=sign(self._auth, _CLUSTER_GENERATE, req.request_id),
-                                 timeout=self.timeout_s)
-            context.add_callback(call.cancel)
-            for resp in call:
-                if not state.streamed and not state.failovers:
-                    state.cached = resp.cached_tokens
-                state.streamed += resp.token_ids
-                msg = router_pb2.GenerateResponse(token_ids=resp.token_ids, finish_reason=resp.finish_reason)
-                if self._tok is not None:
-                    msg.text = self._tok.decode(resp.token_ids)
-                if resp.finish_reason:
-                    msg.usage.CopyFrom(router_pb2.Usage(
-                        prompt_tokens=len(req.prompt_ids), cached_tokens=state.cached,
-                        completion_tokens=len(state.streamed), cluster_id=cluster, failovers=state.failovers))
-                    self.view.mark_ok(cluster)
-                    self.counters["completed"] += 1
-                    state.finished = True
-                    yield msg
-                    return True
-                yield msg
-            raise ConnectionError(f"cluster {cluster} ended the stream without finishing")
-        except grpc.RpcError as e:
-            if not context.is_active():
-                return True  # the client went away; its cancel reached the cluster through the callback
-            if e.code() in _PASS_THROUGH:
-                self.counters["failed"] += 1
-                context.abort(e.code(), e.details())
-            log.warning("cluster %s failed request %s: %s %s", cluster, req.request_id, e.code(), e.details())
-        except ConnectionError as e:
-            log.warning("%s", e)
-        return False
+            self.metrics.rejections.labels(cls=cls.name).inc()
+            self._reject(context, e.retry_after_s, f"admission:{e.cluster}/{e.cls}", e.message)
+        self.metrics.admission_wait.labels(cls=cls.name).observe(time.monotonic() - t)
+        progress.started = time.monotonic()  # time to first token is learned from admission on
+        return res
 
     def close(self) -> None:
         self._closed.set()
+        self.watchdog.close()
         if self.gate is not None:
             self.gate.close()
         with self._lock:
@@ -263,12 +334,31 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._channels.clear()
 
 
-def start_router_server(service: RouterService, host: str = "127.0.0.1", port: int = 0,
-                        max_workers: int = 64) -> tuple[grpc.Server, str]:
-    """Serve the router, the standard health service and reflection; returns (server, "host:port")."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-    router_pb2_grpc.add_RouterServicer_to_server(service, server)
+def add_router_servicer(service: RouterService, server: grpc.Server) -> None:
+    """``router_pb2_grpc.add_RouterServicer_to_server`` with tolerant request decoding (wire.py)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=tolerant(router_pb2.GenerateRequest),
+            response_serializer=router_pb2.GenerateResponse.SerializeToString),
+        "ClusterStatus": grpc.unary_unary_rpc_method_handler(
+            service.ClusterStatus, request_deserializer=tolerant(router_pb2.ClusterStatusRequest),
+            response_serializer=router_pb2.ClusterStatusResponse.SerializeToString),
+    }
+    name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+
+
+def start_router_server(service: RouterService, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, str]:
+    """Serve the router, the standard health service and reflection; returns (server, "host:port").
+
+    The pool has ``max_streams`` + HEADROOM_THREADS threads: streams over ``max_streams`` are refused at once
+    with a hint, so calls wait for a thread only as long as those refusals take. gRPC itself refuses calls beyond
+    4x the pool (a backstop against a flood, without a hint)."""
+    workers = service.slots.max_streams + HEADROOM_THREADS
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="router"),
+                         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                         maximum_concurrent_rpcs=4 * workers)
+    add_router_servicer(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health.SERVICE_NAME,
@@ -278,4 +368,5 @@ def start_router_server(service: RouterService, host: str = "127.0.0.1", port: i
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+    service.health = health_servicer
     return server, f"{host}:{bound}"

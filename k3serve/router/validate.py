@@ -1,4 +1,10 @@
-"""Validation of public GenerateRequests: every problem is an INVALID_ARGUMENT naming the field."""
+"""Validation of public GenerateRequests: every problem is an INVALID_ARGUMENT naming the field.
+
+Every repeated or variable-size field has a bound, checked by length *before* any element is looked at, so
+a 4 MB message cannot cost more than a length comparison: prompt_token_ids (the model's context),
+sampling.stop_token_ids (MAX_STOP_TOKEN_IDS), cache_salt (MAX_CACHE_SALT_BYTES), prompt_text (the context, and
+the 4 MB message limit), the ids (128 characters).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from k3serve.contracts.sampling import MAX_TOKENS_LIMIT, SamplingParams
+from k3serve.contracts.sampling import MAX_CACHE_SALT_BYTES, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT, SamplingParams
 from k3serve.tokenizer import ByteTokenizer
 
 _ID = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
@@ -30,6 +36,7 @@ class ValidRequest:
     session_id: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
+    cache_salt: str = ""  # as the client sent it (the router mixes in the tenant before it reaches a cluster)
 
 
 def validate_generate(req, limits: ModelLimits) -> ValidRequest:
@@ -39,6 +46,15 @@ def validate_generate(req, limits: ModelLimits) -> ValidRequest:
         raise InvalidRequest("request_id must be 1-128 characters of [A-Za-z0-9._:@/-]")
     if req.session_id and not _ID.match(req.session_id):
         raise InvalidRequest("session_id must be 1-128 characters of [A-Za-z0-9._:@/-]")
+    if len(req.cache_salt.encode("utf-8")) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequest(f"cache_salt has {len(req.cache_salt.encode('utf-8'))} bytes; at most "
+                             f"{MAX_CACHE_SALT_BYTES} are allowed")
+    n_stop = len(req.sampling.stop_token_ids)
+    if n_stop > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"sampling.stop_token_ids has {n_stop} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+    if len(req.prompt_token_ids) >= limits.max_context:
+        raise InvalidRequest(f"prompt_token_ids has {len(req.prompt_token_ids)} tokens; the model's context is "
+                             f"{limits.max_context}")
     has_ids, has_text = len(req.prompt_token_ids) > 0, bool(req.prompt_text)
     if has_ids == has_text:
         raise InvalidRequest("give exactly one of prompt_token_ids and prompt_text")
@@ -71,4 +87,4 @@ def validate_generate(req, limits: ModelLimits) -> ValidRequest:
     bad_stop = [t for t in s.stop_token_ids if t >= limits.vocab_size]
     if bad_stop:
         raise InvalidRequest(f"sampling.stop_token_ids {bad_stop[:3]} are outside the vocabulary")
-    return ValidRequest(rid, req.session_id, ids, SamplingParams.from_proto(s))
+    return ValidRequest(rid, req.session_id, ids, SamplingParams.from_proto(s), req.cache_salt)

@@ -25,18 +25,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_token_ids", "prompt_text", "sampling")
+    __slots__ = ("request_id", "session_id", "prompt_token_ids", "prompt_text", "sampling", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_text: str
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "cluster_id", "failovers")
@@ -69,7 +71,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("cluster_id", "healthy", "suspect", "endpoint", "running_requests", "inflight_tokens", "prefill_tp", "decode_tp")
+    __slots__ = ("cluster_id", "healthy", "suspect", "endpoint", "running_requests", "inflight_tokens", "prefill_tp", "decode_tp", "pinned_sessions", "pools")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +80,8 @@ class ClusterInfo(_message.Message):
     INFLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TP_FIELD_NUMBER: _ClassVar[int]
     DECODE_TP_FIELD_NUMBER: _ClassVar[int]
+    PINNED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     healthy: bool
     suspect: bool
@@ -86,7 +90,19 @@ class ClusterInfo(_message.Message):
     inflight_tokens: int
     prefill_tp: int
     decode_tp: int
-    def __init__(self, cluster_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., suspect: _Optional[bool] = ..., endpoint: _Optional[str] = ..., running_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., prefill_tp: _Optional[int] = ..., decode_tp: _Optional[int] = ...) -> None: ...
+    pinned_sessions: int
+    pools: _containers.RepeatedCompositeFieldContainer[PoolUsage]
+    def __init__(self, cluster_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., suspect: _Optional[bool] = ..., endpoint: _Optional[str] = ..., running_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., prefill_tp: _Optional[int] = ..., decode_tp: _Optional[int] = ..., pinned_sessions: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolUsage, _Mapping]]] = ...) -> None: ...
+
+class PoolUsage(_message.Message):
+    __slots__ = ("name", "used", "capacity")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    used: int
+    capacity: int
+    def __init__(self, name: _Optional[str] = ..., used: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class ClassStatus(_message.Message):
     __slots__ = ("name", "inflight_tokens", "inflight_requests", "queued", "rejected")

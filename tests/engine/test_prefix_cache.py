@@ -59,9 +59,9 @@ class Sim:
             got = self.slots.alloc()
         return got
 
-    def prefill(self, tokens, session, rid=None, boundaries=None, keep=False):
+    def prefill(self, tokens, session, rid=None, boundaries=None, keep=False, salt=""):
         """lookup -> copy checkpoint -> prefill the rest -> register; returns (hit, rejected) or None if full."""
-        hit = self.cache.lookup(tokens)
+        hit = self.cache.lookup(tokens, salt)
         self.check_hit(tokens, hit)
         slot = self._alloc_slot()
         fresh = self._alloc_pages(-(-len(tokens) // PS) - len(hit.pages)) if slot is not None else None
@@ -84,7 +84,7 @@ class Sim:
             if s is not None:
                 self.slot_prefix[s] = tuple(tokens[:b])
                 ckpts[b] = s
-        rejected = self.cache.register(tokens, pages, ckpts, session)
+        rejected = self.cache.register(tokens, pages, ckpts, session, salt)
         assert set(rejected) <= set(ckpts.values())
         assert not any(self.slots.is_used(s) for s in rejected), "rejected slots are freed by the cache"
         rid = object() if rid is None else rid
@@ -494,3 +494,18 @@ def test_randomised_sessions_keep_invariants(seed, scheme):
         sim.finish(rid)
     sim.cache.clear()
     assert sim.full()
+
+
+# ---- issue 19 #10: tenant isolation ----------------------------------------------------------------------
+def test_prefixes_are_shared_only_under_the_same_tenant_salt():
+    from k3serve.engine.block_hash import salted_seed
+
+    assert salted_seed(7, "") == 7  # the unsalted cache is the old one
+    sim = Sim()
+    system = toks(2 * BS, 1000)
+    sim.prefill(system + toks(5, 1), "a", salt="tenant-a")
+    other, _ = sim.prefill(system + toks(6, 50), "b", salt="tenant-b")
+    unsalted, _ = sim.prefill(system + toks(7, 60), "c")
+    same, _ = sim.prefill(system + toks(8, 70), "d", salt="tenant-a")
+    assert other.num_tokens == 0 and unsalted.num_tokens == 0  # another tenant's prefix is never a hit
+    assert same.num_tokens == 2 * BS  # within a tenant it is

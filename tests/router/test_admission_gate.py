@@ -47,3 +47,35 @@ def test_disabled_gate_admits_everything(rclient, ns):
         assert g.admit("c0", "x", 10**6) is None and g.admit("c0", "y", 10**6) is None
     finally:
         g.close()
+
+
+# ---- issue 19 #3: the estimate uses the serving cluster and the engine's own policy --------------------------
+def test_an_exact_repeat_is_estimated_as_the_engine_computes_it(gate):
+    prompt = list(range(1024))
+    gate.record_prompt("s:r", prompt, "c0")
+    # the only checkpoint is at 1024 and a hit must stop strictly before the prompt's end: all 1024 recomputed
+    assert gate.uncached_tokens("s:r", prompt, "c0") == 1024
+    assert gate.uncached_tokens("s:r", prompt + [5], "c0") == 1  # one more token: the 1024 checkpoint serves
+
+
+def test_the_estimate_is_for_the_cluster_that_will_serve(gate):
+    turn1 = [3] * 10_000
+    gate.record_prompt("s:m", turn1, "c0")
+    turn2 = turn1 + [4] * 200
+    assert gate.uncached_tokens("s:m", turn2, "c0") == 10_200 - 9728  # warm where it ran
+    assert gate.uncached_tokens("s:m", turn2, "c1") == 10_200  # the pin moved: cold there
+    assert gate.request_class(gate.uncached_tokens("s:m", turn2, "c1")).name == "long"
+
+
+def test_the_estimate_follows_the_engine_policy_not_a_constant(rclient, ns):
+    from k3serve.cluster.deploy import ClusterSpec
+
+    policy = ClusterSpec(prefix_scheme="naive").prefix_policy()  # the object the engine is built with
+    g = AdmissionGate(rclient, ns, CLASSES, policy=policy)
+    try:
+        assert g.block_size == policy.block_size == 4096
+        turn1 = [1] * 6000
+        g.record_prompt("s:n", turn1, "c0")
+        assert g.uncached_tokens("s:n", turn1 + [2] * 100, "c0") == 6100 - 4096  # naive: checkpoints every 4096
+    finally:
+        g.close()

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ClusterGenerateRequest(_message.Message):
-    __slots__ = ("request", "absolute_offset")
+    __slots__ = ("request", "absolute_offset", "cache_salt")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     ABSOLUTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request: _router_pb2.GenerateRequest
     absolute_offset: int
-    def __init__(self, request: _Optional[_Union[_router_pb2.GenerateRequest, _Mapping]] = ..., absolute_offset: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request: _Optional[_Union[_router_pb2.GenerateRequest, _Mapping]] = ..., absolute_offset: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ClusterGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "cached_tokens")

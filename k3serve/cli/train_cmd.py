@@ -1,0 +1,49 @@
+"""``k3serve train target``: pretrain a preset on a local corpus (default: the Python stdlib's sources)."""
+
+from __future__ import annotations
+
+import typer
+
+from k3serve.cli.output import emit
+
+app = typer.Typer(help="Train models at tiny scale (progress bar, loss-curve PNG, serving checkpoint).",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+
+
+@app.command("target")
+def target(
+    preset_name: str = typer.Option("tiny", "--preset", help="Model preset to train from scratch."),
+    corpus: str = typer.Option("", "--corpus", help="Directory or text file; default: the stdlib's *.py."),
+    out: str = typer.Option(..., "--out", help="Output dir: the serving checkpoint, train state, PNG, log."),
+    minutes: float = typer.Option(None, "--minutes", help="Budget in training minutes (eval/saving excluded)."),
+    steps: int = typer.Option(None, "--steps", help="Budget in optimizer steps (reproducible)."),
+    seed: int = typer.Option(0, "--seed", help="Initial weights and batch order."),
+    batch: int = typer.Option(8, "--batch", help="Windows per step."),
+    context: int = typer.Option(256, "--context", help="Tokens per training window."),
+    lr: float = typer.Option(3e-3, "--lr", help="Peak AdamW learning rate (warm-up, then cosine to 10%)."),
+    warmup: int = typer.Option(30, "--warmup", help="Warm-up steps."),
+    eval_every: float = typer.Option(60.0, "--eval-every", help="Held-out eval every N training seconds."),
+    eval_tokens: int = typer.Option(8192, "--eval-tokens", help="Held-out tokens per periodic eval."),
+    threads: int = typer.Option(0, "--threads", help="torch threads (0: torch's default)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Pretrain from scratch with AdamW; MoE biases by K3's quantile update; eval, checkpoints, curves."""
+    import torch
+
+    from k3serve.model.config import ConfigError
+    from k3serve.model.presets import preset
+    from k3serve.train.corpus import CorpusError
+    from k3serve.train.loop import TrainConfig, TrainError, run_training
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        cfg = TrainConfig(preset(preset_name), preset_name, out, corpus or None, steps, minutes, seed, batch,
+                          context, lr, warmup, eval_every_s=eval_every, eval_tokens=eval_tokens, resume=resume)
+        result = run_training(cfg, progress=not quiet)
+    except (TrainError, CorpusError, ConfigError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    emit({"out": result.out, **result.summary}, as_json)

@@ -1,0 +1,49 @@
+"""The router's bound on concurrent Generate streams, so that no request waits in a hidden queue.
+
+gRPC's thread pool serves one stream per thread, and a request that waits for admission waits on its thread
+too. Without a bound, streams beyond the pool queue invisibly inside gRPC, and health checks and status queue
+behind them. So the server runs ``max_streams`` + headroom threads (the headroom keeps health, status and quick
+rejections answering), and a stream over ``max_streams`` is refused at once with RESOURCE_EXHAUSTED and a
+retry-after: when its streams are expected to have freed slots (see ``retry_after_s``), or when the admission
+budget the request would join is expected to have room, whichever is later (server.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from k3serve.router.progress import StreamProgress
+
+MIN_HINT_S = 0.05
+
+
+class StreamSlots:
+    def __init__(self, max_streams: int) -> None:
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {max_streams}")
+        self.max_streams = max_streams
+        self._lock = threading.Lock()
+        self._active: set[StreamProgress] = set()
+
+    def try_acquire(self, progress: StreamProgress) -> bool:
+        with self._lock:
+            if len(self._active) >= self.max_streams:
+                return False
+            self._active.add(progress)
+            return True
+
+    def release(self, progress: StreamProgress) -> None:
+        with self._lock:
+            self._active.discard(progress)
+
+    def active(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    def retry_after_s(self) -> float:
+        """When slots are expected to free: the median expected end among this router's streams. Not the
+        soonest: the first slot to free goes to whichever client comes back first, and a full router has many
+        refused clients; by the median end half of the slots are free."""
+        with self._lock:
+            active = sorted(p.remaining_s() for p in self._active)
+        return max(active[len(active) // 2] if active else 0.0, MIN_HINT_S)

@@ -1,0 +1,38 @@
+"""Who a request belongs to, for the prefix cache: the tenant salt and the cache identity (session) on a cluster.
+
+* Salt. With API keys configured the tenant is its key: ``HMAC(deployment secret, key)``; a request may add
+  ``cache_salt`` to split its tenant further (e.g. per end user). The cluster mixes the salt into the block-hash
+  seed (engine/block_hash.salted_seed), so prefixes are shared, and ``usage.cached_tokens`` can be non-zero,
+  only between requests of one (tenant, cache_salt): no tenant can probe another's prompts by their hits or
+  timing. Without API keys and without ``cache_salt`` the salt is empty: one shared cache (the old behaviour).
+* Cache identity. The cluster budgets KDA checkpoints per session id. A request without a session id gets its
+  routing key (the hash of its first prompt block), so every anonymous conversation has a budget of its own
+  instead of all sharing the empty id. The identity carries the salt's head, so two tenants that pick one
+  session id neither share a pin nor a checkpoint budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from k3serve.router.hashing import session_key
+
+SALT_HEX = 32  # hex characters of the salt sent to clusters (128 bits)
+_SCOPE_HEX = 16  # of which the cache identity carries this many
+
+
+def tenant_salt(secret: str, api_key: str, cache_salt: str) -> str:
+    """The salt of a request: '' when there is neither a tenant (no API keys) nor a ``cache_salt``."""
+    if not api_key and not cache_salt:
+        return ""
+    tenant = hmac.new(secret.encode(), b"tenant:" + api_key.encode(), hashlib.sha256).digest() if api_key else b""
+    return hashlib.sha256(tenant + b"\x00" + cache_salt.encode("utf-8")).hexdigest()[:SALT_HEX]
+
+
+def cache_identity(session_id: str, prompt_ids, salt: str, block_size: int) -> str:
+    """The routing key (pins, HRW) and the session id the cluster budgets checkpoints under.
+
+    '#' never occurs in a session id (validate.py), so a scoped key never equals an unscoped one."""
+    key = session_key(session_id, prompt_ids, block_size)
+    return f"{key}#{salt[:_SCOPE_HEX]}" if salt else key

@@ -1,0 +1,167 @@
+"""Shutdown drains: SIGTERM of `k3serve serve`, and `ray job stop` of a submitted serve job.
+
+Both run a real deployment in another process (its own Ray), start 8 streaming requests, signal once every
+stream has its first token, and require: health NOT_SERVING and new requests UNAVAILABLE while draining, all 8
+streams complete with the reference tokens, the drain message printed, a clean exit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from live_clients import check_refused_while_draining, prompt, start_streams, wait_for_file, write_deploy
+from k3serve.contracts.sampling import SamplingParams
+from k3serve.model.reference import reference_generate
+
+MAX_TOKENS = 48
+BIN = Path(sys.executable).parent
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _streams(address: str, tag: str):
+    prompts = [prompt(30 + 7 * i, 500 + i) for i in range(8)]
+    streams = start_streams(address, prompts, MAX_TOKENS, tag)
+    for s in streams:
+        assert s.first.wait(120), "a stream got no first token"
+    return prompts, streams
+
+
+_REFERENCE: dict[tuple[int, ...], list[int]] = {}  # both tests send the same prompts: compute once
+
+
+def _reference(model, prompts):
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    for p in prompts:
+        if tuple(p) not in _REFERENCE:
+            _REFERENCE[tuple(p)] = reference_generate(model, p, params).token_ids
+    return [_REFERENCE[tuple(p)] for p in prompts]
+
+
+def _check_complete(streams, want) -> None:
+    for s in streams:
+        assert s.done.wait(120)
+    for s, w in zip(streams, want):
+        assert s.error is None, (s.error, s.details)
+        assert s.finish_reason == "length" and s.tokens == w
+
+
+def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path, tiny_ckpt, tiny_model):
+    deploy = write_deploy(tmp_path / "deploy.yaml", tiny_ckpt)
+    ep = tmp_path / "endpoints.json"
+    out = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([str(BIN / "k3serve"), "serve", "--config", str(deploy), "--endpoints-file", str(ep)],
+                            stdout=out, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+    try:
+        info = wait_for_file(ep, 240, alive=lambda: proc.poll() is None)
+        prompts, streams = _streams(info["routers"][0], "sigterm")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert check_refused_while_draining(info["routers"][0], streams)
+        _check_complete(streams, _reference(tiny_model, prompts))
+        rc = proc.wait(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out.seek(0)
+    log = out.read()
+    assert rc == 0, log[-3000:]
+    assert "SIGTERM: draining" in log and "8 stream(s) were in flight, 0 cut" in log, log[-3000:]
+    print(f"SIGTERM -> exit 0 in {took:.1f} s; {log.strip().splitlines()[-1]}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(d.name))
+            except OSError:  # gone meanwhile
+                pass
+    return pids
+
+
+def _kill_ray_session(temp_dir: Path) -> None:
+    """Stop the Ray head this test started, and only it (`ray stop` would stop every Ray on the machine):
+    its processes are the ones whose command line names its temp dir."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in _pids_mentioning(str(temp_dir)):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while _pids_mentioning(str(temp_dir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+@pytest.mark.skipif(shutil.which("ray", path=str(BIN)) is None, reason="no ray CLI in this environment")
+def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, tiny_model):
+    # short temp dir: Ray's socket paths must fit in 107 bytes
+    temp_dir = Path(f"/tmp/k3t-{os.getpid()}-{time.monotonic_ns() % 10**6}")
+    dash = f"http://127.0.0.1:{(port := _free_port())}"
+    # the job supervisor SIGKILLs a stopped job after RAY_JOB_STOP_WAIT_TIME_S (3 s by default): it must
+    # exceed the deployment's drain_timeout_s, or in-flight streams are cut
+    head_env = _env(RAY_AUTH_MODE="token", RAY_JOB_STOP_WAIT_TIME_S="150")
+    ray = str(BIN / "ray")
+    started = subprocess.run([ray, "start", "--head", "--port=0", "--node-ip-address=127.0.0.1", "--num-cpus=4",
+                              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={port}",
+                              f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+                             env=head_env, capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    cli_env = _env(RAY_AUTH_MODE="token", RAY_API_SERVER_ADDRESS=dash)
+    job = f"k3serve-drain-{os.getpid()}"
+    try:
+        deploy = write_deploy(tmp_path / "deploy.yaml", tiny_ckpt)
+        ep = tmp_path / "endpoints.json"
+        sub = subprocess.run([ray, "job", "submit", "--no-wait", "--submission-id", job, "--",
+                              "env", "OMP_NUM_THREADS=1", str(BIN / "k3serve"), "serve", "--config", str(deploy),
+                              "--endpoints-file", str(ep)], env=cli_env, capture_output=True, text=True, timeout=120)
+        assert sub.returncode == 0, sub.stdout[-2000:] + sub.stderr[-2000:]
+        info = wait_for_file(ep, 240)
+        prompts, streams = _streams(info["routers"][0], "rayjob")
+        t0 = time.monotonic()
+        stop = subprocess.Popen([ray, "job", "stop", job], env=cli_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        assert check_refused_while_draining(info["routers"][0], streams)
+        _check_complete(streams, _reference(tiny_model, prompts))
+        stop_out, _ = stop.communicate(timeout=180)
+        took = time.monotonic() - t0
+        assert stop.returncode == 0, stop_out
+        logs = subprocess.run([ray, "job", "logs", job], env=cli_env, capture_output=True, text=True,
+                              timeout=60).stdout
+        status = subprocess.run([ray, "job", "status", job], env=cli_env, capture_output=True, text=True,
+                                timeout=60)
+        assert "was stopped" in (status.stdout + status.stderr).lower()
+        assert "SIGTERM: draining" in logs and "8 stream(s) were in flight, 0 cut" in logs, logs[-3000:]
+        # stopped by the drain, not force-killed at the supervisor's deadline
+        sup_logs = "".join(p.read_text(errors="replace") for p in temp_dir.glob("session_*/logs/**/*job*")
+                           if p.is_file())
+        assert "force-killed" not in sup_logs
+        print(f"ray job stop -> stopped in {took:.1f} s; drained: "
+              f"{[ln for ln in logs.splitlines() if 'drained in' in ln]}")
+    finally:
+        _kill_ray_session(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
