@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from k3serve.router.admission import HINT_LATENESS
+from k3serve.router.retry_hint import HINT_LATENESS
 from k3serve.router.progress import StreamProgress
 
 MIN_HINT_S = 0.05
@@ -47,5 +47,5 @@ class StreamSlots:
         refused clients; by the median end half of the slots are free."""
         with self._lock:
             active = sorted(p.remaining_s() for p in self._active)
-        # scaled late like admission's hints (HINT_LATENESS, router/admission.py): the estimates run early in a burst
+        # scaled late like admission's hints (HINT_LATENESS, router/retry_hint.py): the estimates run early in a burst
         return max(active[len(active) // 2] * HINT_LATENESS if active else 0.0, MIN_HINT_S)

@@ -1,0 +1,44 @@
+"""The retry-after rule: when a refused request would fit its (cluster, class) budget, from the holders' published
+expected ends and the waiters ahead (used by admission.py's rejections and, for its factor, slots.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# The holders' published ends are estimates made before the burst that refuses a request; measured under a 200-stream
+# burst on 2 cores (tests/cluster/test_router_live.py), real waits ran 1.15-2.1x the raw estimate (hint/wait
+# 0.48-0.87 in a clean CI run, 0.59-1.39 in others), so hints are scaled by this factor: late, never early.
+HINT_LATENESS = 1.25
+
+
+def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, queued_tokens: int, tokens: int,
+                 budget: int, max_concurrent: int, round_s: float = 0.0) -> float:
+    """Seconds until a request of ``tokens`` would fit one (cluster, class), if the holders (tokens, expected end
+    ms) end when expected and the ``queued`` waiters ahead (``queued_tokens`` in all) get in first.
+
+    The holders release in order of expected end; the answer is the first release after which the admission rule
+    (``fits``) holds for the waiters ahead plus this request. If it never does (the waiters ahead cannot all run
+    at once), they run after the holders in FIFO rounds (as many as fit; each waiter taken as the mean of
+    ``queued_tokens``), each round as long as ``round_s`` (a whole request's expected duration: waiters start
+    from scratch; 0: the holders' mean remaining time), and the answer is the start of the round this request
+    joins.
+    """
+    ordered = sorted(holders, key=lambda h: h[1])
+    count, held = len(ordered), sum(t for t, _ in ordered)
+    for k in range(count + 1):
+        end = now_ms if k == 0 else ordered[k - 1][1]
+        c, s = count - k, held - sum(t for t, _ in ordered[:k])
+        if c + queued == 0 or (s + queued_tokens + tokens <= budget and c + queued < max_concurrent):
+            return max(end - now_ms, 0) / 1000.0
+    last = max(ordered[-1][1] - now_ms, 0) if ordered else 0
+    mean = round_s * 1000.0 if round_s > 0 else (sum(max(e - now_ms, 0) for _, e in ordered) / count if count else 0.0)
+    each = queued_tokens / queued if queued else 0.0
+    sizes = [each] * queued + [float(tokens)]
+    rounds, i = 0, 0
+    while True:  # FIFO rounds; the first waiter of a round always gets in (it would run alone)
+        used, n = sizes[i], 1
+        while i + n < len(sizes) and n < max_concurrent and used + sizes[i + n] <= budget:
+            used, n = used + sizes[i + n], n + 1
+        if i + n >= len(sizes):
+            return (last + rounds * mean) / 1000.0
+        i, rounds = i + n, rounds + 1
