@@ -7,43 +7,12 @@ the machine inflates them less; the thread count is reported with them.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
+from k3serve.kernels.flops import CHUNK, best_time, chunk_flops, matmul_gflops  # noqa: F401 (re-exported)
 from k3serve.kernels.gate import kda_gate
 from k3serve.kernels.kda import chunk_kda, recurrent_kda
-
-CHUNK = 32   # chunk_kda_torch's default chunk size (chosen by measurement, docs/profile.md), used in the FLOP model
-
-
-def _best_time(fn, repeats: int) -> float:
-    fn()                                    # warm-up (allocator, first-call overheads)
-    best = float("inf")
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
-    """Achieved fp32 GFLOP/s of one n x n x n torch.mm on this machine (best of repeats)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2.0 * n**3 / _best_time(lambda: torch.mm(a, b), repeats) / 1e9
-
-
-def chunk_flops(B: int, T: int, H: int, K: int, V: int, C: int = CHUNK) -> float:
-    """Matmul-equivalent FLOPs of chunk_kda_torch (elementwise work ignored).
-
-    Per chunk and head: scores [2C, K] x [K, C] over the sub-chunks (4 C^2 K), the unit
-    triangular inverse (~C^3), (I+L)^-1 [K | V] (2 C^2 (K+V)), and the state pass:
-    [W; Q e^G] S (4 C K V), K_d^T V_n (2 C K V), Aqk V_n (2 C^2 V).
-    """
-    chunks = B * H * -(-T // C)
-    per = 4 * C * C * K + C**3 + 2 * C * C * (K + V) + 6 * C * K * V + 2 * C * C * V
-    return float(chunks * per)
 
 
 def _inputs(B, T, H, K, lower_bound, seed=0):
@@ -62,7 +31,7 @@ def _chunk_only(T: int, H: int, K: int, repeats: int, mm: float) -> dict:
     """Chunked KDA alone at head size K (V = K): tokens/s and the fraction of the matmul ceiling `mm`."""
     q, k, v, g, beta = _inputs(1, T, H, K, lower_bound=-5.0)
     kw = dict(scale=1.0, output_final_state=True, backend="torch")
-    t_chunk = _best_time(lambda: chunk_kda(q, k, v, g, beta, **kw), repeats)
+    t_chunk = best_time(lambda: chunk_kda(q, k, v, g, beta, **kw), repeats)
     flops = chunk_flops(1, T, H, K, K)
     return {"K": K, "chunk_tokens_per_s": T / t_chunk, "chunk_seconds": t_chunk, "chunk_flops": flops,
             "chunk_gflops": flops / t_chunk / 1e9, "chunk_achieved_fraction": flops / t_chunk / 1e9 / mm}
@@ -83,10 +52,10 @@ def run_kernel_bench(T: int = 4096, H: int = 4, K: int = 64, repeats: int = 3) -
     B, V = 1, K
     q, k, v, g, beta = _inputs(B, T, H, K, lower_bound=-5.0)
     kw = dict(scale=1.0, output_final_state=True, backend="torch")
-    t_chunk = _best_time(lambda: chunk_kda(q, k, v, g, beta, **kw), repeats)
-    t_rec = _best_time(lambda: recurrent_kda(q, k, v, g, beta, **kw), repeats)
+    t_chunk = best_time(lambda: chunk_kda(q, k, v, g, beta, **kw), repeats)
+    t_rec = best_time(lambda: recurrent_kda(q, k, v, g, beta, **kw), repeats)
     g_kl = _inputs(B, T, H, K, lower_bound=None)[3]
-    t_chunk_kl = _best_time(lambda: chunk_kda(q, k, v, g_kl, beta, **kw), repeats)
+    t_chunk_kl = best_time(lambda: chunk_kda(q, k, v, g_kl, beta, **kw), repeats)
 
     mm = matmul_gflops()
     flops = chunk_flops(B, T, H, K, V)

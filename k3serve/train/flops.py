@@ -8,7 +8,7 @@ values against the whole window as computed (the T x T block is masked, not skip
 
 from __future__ import annotations
 
-from k3serve.bench.kernels import chunk_flops
+from k3serve.kernels.flops import chunk_flops
 from k3serve.kernels.kda_autograd import CHUNK
 from k3serve.model.config import ModelConfig
 from k3serve.model.names import SplitKind, checkpoint_specs

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from k3serve.bench.kernels import matmul_gflops
+from k3serve.kernels.flops import matmul_gflops
 from k3serve.model.checkpoint import CheckpointReader, load_config, save_checkpoint
 from k3serve.model.config import ModelConfig
 from k3serve.model.names import checkpoint_specs
