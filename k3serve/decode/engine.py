@@ -23,7 +23,7 @@ from k3serve.contracts.channel import StateChannel, StateInstallError
 from k3serve.decode import speculative as spec
 from k3serve.engine.ops import DecodeBatch, PoolConfig
 from k3serve.engine.spec.config import SpecConfig, make_drafter
-from k3serve.engine.spec.drafter import DraftSession, VerifyOutcome
+from k3serve.engine.spec.drafter import Drafter, DraftSession, VerifyOutcome
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.requests import RequestFailure, TokenEvent
 from k3serve.model.sampling import is_stop, sample_token
@@ -81,9 +81,10 @@ class RequestTimings:
 
 class DecodeEngine:
     def __init__(self, cfg: ModelConfig, executor: Executor, config: DecodeConfig,
-                 channel: StateChannel | None = None) -> None:
+                 channel: StateChannel | None = None, drafter: Drafter | None = None) -> None:
         """channel: how handoffs' state reaches this group's pools (the same channel the prefill group
-        exports through); default in-process (state inline in the ticket)."""
+        exports through); default in-process (state inline in the ticket).
+        drafter: the drafting method when config.speculative is set (default: the one it names)."""
         self.cfg, self.executor, self.config = cfg, executor, config
         self.channel: StateChannel = channel or InProcessChannel()
         self.slots = SlotAllocator(config.pools.kda_slots)
@@ -92,7 +93,9 @@ class DecodeEngine:
         self.running: dict[str, _Decoding] = {}
         self.failures: list[RequestFailure] = []
         self.timings: dict[str, RequestTimings] = {}
-        self.drafter = make_drafter(config.speculative, cfg) if config.speculative is not None else None
+        if config.speculative is not None and drafter is None:
+            drafter = make_drafter(config.speculative, cfg)
+        self.drafter = drafter if config.speculative is not None else None
         self.spec_usage = spec.SpecUsage()  # summed over every request this engine served (Prometheus)
 
     # ------------------------------------------------------------------------------------------ intake
