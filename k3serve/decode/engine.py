@@ -97,6 +97,7 @@ class DecodeEngine:
             drafter = make_drafter(config.speculative, cfg)
         self.drafter = drafter if config.speculative is not None else None
         self.spec_usage = spec.SpecUsage()  # summed over every request this engine served (Prometheus)
+        self.records_in_use = 0  # record buffers held by the verify in flight (they live for one bucket)
 
     # ------------------------------------------------------------------------------------------ intake
     def speculates(self, h: Handoff) -> bool:
@@ -224,6 +225,7 @@ class DecodeEngine:
     def _spec_step(self, bucket: list[spec.Draft]) -> list[TokenEvent]:
         runs = [d.run for d in bucket]
         layers = tuple(self.drafter.feature_layers)
+        self.records_in_use = len(bucket)
         try:
             logits, features = self.executor.run(spec.verify_ops(bucket, layers))[0]
             with record_function(SAMPLING_LABEL):
@@ -232,6 +234,8 @@ class DecodeEngine:
         except OpFailed as e:
             self._fail_batch(runs, "speculative step", e)
             return []
+        finally:
+            self.records_in_use = 0
         events = []
         for i, (d, acc) in enumerate(zip(bucket, accs)):
             d.run.usage.add(len(d.proposal.tokens), acc.accepted)
