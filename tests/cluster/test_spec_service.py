@@ -1,6 +1,6 @@
 """Speculative decoding through the service (issue #12 acceptance 2): a 2-cluster deployment of the trained
 tiny preset with ``clusters.speculative: ngram, k=3``; greedy and seeded outputs through a router equal the
-single-process reference, status reports the drafts, and a cluster-kill drill loses no request and changes no
+single-process reference, usage and status report the drafts, and a cluster-kill drill loses no request and changes no
 token (the survivor resumes with the same (seed, position) keyed sampling)."""
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def test_speculative_outputs_equal_reference_and_status_counts_drafts(spec_deplo
                                   timeout=120))
         tokens = [t for m in msgs for t in m.token_ids]
         assert tokens == reference_generate(model, prompt, SamplingParams.from_proto(sp)).token_ids
+        u = msgs[-1].usage  # usage reports the drafts
+        assert u.verify_steps > 0 and u.drafted_tokens >= u.accepted_tokens and u.drafted_tokens >= u.verify_steps
     status = stub.ClusterStatus(pb.ClusterStatusRequest())
     accepted = [p for c in status.clusters for p in c.pools if p.name == "decode.spec_accepted"]
     assert accepted and sum(p.capacity for p in accepted) > 0  # drafts were verified on the serving cluster
