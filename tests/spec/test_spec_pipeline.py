@@ -17,8 +17,8 @@ from k3serve.model.reference import reference_generate
 
 from tests.spec.drafters import ScriptedDrafter
 
-GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-SEEDED = SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=10, ignore_eos=True)
 
 
 def _prompt(n: int, seed: int, repeat: bool) -> tuple[int, ...]:
