@@ -32,7 +32,6 @@ from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
 from k3serve.engine.spec.config import SpecConfig
-from k3serve.kernels.kda_spec import record_floats
 from k3serve.model.checkpoint import load_config
 from k3serve.model.presets import write_preset_checkpoint
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
@@ -67,7 +66,7 @@ def memory_report(kda_layers: int, kda_heads: int, head_dim: int, conv_kernel: i
     heads = kda_heads // tp
     block = head_dim * head_dim + 3 * (conv_kernel - 1) * head_dim
     state = kda_layers * heads * block * 4
-    records = kda_layers * heads * (k + 1) * record_floats(head_dim) * 4
+    records = PoolConfig.record_slot_bytes(kda_layers, heads, head_dim, k + 1)  # what the record pool holds
     records_bf16 = kda_layers * heads * (k + 1) * (5 * head_dim * 2 + head_dim * 4)
     snapshots = (k + 1) * state
     return {"k": k, "state_bytes": state, "snapshot_per_draft_bytes": snapshots, "records_bytes": records,
