@@ -77,3 +77,22 @@ def test_per_class_switch_mixes_plain_and_speculative(tiny_ckpt, cases):
         outs = _check(pipe, cases)
     for rid, prompt, _, _ in cases:
         assert (outs[rid].verify_steps > 0) == (len(prompt) > 40), rid
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(tiny_ckpt, tiny_model, cases):
+    _, prompt, _, want = cases[0]
+    stop = SamplingParams(max_tokens=10, stop_token_ids=(want[4],), ignore_eos=True)
+    ref = reference_generate(tiny_model, list(prompt), stop).token_ids  # ends at the first want[4]
+    drafter = ScriptedDrafter({prompt: want[1:]}, wrong_every=0)  # all drafts right: the stop is mid-window
+    with LocalPipeline(tiny_ckpt, speculative=SpecConfig(num_draft_tokens=7), drafter=drafter) as pipe:
+        out = pipe.generate([PrefillRequest("stop", prompt, stop)])["stop"]
+        assert pipe.decode.slots.num_used == 0 and pipe.decode.pages.num_used == 0
+    assert out.token_ids == ref and out.finish_reason == "stop"
+
+
+def test_draft_limit_keeps_the_budget_and_the_context():
+    from k3serve.decode.speculative import draft_limit
+
+    assert draft_limit(generated=3, max_tokens=10, position=50, max_positions=4096, k=7) == 6  # 6 + 1 = 7 left
+    assert draft_limit(generated=9, max_tokens=10, position=50, max_positions=4096, k=7) == 0
+    assert draft_limit(generated=1, max_tokens=99, position=90, max_positions=95, k=7) == 3  # last position 94
