@@ -31,7 +31,7 @@ from k3serve.transfer.buffers import RegionBuffers
 from k3serve.transfer.chunks import KDA, MLA, ChunkRef
 from k3serve.transfer.mooncake.plane import DataPlane, DataPlaneError
 from k3serve.transfer.receiver import OPEN, PUSH
-from k3serve.transfer.sender import SenderConfig, SendSession, TransferSender
+from k3serve.transfer.sender import SenderConfig, SendSession, TransferFailed, TransferSender
 from k3serve.transfer.staging import INSTALLED, VERIFIED
 from k3serve.transfer.v1 import transfer_pb2 as pb
 from k3serve.transfer.wire import STATE_CODES, chunk_header, digest_crcs, encode
@@ -91,21 +91,24 @@ class MooncakeSender(TransferSender):
 class LandingSession(SendSession):
     def __init__(self, sender: MooncakeSender, spec, kda: torch.Tensor, mla: torch.Tensor) -> None:
         self._owned: list[torch.Tensor] = []
+        self.sender = sender
         try:
-            kda, mla = self._in_region(sender.region, kda), self._in_region(sender.region, mla)
+            kda, mla = self._in_region(spec, kda), self._in_region(spec, mla)
             super().__init__(sender, spec, kda, mla)  # validates shapes, starts the stream threads
         except BaseException:
             self._release()
             raise
         self._src = {KDA: kda.data_ptr(), MLA: mla.data_ptr()}
 
-    def _in_region(self, region: RegionBuffers, t: torch.Tensor) -> torch.Tensor:
+    def _in_region(self, spec, t: torch.Tensor) -> torch.Tensor:
+        region = self.sender.region
         base, end = region.base, region.base + region.size
         if t.is_contiguous() and base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end:
             return t  # already registered memory: no copy
         out = region.alloc(tuple(t.shape), t.dtype)
         if out is None:
-            raise DataPlaneError(f"send region full: no room for {t.numel() * t.element_size()} bytes")
+            raise TransferFailed(spec.transfer_id, "RESOURCE_EXHAUSTED", f"send region full: no room for "
+                                 f"{t.numel() * t.element_size()} bytes (mooncake.send_bytes {region.size})")
         self._owned.append(out)
         out.copy_(t)
         return out
