@@ -37,3 +37,16 @@ def test_long_step_tokens_defaults_to_the_step_budget(tmp_path):
 def test_short_secret_is_refused(tmp_path):
     with pytest.raises(DeployError, match="secret must be at least 16"):
         load_deploy(_write(tmp_path, "secret: short\n"))
+
+
+def test_transfer_planes_and_the_mooncake_section(tmp_path):
+    cfg = load_deploy(Path(__file__).resolve().parents[2] / "configs" / "mooncake.yaml")
+    assert cfg.clusters.transfer == "mooncake"
+    mc = cfg.clusters.mooncake.config()
+    assert (mc.protocol, mc.metadata, mc.staging_bytes) == ("tcp", "P2PHANDSHAKE", 64 << 20)
+    with pytest.raises(DeployError, match="clusters.transfer must be one of grpc, mooncake, object_store"):
+        load_deploy(_write(tmp_path, "clusters: {transfer: nixl}\n"))
+    with pytest.raises(DeployError, match="mooncake.protocol"):
+        load_deploy(_write(tmp_path, "clusters: {transfer: mooncake, mooncake: {protocol: udp}}\n"))
+    with pytest.raises(DeployError, match=r"unknown key deploy\.clusters\.mooncake\.region"):
+        load_deploy(_write(tmp_path, "clusters: {mooncake: {region: 5}}\n"))
