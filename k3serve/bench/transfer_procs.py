@@ -140,8 +140,10 @@ def _sender_main(conn) -> None:
     def load_registered(key: str, kda: torch.Tensor, mla: torch.Tensor, mc: MooncakeConfig) -> None:
         """Like load, but into the registered send region (a prefill rank exporting into registered memory)."""
         _, region = plane(mc)
-        for t in registered.pop(key, ()):
-            region.release(t, False)
+        for old in list(registered):  # one registered state at a time (the bench runs one pair at a time)
+            for t in registered.pop(old):
+                region.release(t, False)
+            states.pop(old, None)
         states[key] = registered[key] = tuple(_into(region, t) for t in (kda, mla))
 
     def mooncake_send(job: SendJob, targets: list[tuple[str, int, int]]) -> None:
