@@ -4,6 +4,7 @@ receivers / senders. Greedy decode after the transfer equals the single-process 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -93,10 +94,55 @@ def test_engines_over_mooncake_install_the_reshard_and_decode_like_the_reference
         prefill_ex.close()
 
 
-def _send_procs(procs, jobs):
-    for proc, job in zip(procs, jobs):
-        proc.post("send", job)
-    return [proc.wait(60) for proc in procs]
+@pytest.fixture(scope="module")
+def local():
+    """In-process data planes: local.receiver(rank, d) and local.send(...) in a thread; closed after the module."""
+    from k3serve.transfer.buffers import RegionBuffers
+    from k3serve.transfer.mooncake.plane import DataPlane
+    from k3serve.transfer.receiver import TransferReceiver
+
+    class Local:
+        def __init__(self) -> None:
+            self.plane, self.region = DataPlane(MC), RegionBuffers(MC.send_bytes, quarantine_s=0.0)
+            self.made: list[tuple] = []
+
+        def receiver(self, auth, rank: int, d: int) -> TransferReceiver:
+            plane, region = DataPlane(MC), RegionBuffers(MC.staging_bytes, quarantine_s=MC.quarantine_s)
+            plane.register(region)
+            rx = TransferReceiver(ReceiverConfig(auth).for_rank(rank, d), region=region, segment=plane.segment)
+            self.made.append((rx, plane))
+            return rx
+
+        def send(self, rank, endpoints, spec, kda, mla, config, faults=None) -> list:
+            """Starts sending in a thread; the returned list gets the SendResult or TransferFailed."""
+            from k3serve.transfer.mooncake.sender import MooncakeSender
+
+            out: list = []
+
+            def run() -> None:
+                with MooncakeSender(rank, endpoints, config, self.plane, self.region, faults, MC.batch_bytes) as s:
+                    try:
+                        out.append(s.send(spec, kda, mla))
+                    except TransferFailed as e:
+                        out.append(e)
+
+            t = threading.Thread(target=run)
+            t.start()
+            out.append(t)
+            return out
+
+    made = Local()
+    yield made
+    for rx, plane in made.made:
+        rx.stop(0)
+        plane.close()
+    made.plane.close()
+
+
+def _result(pending: list, timeout: float = 60.0):
+    pending[0].join(timeout)
+    assert len(pending) == 2, "the sender did not finish"
+    return pending[1]
 
 
 def _wait(pred, what: str, timeout: float = 30.0) -> None:
@@ -108,75 +154,59 @@ def _wait(pred, what: str, timeout: float = 30.0) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_killed_receiver_fails_cleanly_then_a_new_transfer_succeeds(auth, fast_sender):
+def test_killed_receiver_fails_cleanly_then_a_new_transfer_succeeds(auth, fast_sender, local):
     parts, mla = random_state(1, seed=7)
     config = ReceiverConfig(auth)
-    rx = [ReceiverProc(config.for_rank(r, 2), MC) for r in range(2)]
-    tx = SenderProc()
+    rx0, rx1 = local.receiver(auth, 0, 2), ReceiverProc(config.for_rank(1, 2), MC)
     try:
-        tx.call("load", "s", parts[0], mla)
         spec = make_spec("mc-kill-rx-1", parts, mla, 2)
         stall = SenderFaults(stall_after_chunks=2, stall_s=3.0, dst_ranks=frozenset({1}))
-        tx.post("send", SendJob(spec, 0, tuple(p.endpoint for p in rx), fast_sender, "s", stall, mooncake=MC))
-        _wait(lambda: rx[1].call("counters").chunks >= 2, "rank 1 to receive two chunks")
-        rx[1].kill()  # mid-stream
-        failed = tx.wait(60)
-        assert failed.code in ("UNAVAILABLE", "CANCELLED"), failed
-        assert rx[0].call("occupancy") == (0, 0) and rx[0].call("status", spec.transfer_id) == "cancelled"
-        assert rx[0].call("region_used") == 0
-        rx[1] = ReceiverProc(config.for_rank(1, 2), MC)  # the driver replaces the rank, sends under a new id
+        pending = local.send(0, (rx0.endpoint, rx1.endpoint), spec, parts[0], mla, fast_sender, stall)
+        _wait(lambda: rx1.call("counters").chunks >= 2, "rank 1 to receive two chunks")
+        rx1.kill()  # mid-stream
+        failed = _result(pending)
+        assert isinstance(failed, TransferFailed) and failed.code in ("UNAVAILABLE", "CANCELLED"), failed
+        assert rx0.store.occupancy() == (0, 0) and rx0.store.status(spec.transfer_id) == "cancelled"
+        assert rx0.store.region.used_bytes == 0 and local.region.used_bytes == 0
+        rx1 = ReceiverProc(config.for_rank(1, 2), MC)  # the driver replaces the rank, sends under a new id
         spec2 = make_spec("mc-kill-rx-2", parts, mla, 2)
-        (ok,) = _send_procs([tx], [SendJob(spec2, 0, tuple(p.endpoint for p in rx), fast_sender, "s", mooncake=MC)])
+        ok = _result(local.send(0, (rx0.endpoint, rx1.endpoint), spec2, parts[0], mla, fast_sender))
         assert isinstance(ok, SendResult) and ok.verified_ranks == {0, 1}
         want = reshard_kda(parts, 2)
-        for rank, p in enumerate(rx):
-            assert p.call("digest", spec2.transfer_id) == (crc32c(byte_view(want[rank])), crc32c(byte_view(mla)))
-            assert p.call("occupancy") == (0, 0) and p.call("region_used") == 0 and p.call("registrations") == 1
+        st = rx0.store.take(spec2.transfer_id)
+        assert torch.equal(st.kda, want[0]) and torch.equal(st.mla, mla)
+        rx0.store.recycle(st)
+        assert rx1.call("digest", spec2.transfer_id) == (crc32c(byte_view(want[1])), crc32c(byte_view(mla)))
+        assert rx1.call("occupancy") == (0, 0) and rx1.call("region_used") == 0 and rx1.call("registrations") == 1
+        assert rx0.store.region.used_bytes == 0
     finally:
-        tx.close()
-        for p in rx:
-            p.close()
+        rx1.close()
 
 
-def test_killed_sender_is_replaced_and_the_transfer_completes(auth, fast_sender):
-    from k3serve.transfer.buffers import RegionBuffers
-    from k3serve.transfer.mooncake.plane import DataPlane
-    from k3serve.transfer.receiver import TransferReceiver
-
+def test_killed_sender_is_replaced_and_the_transfer_completes(auth, fast_sender, local):
     parts, mla = random_state(2, seed=8)
-    planes = [DataPlane(MC) for _ in range(2)]
-    regions = [RegionBuffers(MC.staging_bytes, quarantine_s=MC.quarantine_s) for _ in range(2)]
-    for plane, region in zip(planes, regions):
-        plane.register(region)
-    rx = [TransferReceiver(ReceiverConfig(auth).for_rank(r, 2), region=regions[r], segment=planes[r].segment)
-          for r in range(2)]
+    rx = [local.receiver(auth, r, 2) for r in range(2)]
     eps = tuple(x.endpoint for x in rx)
     spec = make_spec("mc-kill-tx", parts, mla, 2)
-    procs = [SenderProc() for _ in range(2)]
+    proc = SenderProc()  # prefill rank 1, in its own process so that it can be killed
     try:
-        for r, p in enumerate(procs):
-            p.call("load", "s", parts[r], mla)
-        procs[0].post("send", SendJob(spec, 0, eps, fast_sender, "s", mooncake=MC))
-        procs[1].post("send", SendJob(spec, 1, eps, fast_sender, "s",
-                                      faults=SenderFaults(stall_after_chunks=2, stall_s=30.0), mooncake=MC))
-        assert isinstance(procs[0].wait(), SendResult)
+        proc.call("load", "s", parts[1], mla)
+        proc.post("send", SendJob(spec, 1, eps, fast_sender, "s",
+                                  faults=SenderFaults(stall_after_chunks=2, stall_s=30.0), mooncake=MC))
+        assert isinstance(_result(local.send(0, eps, spec, parts[0], mla, fast_sender)), SendResult)
         rank0_chunks = len(stream_plan(spec, 0, 0))  # then rank 1's first two (it stalls after them)
         _wait(lambda: rx[0].store.counters.chunks >= rank0_chunks + 2, "rank 1's stream to start")
-        procs[1].kill()  # mid-stream: prefill rank 1's share is incomplete everywhere
+        proc.kill()  # mid-stream: prefill rank 1's share is incomplete everywhere
         assert [x.store.status(spec.transfer_id) for x in rx] == ["receiving"] * 2
-        procs[1] = SenderProc()  # a replacement re-sends its share under the same transfer id
-        procs[1].call("load", "s", parts[1], mla)
-        res = procs[1].call("send", SendJob(spec, 1, eps, fast_sender, "s", mooncake=MC), timeout=60)
+        # a replacement for prefill rank 1 re-sends its share under the same transfer id
+        res = _result(local.send(1, eps, spec, parts[1], mla, fast_sender))
         assert isinstance(res, SendResult) and res.verified_ranks == {0, 1}
         want = reshard_kda(parts, 2)
         for rank, x in enumerate(rx):
             st = x.store.take(spec.transfer_id)
             assert torch.equal(st.kda, want[rank]) and torch.equal(st.mla, mla)
             x.store.recycle(st)
-            assert x.store.occupancy() == (0, 0) and regions[rank].used_bytes == 0
+            assert x.store.occupancy() == (0, 0) and x.store.region.used_bytes == 0
+        assert local.region.used_bytes == 0
     finally:
-        for p in procs:
-            p.close()
-        for x, plane in zip(rx, planes):
-            x.stop(0)
-            plane.close()
+        proc.close()
