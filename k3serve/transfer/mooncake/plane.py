@@ -18,6 +18,7 @@ stream is HMAC-signed, and every landed byte is CRC-checked before it is install
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ class MooncakeConfig:
 
 def mooncake_available() -> str:
     """'' when the engine imports here, else why not (for clear errors and test skips)."""
+    # the engine logs every batch at INFO on stderr; WARNING unless the operator chose a level (read at import)
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         from mooncake.engine import TransferEngine  # noqa: F401
     except ImportError as e:
