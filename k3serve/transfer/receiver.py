@@ -142,11 +142,14 @@ class TransferReceiver:
         for raw in it:
             m, payload = decode(raw)
             body = m.WhichOneof("body")
-            if body == "chunk" and landed:
+            if landed and body in ("chunk", "landed"):
                 if payload is not None:
                     raise TransferRejected("INVALID_ARGUMENT", "payload: a landed stream's chunks carry headers "
                                            "only (the data plane wrote the bytes)")
-                ack.chunks_applied += self.store.land(spec, src, m.chunk)
+                for h in (m.chunk,) if body == "chunk" else m.landed.chunks:
+                    ack.chunks_applied += self.store.land(spec, src, h)
+            elif body == "landed":
+                raise TransferRejected("INVALID_ARGUMENT", "message.landed: only in a stream opened as landed")
             elif body == "chunk":
                 ack.chunks_applied += self.store.write(spec, src, m.chunk, payload)
             elif body == "manifest":

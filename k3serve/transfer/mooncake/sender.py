@@ -6,7 +6,7 @@
    for each ready batch of chunks (~batch_bytes):
        engine write  src = send_region + chunk.src_byte  ──▶  dst = kda_addr|mla_addr + chunk.dst_byte
        CRC32C of the source bytes (while the write is in flight)
-       Push stream ◀── chunk headers (no payload): the receiver CRCs the bytes that landed, batch by batch
+       Push stream ◀── the batch's chunk headers in one message (no payload): the receiver CRCs what landed
    Push: manifest  ──▶  verified when every prefill rank's manifest matched (as on the gRPC plane)
 ```
 The resharding is the address arithmetic of chunks.py (dst_byte at the decode rank's local head offset); the
@@ -197,16 +197,17 @@ class LandingSession(SendSession):
                     holder["error"] = e
                     cancel()
                     return
-                t1 = time.thread_time()
-                heads = [encode(pb.PushMessage(chunk=chunk_header(spec, c, crc))) for c, crc in zip(group, crcs)]
-                stats[1] += time.thread_time() - t1
-                for c, head in zip(group, heads):
+                for c in group:
                     if faulty and not faults.landed(i, c, lambda c=c: self._corrupt(reply, dst, c), cancel,
                                                     self._aborted.wait):
                         return
                     i += 1
                     nbytes += c.length
-                    yield head
+                t1 = time.thread_time()  # the batch's headers in one control message
+                head = encode(pb.PushMessage(landed=pb.LandedChunks(
+                    chunks=[chunk_header(spec, c, crc) for c, crc in zip(group, crcs)])))
+                stats[1] += time.thread_time() - t1
+                yield head
             if last:
                 break
         crcs = [self._crcs[(c.kind, c.src_byte, c.length)] for c in self._plans[dst]]

@@ -151,17 +151,25 @@ class Manifest(_message.Message):
     crc32c: int
     def __init__(self, transfer_id: _Optional[str] = ..., src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
+class LandedChunks(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkHeader]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkHeader, _Mapping]]] = ...) -> None: ...
+
 class PushMessage(_message.Message):
-    __slots__ = ("open", "chunk", "manifest", "payload")
+    __slots__ = ("open", "chunk", "manifest", "landed", "payload")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     open: StreamOpen
     chunk: ChunkHeader
     manifest: Manifest
+    landed: LandedChunks
     payload: bytes
-    def __init__(self, open: _Optional[_Union[StreamOpen, _Mapping]] = ..., chunk: _Optional[_Union[ChunkHeader, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[StreamOpen, _Mapping]] = ..., chunk: _Optional[_Union[ChunkHeader, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., landed: _Optional[_Union[LandedChunks, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("transfer_id", "src_rank", "dst_rank", "state", "chunks_applied", "duplicate")
