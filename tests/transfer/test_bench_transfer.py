@@ -35,8 +35,10 @@ def test_bench_reports_grpc_and_socket_side_by_side():
 def test_cli_json_and_bad_layouts():
     runner = CliRunner()
     res = runner.invoke(app, ["bench", "transfer", "--pairs", "1x1", "--tokens", "128", "--preset", "tiny",
-                              "--chunk-kib", "8", "--reps", "1", "--json"])
+                              "--chunk-kib", "8", "--reps", "1", "--no-mooncake", "--json"])
     assert res.exit_code == 0, res.output
-    assert KEYS <= set(json.loads(res.output)["runs"][0])
+    out = json.loads(res.output)
+    assert KEYS <= set(out["runs"][0]) and out["runs"][0]["mooncake_gbps"] is None  # --no-mooncake: said so
+    assert out["mooncake"].startswith("not measured")
     res = runner.invoke(app, ["bench", "transfer", "--pairs", "3x1", "--preset", "tiny", "--json"])
     assert res.exit_code == 2 and "divisible" in res.output
