@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian machine with Python 3.11: venv, pinned packages, redis-server.
 # Re-runs are fast: pip runs again only when pyproject.toml changed.
+# K3SERVE_MOONCAKE=1 also installs the Mooncake data plane (apt: libibverbs1 librdmacm1 libnuma1; pip: the
+# k3serve[mooncake] extra) and fails if it cannot; K3SERVE_MOONCAKE=auto tries and warns (scripts/test.sh);
+# unset or 0: skipped (the default plane, gRPC, needs neither).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +24,25 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing k3serve and pinned dependencies (torch==2.13.0 CPU wheel where available)"
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
   echo "$want" > "$stamp"
+fi
+
+MOONCAKE="${K3SERVE_MOONCAKE:-0}"
+if [ "$MOONCAKE" != 0 ]; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  mc_stamp=.venv/.k3serve-mooncake
+  if [ ! -f "$mc_stamp" ] || [ "$(cat "$mc_stamp")" != "$want" ]; then
+    echo "setup: installing the Mooncake data plane (apt: libibverbs1 librdmacm1 libnuma1; pip: k3serve[mooncake])"
+    if { dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || \
+         { $SUDO apt-get update -qq >/dev/null && \
+           DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null; }; } \
+       && .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,mooncake]"; then
+      echo "$want" > "$mc_stamp"
+    elif [ "$MOONCAKE" = auto ]; then
+      echo "setup: WARNING: the Mooncake data plane could not be installed; its tests will skip" >&2
+    else
+      echo "setup: installing the Mooncake data plane failed" >&2; exit 1
+    fi
+  fi
 fi
 
 if ! command -v redis-server >/dev/null 2>&1; then

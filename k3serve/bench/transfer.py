@@ -11,8 +11,14 @@ receiver processes (one TransferReceiver each) on loopback. One repetition of ea
             what the gRPC stack itself costs (baselines.py)
  socket:    the same byte ranges over one plain TCP connection per (sender, receiver), recv_into() one
             preallocated buffer: the ceiling
+ mooncake:  our Mooncake plane (transfer/mooncake/): Open over gRPC, the engine writes every chunk into the
+            receiver's registered staging at its resharded offset, headers + manifest over gRPC, CRC32C of the
+            source and of the landed bytes, verified; checked like the gRPC path
+ raw mooncake: the same byte ranges written by the engine to the same offsets of a registered sink, same
+            batches, no CRC / control / staging state: the engine's own cost (baselines.py)
 ```
-The three alternate within each repetition (so background load hits all alike). GB/s and `ratio` are best of
+The paths alternate within each repetition (so background load hits all alike). The senders' states sit in
+their registered send regions (as a prefill rank exporting into registered memory would), for every path. GB/s and `ratio` are best of
 the repetitions (the run least disturbed by other load on a shared machine); `ratio_median` is the median
 repetition's ratio.
 Time shares are fractions of all helper processes' CPU time during the gRPC repetitions (process_time
@@ -34,6 +40,7 @@ import torch
 from k3serve.model.presets import preset
 from k3serve.auth import AuthConfig
 from k3serve.transfer.chunks import stream_plan
+from k3serve.transfer.mooncake.plane import MooncakeConfig, mooncake_available
 from k3serve.transfer.plan import reshard_kda
 from k3serve.bench.transfer_procs import ReceiverProc, SenderProc, SendJob
 from k3serve.transfer.receiver import ReceiverConfig
@@ -55,6 +62,7 @@ class TransferBenchConfig:
     reps: int = 5
     layerwise: bool = False
     host: str = "127.0.0.1"
+    mooncake: bool = True  # also measure the Mooncake plane and raw Mooncake (skipped, and said so, if absent)
 
 
 def _random_state(g: StateGeometry, p: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -73,16 +81,46 @@ def _on_all(senders: list[SenderProc], command: str, jobs: list[SendJob], *extra
     return time.perf_counter() - t0, answers
 
 
+def _gbps(nbytes: int, secs: list[float]) -> float | None:
+    return round(nbytes / min(secs) / 1e9, 3) if secs else None
+
+
+def _mooncake_rep(p: int, d: int, key: str, rep: int, senders, receivers, g, cfg, sender_cfg, mc, want,
+                  t: dict) -> None:
+    """Ours over Mooncake, then raw Mooncake, on the same bytes and processes (appends to t)."""
+    spec = TransferSpec(f"bench-mc-{key}-{rep}", f"req-mc-{key}-{rep}", g, p, d, cfg.page_tokens, cfg.chunk_bytes)
+    eps = tuple(rx.endpoint for rx in receivers)
+    jobs = [SendJob(spec, r, eps, sender_cfg, key, layerwise=cfg.layerwise, mooncake=mc) for r in range(p)]
+    cpu0 = [x.call("cpu") for x in senders + receivers]
+    secs, results = _on_all(senders, "send", jobs)
+    t["mooncake"].append(secs)
+    t["mooncake_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
+    if not all(isinstance(res, SendResult) for res in results):
+        raise RuntimeError(f"P={p} D={d}: Mooncake transfer failed: {results}")
+    if [x.call("digest", spec.transfer_id, timeout=600) for x in receivers] != want:
+        raise RuntimeError(f"P={p} D={d}: state received over Mooncake differs from reshard_kda")
+    targets = [rx.call("mooncake_listen", spec, timeout=600) for rx in receivers]
+    cpu0 = [x.call("cpu") for x in senders + receivers]
+    t["raw_mooncake"].append(_on_all(senders, "mooncake_send", jobs, targets)[0])
+    t["raw_mooncake_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
+    if [rx.call("mooncake_digest", timeout=600) for rx in receivers] != want:
+        raise RuntimeError(f"P={p} D={d}: raw Mooncake moved different bytes")
+
+
 def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[ReceiverProc], g: StateGeometry,
-              cfg: TransferBenchConfig, sender_cfg: SenderConfig) -> dict:
+              cfg: TransferBenchConfig, sender_cfg: SenderConfig, mc: MooncakeConfig | None) -> dict:
     parts, mla = _random_state(g, p, seed=p * 10 + d)
     key, senders = f"p{p}d{d}", senders[:p]
     for r, s in enumerate(senders):
-        s.call("load", key, parts[r], mla, timeout=600)
+        if mc is None:
+            s.call("load", key, parts[r], mla, timeout=600)
+        else:
+            s.call("load_registered", key, parts[r], mla, mc, timeout=600)
     want = [(crc32c(byte_view(k)), crc32c(byte_view(mla))) for k in reshard_kda(parts, d)]
     eps = tuple(rx.endpoint for rx in receivers)
     t: dict[str, list[float]] = {k: [] for k in ("grpc", "bare", "socket", "crc", "place", "framing", "cpu",
-                                                 "bare_cpu", "socket_cpu")}
+                                                 "bare_cpu", "socket_cpu", "mooncake", "mooncake_cpu",
+                                                 "raw_mooncake", "raw_mooncake_cpu")}
     retried = 0
     for rep in range(cfg.reps):
         spec = TransferSpec(f"bench-{key}-{rep}", f"req-{key}-{rep}", g, p, d, cfg.page_tokens, cfg.chunk_bytes)
@@ -118,10 +156,21 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
         t["socket_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
         if bare_got != per_rank or socket_got != per_rank:
             raise RuntimeError(f"P={p} D={d}: baselines moved {bare_got} / {socket_got} bytes, expected {per_rank}")
+        if mc is not None:
+            _mooncake_rep(p, d, key, rep, senders, receivers, g, cfg, sender_cfg, mc, want, t)
     b = {k: min(t[k]) for k in ("grpc", "bare", "socket")}  # best of reps: the least disturbed by other load
-    m = {k: statistics.median(v) for k, v in t.items()}
+    m = {k: statistics.median(v) for k, v in t.items() if v}
     nbytes = sum(per_rank)
+    per_gb = lambda key: round(m[key] / nbytes * 1e9, 3) if key in m else None  # noqa: E731
+    mc_ratio = round(min(t["raw_mooncake"]) / min(t["mooncake"]), 3) if t["mooncake"] else None
     return {
+        "bare_grpc_s_per_rep": [round(x, 4) for x in t["bare"]], "grpc_s_per_rep": [round(x, 4) for x in t["grpc"]],
+        "ours_over_bare_grpc": round(b["bare"] / b["grpc"], 3),
+        "ours_over_bare_grpc_median": round(statistics.median(x / y for x, y in zip(t["bare"], t["grpc"])), 3),
+        "mooncake_gbps": _gbps(nbytes, t["mooncake"]), "raw_mooncake_gbps": _gbps(nbytes, t["raw_mooncake"]),
+        "ours_mooncake_over_raw": mc_ratio,
+        "ours_mooncake_over_raw_median": round(statistics.median(
+            x / y for x, y in zip(t["raw_mooncake"], t["mooncake"])), 3) if t["mooncake"] else None,
         "p": p, "d": d, "bytes": nbytes, "grpc_gbps": round(nbytes / b["grpc"] / 1e9, 3),
         "socket_gbps": round(nbytes / b["socket"] / 1e9, 3), "ratio": round(b["socket"] / b["grpc"], 3),
         "bare_grpc_gbps": round(nbytes / b["bare"] / 1e9, 3), "bare_grpc_ratio": round(b["socket"] / b["bare"], 3),
@@ -129,8 +178,9 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
         "grpc_s": round(b["grpc"], 4), "bare_grpc_s": round(b["bare"], 4), "socket_s": round(b["socket"], 4),
         "cpu_s": round(m["cpu"], 4),
         # CPU seconds (all sender + receiver processes) per GB moved: what each path costs, whatever the cores
-        "cpu_s_per_gb": {name: round(m[key] / nbytes * 1e9, 3)
-                         for name, key in (("grpc", "cpu"), ("bare_grpc", "bare_cpu"), ("socket", "socket_cpu"))},
+        "cpu_s_per_gb": {name: per_gb(key) for name, key in (
+            ("grpc", "cpu"), ("bare_grpc", "bare_cpu"), ("socket", "socket_cpu"), ("mooncake", "mooncake_cpu"),
+            ("raw_mooncake", "raw_mooncake_cpu"))},
         "crc_share": round(m["crc"] / m["cpu"], 3),
         "reshard_share": round(m["place"] / m["cpu"], 3), "framing_share": round(m["framing"] / m["cpu"], 3),
         "retried_streams": retried, "verified": True,
@@ -146,14 +196,19 @@ def run_transfer_bench(cfg: TransferBenchConfig = TransferBenchConfig()) -> dict
     sender_cfg = SenderConfig(auth, stream_timeout_s=600.0)
     limits = StagingLimits(max_chunk_bytes=max(4 << 20, 2 * cfg.chunk_bytes),
                            max_staging_bytes=4 * g.rank_bytes(1) + (1 << 30), ttl_s=600.0)
+    why = mooncake_available() if cfg.mooncake else "not asked for (--no-mooncake)"
+    # regions: one transfer's staging on a receiver (+ slack for alignment), one rank's state on a sender
+    room = -(-(g.rank_bytes(1) + (1 << 20)) // 4096) * 4096
+    mc = None if why else MooncakeConfig(host=cfg.host, staging_bytes=room, send_bytes=room, quarantine_s=0.0)
     senders = [SenderProc() for _ in range(max(p for p, _ in cfg.pairs))]
     runs = []
     try:
         for d in sorted({d for _, d in cfg.pairs}):
-            receivers = [ReceiverProc(ReceiverConfig(auth, host=cfg.host, limits=limits).for_rank(r, d))
+            receivers = [ReceiverProc(ReceiverConfig(auth, host=cfg.host, limits=limits).for_rank(r, d), mc)
                          for r in range(d)]
             try:
-                runs += [_run_pair(p, d, senders, receivers, g, cfg, sender_cfg) for p, dd in cfg.pairs if dd == d]
+                runs += [_run_pair(p, d, senders, receivers, g, cfg, sender_cfg, mc)
+                         for p, dd in cfg.pairs if dd == d]
             finally:
                 for rx in receivers:
                     rx.close()
@@ -164,7 +219,8 @@ def run_transfer_bench(cfg: TransferBenchConfig = TransferBenchConfig()) -> dict
     runs.sort(key=lambda r: order[(r["p"], r["d"])])
     return {
         "preset": cfg.preset, "tokens": cfg.tokens, "chunk_bytes": cfg.chunk_bytes, "reps": cfg.reps,
-        "layerwise": cfg.layerwise, "cpus": os.cpu_count(),
+        "layerwise": cfg.layerwise, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+        "mooncake": "measured (protocol tcp)" if mc is not None else f"not measured: {why}",
         "kda_bytes": g.kda_layers * g.kda_heads * g.kda_row_bytes,
         "mla_bytes_per_decode_rank": g.mla_layers * g.num_tokens * g.mla_row_bytes,
         "runs": runs,

@@ -6,6 +6,9 @@
  bare gRPC: one client stream per (prefill rank, decode rank) of raw bytes messages, one per chunk
             (bytes(view): the one copy gRPC's Python API needs); the sink only counts bytes. No CRC, no
             plan checks, no staging: the cost of the gRPC stack itself
+ raw Mooncake: the planned byte ranges written by the engine from registered memory straight to the same
+            offsets of a registered sink on the receiver, one thread per decode rank, the same batches as our
+            Mooncake sender: no CRC, no control stream, no staging state (the engine's own cost)
 ```
 """
 
@@ -117,3 +120,21 @@ def grpc_source(host: str, ports: Sequence[int], pieces: Sequence[Sequence[np.nd
             ch.stream_unary(_RAW_METHOD)((p.tobytes() for p in pieces[d]), timeout=600)
 
     _parallel(one, range(len(ports)))
+
+
+def mooncake_source(plane, targets: Sequence[tuple[str, int, int]], plans: Sequence[Sequence],
+                    src_bases: dict[str, int], batch_bytes: int) -> None:
+    """plans[d]: this rank's ChunkRefs to decode rank d; targets[d]: (segment, kda addr, mla addr) there."""
+    def one(d: int) -> None:
+        segment, kda, mla = targets[d]
+        dst_bases = {"kda": kda, "mla": mla}
+        ops, size = [], 0
+        for c in plans[d]:  # batches cut like LandingSession._batches
+            if ops and size + c.length > batch_bytes:
+                plane.write(segment, ops)
+                ops, size = [], 0
+            ops.append((src_bases[c.kind] + c.src_byte, dst_bases[c.kind] + c.dst_byte, c.length))
+            size += c.length
+        plane.write(segment, ops)
+
+    _parallel(one, range(len(targets)))

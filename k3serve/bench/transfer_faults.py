@@ -1,4 +1,5 @@
-"""Fault injection for the transfer path (tests and benches): a `StreamTap` handed to a sender.
+"""Fault injection for the transfer path (tests and benches): a `StreamTap` handed to a sender (gRPC payloads)
+or a `LandingTap` (Mooncake: the payload was written by the engine, the header is next).
 
 Faults hit the first ``attempts`` attempts of each matching stream, so a retry succeeds; ``attempts=0`` hits
 every attempt, so the transfer must end in a clean failure. Killing a receiver or a sender process is done
@@ -6,7 +7,8 @@ from outside (the test kills the process); these switches cover what happens ins
 
 ```
  drop_after_chunks = k   the stream is cut (cancelled, like a reset connection) after k chunks
- corrupt_chunk = k       payload byte 0 of chunk k is flipped after its CRC was taken
+ corrupt_chunk = k       payload byte 0 of chunk k is flipped after its CRC was taken (Mooncake: the landed
+                         byte in the receiver's staging is overwritten with its complement)
  stall_after_chunks = k  the stream stops for stall_s after k chunks (past a short deadline)
 ```
 """
@@ -54,6 +56,18 @@ class SenderFaults:
             buf[len(buf) - chunk.length] ^= 0xFF  # first payload byte, after its CRC went into the header
             data = bytes(buf)
         return data
+
+    def landed(self, index: int, chunk, corrupt: Callable[[], None], cancel_stream: Callable[[], None],
+               pause: Callable[[float], object]) -> bool:
+        """The LandingTap hook (transfer/mooncake/sender.py): chunk `index` landed in staging, its header is next."""
+        if self.drop_after_chunks == index:
+            cancel_stream()
+            return False
+        if self.stall_after_chunks == index:
+            pause(self.stall_s)
+        if self.corrupt_chunk == index:
+            corrupt()
+        return True
 
 
 NO_FAULTS = SenderFaults()

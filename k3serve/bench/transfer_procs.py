@@ -20,12 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from k3serve.bench.transfer_baselines import GrpcSink, SocketSink, grpc_source, socket_source
+from k3serve.bench.transfer_baselines import GrpcSink, SocketSink, grpc_source, mooncake_source, socket_source
 from k3serve.transfer.chunks import all_layers, stream_plan
 from k3serve.bench.transfer_faults import NO_FAULTS, SenderFaults
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.sender import SenderConfig, TransferFailed, TransferSender
-from k3serve.transfer.spec import TransferSpec
+from k3serve.transfer.mooncake.plane import MooncakeConfig
+from k3serve.transfer.spec import DTYPES, TransferSpec
 from k3serve.transfer.wire import byte_view, crc32c
 
 class ProcDied(RuntimeError):
@@ -42,6 +43,7 @@ class SendJob:
     faults: SenderFaults = NO_FAULTS
     layerwise: bool = False  # mark layers ready one by one (as a prefill would) instead of all at once
     timeout_s: float | None = None
+    mooncake: MooncakeConfig | None = None  # send over the Mooncake plane (the receivers must have one too)
 
 
 @dataclass(frozen=True)
@@ -112,13 +114,49 @@ def _serve(conn, handlers: dict) -> None:
 def _sender_main(conn) -> None:
     torch.set_num_threads(1)
     states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    planes: dict[MooncakeConfig, tuple] = {}  # this process' data plane and send region (made on first use)
+    registered: dict[str, tuple[torch.Tensor, ...]] = {}  # states loaded into the send region
 
     def load(key: str, kda: torch.Tensor, mla: torch.Tensor) -> None:
         states[key] = (kda.contiguous().clone(), mla.contiguous().clone())  # private memory, like a prefill rank
 
+    def plane(mc: MooncakeConfig) -> tuple:
+        if mc not in planes:
+            from k3serve.transfer.buffers import RegionBuffers
+            from k3serve.transfer.mooncake.plane import DataPlane
+
+            planes[mc] = (DataPlane(mc), RegionBuffers(mc.send_bytes, quarantine_s=0.0))
+        return planes[mc]
+
+    def sender_for(job: SendJob) -> TransferSender:
+        faults = job.faults if job.faults.any else None
+        if job.mooncake is None:
+            return TransferSender(job.rank, job.endpoints, job.config, faults)
+        from k3serve.transfer.mooncake.sender import MooncakeSender
+
+        dp, region = plane(job.mooncake)
+        return MooncakeSender(job.rank, job.endpoints, job.config, dp, region, faults, job.mooncake.batch_bytes)
+
+    def load_registered(key: str, kda: torch.Tensor, mla: torch.Tensor, mc: MooncakeConfig) -> None:
+        """Like load, but into the registered send region (a prefill rank exporting into registered memory)."""
+        _, region = plane(mc)
+        for old in list(registered):  # one registered state at a time (the bench runs one pair at a time)
+            for t in registered.pop(old):
+                region.release(t, False)
+            states.pop(old, None)
+        states[key] = registered[key] = tuple(_into(region, t) for t in (kda, mla))
+
+    def mooncake_send(job: SendJob, targets: list[tuple[str, int, int]]) -> None:
+        """Raw Mooncake baseline: this rank's planned byte ranges straight to `targets[d]` (segment, kda, mla
+        addresses), one thread per decode rank, batches of batch_bytes; no CRC, no control stream, no checks."""
+        dp, _ = plane(job.mooncake)
+        kda, mla = states[job.key]
+        mooncake_source(dp, targets, [stream_plan(job.spec, job.rank, d) for d in range(job.spec.decode_tp)],
+                        {"kda": kda.data_ptr(), "mla": mla.data_ptr()}, job.mooncake.batch_bytes)
+
     def send(job: SendJob):
         kda, mla = states[job.key]
-        with TransferSender(job.rank, job.endpoints, job.config, job.faults if job.faults.any else None) as sender:
+        with sender_for(job) as sender:
             try:
                 session = sender.begin(job.spec, kda, mla)
                 if job.layerwise:
@@ -137,9 +175,17 @@ def _sender_main(conn) -> None:
                 for d in range(job.spec.decode_tp)]
 
     conn.send(("ok", None))
-    _serve(conn, {"load": load, "send": send, "cpu": time.process_time,
+    _serve(conn, {"load": load, "load_registered": load_registered, "send": send, "cpu": time.process_time,
+                  "mooncake_send": mooncake_send,
                   "socket_send": lambda job, ports, host: socket_source(host, ports, pieces(job)),
                   "grpc_send": lambda job, ports, host: grpc_source(host, ports, pieces(job))})
+
+
+def _into(region, t: torch.Tensor) -> torch.Tensor:
+    out = region.alloc(tuple(t.shape), t.dtype)
+    if out is None:
+        raise MemoryError(f"send region of {region.size} bytes is full")
+    return out.copy_(t)
 
 
 class SenderProc(_Proc):
@@ -148,9 +194,18 @@ class SenderProc(_Proc):
 
 
 # ---------------------------------------------------------------------------------------------- receiver
-def _receiver_main(conn, config: ReceiverConfig) -> None:
+def _receiver_main(conn, config: ReceiverConfig, mooncake: MooncakeConfig | None) -> None:
     torch.set_num_threads(1)
-    rx = TransferReceiver(config)
+    plane = None
+    if mooncake is None:
+        rx = TransferReceiver(config)
+    else:  # staging in a registered region, Open answered with its addresses
+        from k3serve.transfer.buffers import RegionBuffers
+        from k3serve.transfer.mooncake.plane import DataPlane
+
+        plane, region = DataPlane(mooncake), RegionBuffers(mooncake.staging_bytes, quarantine_s=mooncake.quarantine_s)
+        plane.register(region)
+        rx = TransferReceiver(config, region=region, segment=plane.segment)
     sinks: dict[str, object] = {}  # baseline sinks (bench)
 
     def digest(tid: str) -> tuple[int, int]:
@@ -170,19 +225,45 @@ def _receiver_main(conn, config: ReceiverConfig) -> None:
         sinks["grpc"].reset()
         return sinks["grpc"].port
 
+    def mooncake_listen(spec: TransferSpec) -> tuple[str, int, int]:
+        """Raw Mooncake baseline: staging-shaped kda + mla buffers in a second registered region (no transfer
+        state, no CRC, no control stream); the same addresses layout as staging."""
+        from k3serve.transfer.buffers import RegionBuffers
+
+        g = spec.geometry
+        shapes = ((g.kda_shape(config.tp), torch.float32), (g.mla_shape(), DTYPES[g.mla_dtype]))
+        need = sum(-(-(torch.Size(sh).numel() * torch.empty((), dtype=dt).element_size()) // 4096) * 4096
+                   for sh, dt in shapes)
+        sink = sinks.get("mooncake_region")
+        if sink is None or sink.size < need:
+            sink = sinks["mooncake_region"] = RegionBuffers(need, quarantine_s=0.0)
+            plane.register(sink)
+        sink.close()  # forget the previous run's ranges
+        sinks["mooncake"] = tuple(sink.alloc(sh, dt) for sh, dt in shapes)
+        return plane.segment, sinks["mooncake"][0].data_ptr(), sinks["mooncake"][1].data_ptr()
+
+    def mooncake_digest() -> tuple[int, int]:
+        kda, mla = sinks["mooncake"]
+        return crc32c(byte_view(kda)), crc32c(byte_view(mla))
+
     conn.send(("ok", rx.endpoint))
     try:
         _serve(conn, {"digest": digest, "occupancy": rx.store.occupancy, "status": rx.store.status,
                       "counters": lambda: rx.store.counters, "cpu": time.process_time,
+                      "mooncake_listen": mooncake_listen, "mooncake_digest": mooncake_digest,
+                      "region_used": lambda: rx.store.region.used_bytes if rx.store.region else 0,
+                      "registrations": lambda: plane.registrations if plane else 0,
                       "socket_listen": socket_listen, "socket_wait": lambda t: sinks["socket"].wait(t),
                       "grpc_listen": grpc_listen, "grpc_received": lambda: sinks["grpc"].received})
     finally:
         if "grpc" in sinks:
             sinks["grpc"].close()
         rx.stop(0)
+        if plane is not None:
+            plane.close()
 
 
 class ReceiverProc(_Proc):
-    def __init__(self, config: ReceiverConfig) -> None:
-        super().__init__(_receiver_main, config)
+    def __init__(self, config: ReceiverConfig, mooncake: MooncakeConfig | None = None) -> None:
+        super().__init__(_receiver_main, config, mooncake)
         self.endpoint: str = self.ready

@@ -32,13 +32,17 @@ def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="p
              reps: int = typer.Option(5, "--reps", help="repetitions per path (best and median reported)"),
              layerwise: bool = typer.Option(False, "--layerwise", help="mark layers ready one by one"),
              host: str = typer.Option("127.0.0.1", "--host", help="interface the receivers bind"),
+             mooncake: bool = typer.Option(True, "--mooncake/--no-mooncake",
+                                           help="also our Mooncake plane and raw Mooncake (when installed)"),
              as_json: bool = typer.Option(False, "--json")) -> None:
-    """Move a realistic request state P -> D over gRPC and over a raw TCP socket; report GB/s and the ratio."""
+    """Move a realistic request state P -> D over our gRPC path, bare gRPC-Python, our Mooncake plane, raw
+    Mooncake and a raw TCP socket, side by side; report GB/s, the ratios and CPU seconds per GB."""
     from k3serve.bench.transfer import TransferBenchConfig, run_transfer_bench
     from k3serve.transfer.plan import PlanError
 
     try:
-        cfg = TransferBenchConfig(_pairs(pairs), tokens, preset, chunk_kib << 10, page_tokens, reps, layerwise, host)
+        cfg = TransferBenchConfig(_pairs(pairs), tokens, preset, chunk_kib << 10, page_tokens, reps, layerwise, host,
+                                  mooncake)
         result = run_transfer_bench(cfg)
     except (PlanError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
@@ -49,10 +53,15 @@ def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="p
         return
     typer.echo(f"preset {result['preset']}, {result['tokens']} tokens, chunks {result['chunk_bytes'] >> 10} KiB, "
                f"{result['cpus']} CPUs")
-    typer.echo(f"{'P':>2} {'D':>2} {'MB':>8} {'ours GB/s':>10} {'bare gRPC':>10} {'socket GB/s':>12} {'ratio':>6} "
-               f"{'crc':>6} {'reshard':>8} {'framing':>8}")
+    typer.echo(f"mooncake: {result['mooncake']}; load average {result['load_avg_1m']}")
+    num = lambda v, w, f=".3f": f"{v:>{w}{f}}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+    typer.echo(f"{'P':>2} {'D':>2} {'MB':>8} {'ours gRPC':>10} {'bare gRPC':>10} {'ours/bare':>10} {'ours MC':>8} "
+               f"{'raw MC':>8} {'MC/raw':>7} {'socket':>8} {'crc':>6} {'reshard':>8} {'framing':>8}")
     for r in result["runs"]:
         typer.echo(f"{r['p']:>2} {r['d']:>2} {r['bytes'] / 1e6:>8.1f} {r['grpc_gbps']:>10.3f} "
-                   f"{r['bare_grpc_gbps']:>10.3f} {r['socket_gbps']:>12.3f} {r['ratio']:>6.2f} "
-                   f"{r['crc_share']:>6.1%} {r['reshard_share']:>8.1%} {r['framing_share']:>8.1%}")
-    typer.echo("ratio = ours / socket; crc, reshard, framing = shares of the path's CPU time")
+                   f"{r['bare_grpc_gbps']:>10.3f} {r['ours_over_bare_grpc']:>10.2f} {num(r['mooncake_gbps'], 8)} "
+                   f"{num(r['raw_mooncake_gbps'], 8)} {num(r['ours_mooncake_over_raw'], 7, '.2f')} "
+                   f"{r['socket_gbps']:>8.3f} {r['crc_share']:>6.1%} {r['reshard_share']:>8.1%} "
+                   f"{r['framing_share']:>8.1%}")
+    typer.echo("GB/s; ours/bare = ours over gRPC / bare gRPC-Python, MC/raw = ours over Mooncake / raw Mooncake; "
+               "crc, reshard, framing = shares of the gRPC path's CPU time")

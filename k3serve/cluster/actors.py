@@ -113,6 +113,11 @@ class ClusterActor:
         from k3serve.transfer.receiver import ReceiverConfig
 
         rx = ReceiverConfig(AuthConfig(d.secret, peer=f"decode-{self.cluster_id}"), host=d.bind_host)
+        if d.clusters.transfer == "mooncake":
+            from k3serve.transfer.mooncake.hooks import MooncakeReceiverHooks, MooncakeSendHooks
+
+            mc = d.clusters.mooncake.config()
+            return MooncakeSendHooks(mc, d.bind_host), MooncakeReceiverHooks(rx, mc)
         return GrpcSendHooks(), ReceiverHooks(rx)
 
     def _channel(self, cfg):
@@ -123,9 +128,10 @@ class ClusterActor:
 
             return InProcessChannel()
         from k3serve.transfer.handoff_send import GrpcChannel
+        from k3serve.transfer.mooncake.hooks import MooncakeChannel
 
         endpoints = tuple(ray.get([a.report.remote() for a in self.executors["decode"].actors]))
-        return GrpcChannel(self.cluster_id, cfg, endpoints, d.secret, c.prefill_tp, c.decode_tp,
+        return (MooncakeChannel if c.transfer == "mooncake" else GrpcChannel)(self.cluster_id, cfg, endpoints, d.secret, c.prefill_tp, c.decode_tp,
                            c.prefill_pools.page_size)
 
     def _teardown(self) -> None:

@@ -23,6 +23,9 @@ from typing import Any
 import yaml
 
 
+TRANSFER_PLANES = ("grpc", "mooncake", "object_store")
+
+
 class DeployError(ValueError):
     """A deployment file k3serve cannot run; the message names the field."""
 
@@ -94,6 +97,27 @@ class SpeculativeSpec:
 
 
 @dataclass(frozen=True)
+class MooncakeSpec:
+    """`clusters.mooncake` (used with `transfer: mooncake`; k3serve/transfer/mooncake/plane.py)."""
+
+    protocol: str = "tcp"  # "rdma" where NICs exist
+    metadata: str = "P2PHANDSHAKE"  # or the deployment's "redis://host:port"
+    device: str = ""  # RDMA device filter ("" = auto)
+    host: str = ""  # the address peers reach a rank's engine at ("": the bind host, else this node's address)
+    staging_mib: int = 512  # registered staging region per decode rank
+    send_mib: int = 256  # registered send region per prefill rank
+
+    def config(self):
+        from k3serve.transfer.mooncake.plane import MooncakeConfig
+
+        try:
+            return MooncakeConfig(self.protocol, self.metadata, self.device, self.host, self.staging_mib << 20,
+                                  self.send_mib << 20)
+        except ValueError as e:
+            raise DeployError(f"clusters.{e}") from None
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     count: int = 3
     prefill_tp: int = 2
@@ -104,7 +128,9 @@ class ClusterSpec:
     step_token_budget: int = 2048
     long_step_tokens: int = 0  # most long-prompt tokens per prefill step (0: step_token_budget); chunk_plan.py
     prefix_scheme: str = "k3"
-    transfer: str = "grpc"  # "grpc": k3serve.transfer between the groups; "object_store": tensors through Ray
+    transfer: str = "grpc"  # "grpc": k3serve.transfer between the groups; "mooncake": the same control over gRPC,
+    # payload by the Mooncake Transfer Engine (pip install 'k3serve[mooncake]'); "object_store": tensors via Ray
+    mooncake: MooncakeSpec = field(default_factory=lambda: MooncakeSpec())
     rebuild: bool = True  # a cluster whose rank died is torn down and built again in place
     rebuild_backoff_s: float = 1.0  # first wait before a rebuild; doubles after a failed attempt (max 30 s)
     ids: tuple[str, ...] = ()  # explicit cluster ids; default c0, c1, ...
@@ -185,8 +211,9 @@ class DeployConfig:
             raise DeployError("clusters.rebuild_backoff_s must be > 0")
         if c.step_token_budget < 1 or c.long_step_tokens < 0:
             raise DeployError("clusters.step_token_budget must be >= 1 and clusters.long_step_tokens >= 0")
-        if c.transfer not in ("grpc", "object_store"):
-            raise DeployError(f"clusters.transfer must be 'grpc' or 'object_store', got {c.transfer!r}")
+        if c.transfer not in TRANSFER_PLANES:
+            raise DeployError(f"clusters.transfer must be one of {', '.join(TRANSFER_PLANES)}, got {c.transfer!r}")
+        c.mooncake.config()  # raises DeployError naming the field
         if not self.request_classes:
             raise DeployError("request_classes must not be empty")
         if not self.drain_timeout_s > 0:
@@ -208,7 +235,8 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         if key not in fields:
             raise DeployError(f"unknown key {where}.{key} (known: {', '.join(sorted(fields))})")
         nested = {"model": ModelSpec, "clusters": ClusterSpec, "control": ControlSpec,
-                  "prefill_pools": PoolSpec, "decode_pools": PoolSpec, "speculative": SpeculativeSpec}.get(key)
+                  "prefill_pools": PoolSpec, "decode_pools": PoolSpec, "speculative": SpeculativeSpec,
+                  "mooncake": MooncakeSpec}.get(key)
         if nested is not None:
             value = _build(nested, value, f"{where}.{key}")
         elif key == "request_classes":

@@ -6,8 +6,9 @@
  DecodeEngine.cancel   ──discard(state)───────────────────────────────▶ staging freed (request left early)
 ```
 Implementations (`k3serve/transfer/`): `InProcessChannel` (tensors in the ticket: local pipeline, Ray object
-store) and `GrpcChannel` (each prefill rank streams its share over gRPC to the decode ranks' receivers,
-resharded on the path, verified before install). A channel never installs half a state: `install` either
+store), `GrpcChannel` (each prefill rank streams its share over gRPC to the decode ranks' receivers,
+resharded on the path, verified before install) and `MooncakeChannel` (the same control over gRPC, the payload
+written by the Mooncake Transfer Engine into the receivers' registered staging). A channel never installs half a state: `install` either
 writes the whole verified state or raises `StateInstallError` having written nothing the request keeps.
 """
 

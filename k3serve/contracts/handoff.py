@@ -7,8 +7,8 @@
 ```
 What a request's state holds is described once, here: `InlineState` carries the tensors (in-process and
 Ray object-store planes); `StagedState` names a verified transfer waiting in every decode rank's staging
-(gRPC plane). A feature that adds state (drafter features, quantized pages) adds a field to both and to the
-channels in `k3serve/transfer/` that move it.
+(gRPC and Mooncake planes). A feature that adds state (drafter features, quantized pages) adds a field to both
+and to the channels in `k3serve/transfer/` that move it.
 """
 
 from __future__ import annotations

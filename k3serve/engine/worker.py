@@ -193,9 +193,11 @@ class ModelWorker:
         if staging is None:
             raise RuntimeError("InstallStaged: this worker was built without a transfer receiver (WorkerHooks.staging)")
         state = staging.take(op.transfer_id)  # verified only; raises (installing nothing) otherwise
-        self._InstallState(InstallState(op.slot, op.block_table, state.kda.to(self.kda_store.device),
-                                        state.mla.to(self.page_store.device)))
-        staging.recycle(state)  # the buffers go back to the receiver's free pool
+        try:
+            self._InstallState(InstallState(op.slot, op.block_table, state.kda.to(self.kda_store.device),
+                                            state.mla.to(self.page_store.device)))
+        finally:  # the buffers go back to the receiver (its pool, or its registered region) either way
+            staging.recycle(state)
 
     HANDLERS: dict[type, Callable[["ModelWorker", object], object]] = {
         ResetSlots: _ResetSlots, CopySlot: _CopySlot, PrefillChunk: _PrefillChunk, DecodeBatch: _DecodeBatch,

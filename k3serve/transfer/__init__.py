@@ -1,5 +1,5 @@
-"""State channels between a prefill group and a decode group (contracts/channel.py), and the gRPC transfer
-plane, resharded on the path (DESIGN.md §6, §9).
+"""State channels between a prefill group and a decode group (contracts/channel.py), and the gRPC and Mooncake
+transfer planes, resharded on the path (DESIGN.md §6, §9).
 
 ```
  plan.py / chunks.py   pure plan: head spans P -> D, round-robin MLA page ranges, chunk byte offsets
@@ -12,6 +12,8 @@ plane, resharded on the path (DESIGN.md §6, §9).
  inprocess.py          InProcessChannel: the state as tensors in the ticket (local pipeline, Ray object store)
  handoff_send.py       GrpcChannel: SendState on every prefill rank, InstallStaged on every decode rank
  memory.py             allocator tuning so ~MiB message buffers reuse warm pages
+ buffers.py            staging buffers: the heap (pooled) or one registered region (data planes)
+ mooncake/             the Mooncake data plane: gRPC control, payload by the Transfer Engine (docs/transfer.md)
 ```
 Harnesses live outside: sender/receiver helper processes, baselines and fault taps in k3serve/bench/transfer_*.py.
 Generated protobuf code: k3serve.transfer.v1 (source k3serve/proto/k3serve/transfer/v1/transfer.proto).

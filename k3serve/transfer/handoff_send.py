@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
@@ -56,14 +57,16 @@ class SenderCache:
     200-token tiny-preset transfer on loopback from ~7 ms to ~11 ms. Channels reconnect on their own after a
     receiver restarts, so a cached sender stays usable; ``close()`` drops them all."""
 
-    def __init__(self) -> None:
+    def __init__(self, factory: Callable[[int, tuple[str, ...], SenderConfig], TransferSender] = TransferSender) -> None:
+        """factory(rank, endpoints, config) makes a sender (the Mooncake plane passes its own)."""
         self._senders: dict[tuple, TransferSender] = {}
+        self._factory = factory
 
     def get(self, rank: int, endpoints: tuple[str, ...], config: SenderConfig) -> TransferSender:
         key = (rank, endpoints, config)
         sender = self._senders.get(key)
         if sender is None:
-            sender = self._senders[key] = TransferSender(rank, endpoints, config)
+            sender = self._senders[key] = self._factory(rank, endpoints, config)
         return sender
 
     def __len__(self) -> int:

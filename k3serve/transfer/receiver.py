@@ -3,6 +3,8 @@
 ```
  prefill rank p ──Push(open, chunk.., manifest)──▶ TransferReceiver (decode rank r) ──▶ StagingStore
                                                      │ Cancel(tid) / Status(tid)
+ data plane (Mooncake): Open(tid) -> staging addresses in the registered region; the sender writes the payload
+   there itself, then Push(open{landed}, chunk headers, manifest): each header is checked over the landed bytes
  decode driver ── InstallStaged(slot, table, tid) ─▶ ModelWorker.staging.take(tid) ─▶ kda_store / page_store
 ```
 Binds the configured interface (loopback by default) on the configured port (0 = any free port; read
@@ -23,13 +25,14 @@ import grpc
 
 from k3serve.transfer.v1 import transfer_pb2 as pb
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
+from k3serve.transfer.buffers import RegionBuffers
 from k3serve.transfer.memory import tune_allocator
 from k3serve.transfer.plan import PlanError
 from k3serve.transfer.staging import INSTALLED, VERIFIED, StagingLimits, StagingStore, TransferRejected
 from k3serve.transfer.wire import STATE_CODES, WireError, decode, spec_from_pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Transfer"].full_name
-PUSH, CANCEL, STATUS = (f"/{SERVICE}/{m}" for m in ("Push", "Cancel", "Status"))
+PUSH, CANCEL, STATUS, OPEN = (f"/{SERVICE}/{m}" for m in ("Push", "Cancel", "Status", "Open"))
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,17 @@ class ReceiverConfig:
 class TransferReceiver:
     """Starts serving in the constructor; ``stop()`` (or use as a context manager) shuts it down."""
 
-    def __init__(self, config: ReceiverConfig, expect_geometry: tuple | None = None) -> None:
+    def __init__(self, config: ReceiverConfig, expect_geometry: tuple | None = None,
+                 region: RegionBuffers | None = None, segment: str = "") -> None:
+        """region, segment: stage into this registered region, which the data plane session `segment` (a
+        Mooncake "host:port") exposes to senders; without them Open is refused (gRPC payloads only)."""
         if not 0 <= config.rank < config.tp:
             raise ValueError(f"receiver rank {config.rank} not in [0, {config.tp})")
+        if (region is None) != (not segment):
+            raise ValueError("a receiver's data plane needs both its staging region and its segment name")
         tune_allocator()  # process-wide: message buffers reuse warm heap pages (memory.py)
-        self.config = config
-        self.store = StagingStore(config.rank, config.tp, config.limits, expect_geometry)
+        self.config, self.segment = config, segment
+        self.store = StagingStore(config.rank, config.tp, config.limits, expect_geometry, region=region)
         max_msg = 2 * config.limits.max_chunk_bytes + (1 << 20)  # oversized-but-parseable -> INVALID_ARGUMENT
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"transfer-rx{config.rank}"),
@@ -67,6 +75,8 @@ class TransferReceiver:
                                                           pb.CancelAck.SerializeToString),
             "Status": grpc.unary_unary_rpc_method_handler(self._status, pb.StatusRequest.FromString,
                                                           pb.StatusReply.SerializeToString),
+            "Open": grpc.unary_unary_rpc_method_handler(self._open, pb.StreamOpen.FromString,
+                                                        pb.OpenReply.SerializeToString),
         }),))
         self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
         if self.port == 0:
@@ -121,7 +131,9 @@ class TransferReceiver:
         if spec.transfer_id != signed:
             raise TransferRejected("UNAUTHENTICATED", "open.spec.transfer_id is not the transfer id this call "
                                    "was signed for")
-        src, dst = msg.open.src_rank, msg.open.dst_rank
+        src, dst, landed = msg.open.src_rank, msg.open.dst_rank, msg.open.landed
+        if landed and self.store.region is None:
+            raise TransferRejected("FAILED_PRECONDITION", "open.landed: this receiver has no data plane")
         ack = pb.PushAck(transfer_id=spec.transfer_id, src_rank=src, dst_rank=dst)
         state = self.store.open(spec, src, dst)
         if state in (VERIFIED, INSTALLED):  # idempotent: acknowledge, apply nothing
@@ -130,7 +142,15 @@ class TransferReceiver:
         for raw in it:
             m, payload = decode(raw)
             body = m.WhichOneof("body")
-            if body == "chunk":
+            if landed and body in ("chunk", "landed"):
+                if payload is not None:
+                    raise TransferRejected("INVALID_ARGUMENT", "payload: a landed stream's chunks carry headers "
+                                           "only (the data plane wrote the bytes)")
+                for h in (m.chunk,) if body == "chunk" else m.landed.chunks:
+                    ack.chunks_applied += self.store.land(spec, src, h)
+            elif body == "landed":
+                raise TransferRejected("INVALID_ARGUMENT", "message.landed: only in a stream opened as landed")
+            elif body == "chunk":
                 ack.chunks_applied += self.store.write(spec, src, m.chunk, payload)
             elif body == "manifest":
                 ack.state = STATE_CODES[self.store.finish(spec, src, m.manifest)]
@@ -138,6 +158,27 @@ class TransferReceiver:
             else:
                 raise TransferRejected("INVALID_ARGUMENT", f"message.body: expected chunk or manifest, got {body}")
         raise TransferRejected("ABORTED", f"stream from prefill rank {src} ended before its manifest")
+
+    def _open(self, req: pb.StreamOpen, context: grpc.ServicerContext) -> pb.OpenReply:
+        """Stage a transfer for a data-plane sender and say where its bytes land (idempotent)."""
+        if self.store.region is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Open: this receiver has no data plane "
+                          "(clusters.transfer is grpc); send payloads in Push")
+        try:
+            spec = spec_from_pb(req.spec)
+        except PlanError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"open.spec: {e}")
+        if spec.transfer_id != signed_subject(context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "open.spec.transfer_id is not the transfer id this "
+                          "call was signed for")
+        try:
+            state = self.store.open(spec, req.src_rank, req.dst_rank)
+            reply = pb.OpenReply(transfer_id=spec.transfer_id, state=STATE_CODES[state], segment=self.segment)
+            if state not in (VERIFIED, INSTALLED):
+                reply.kda_addr, reply.mla_addr = self.store.addresses(spec.transfer_id)
+        except TransferRejected as e:
+            context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        return reply
 
     def _cancel(self, req: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelAck:
         if req.transfer_id != signed_subject(context) or not req.transfer_id:

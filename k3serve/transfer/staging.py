@@ -6,11 +6,14 @@
  finish(manifest)  every chunk of src present, manifest matches  ->  src done;  all P srcs done -> VERIFIED
  take(tid)         VERIFIED only: hands the buffers to InstallStaged and forgets them (tombstone INSTALLED)
  cancel / expire   drop the buffers (tombstone CANCELLED / EXPIRED: later streams of that id are refused)
- recycle(state)    after InstallStaged copied them: buffers go back to a bounded free pool (pool_bytes)
+ recycle(state)    after InstallStaged copied them: buffers go back to where they came from (buffers.py)
+ land(chunk)       data planes (Mooncake): the payload was already written at chunk.dst_byte by the sender;
+                   header == plan[src][seq] and the CRC32C over the *landed* bytes ok  ->  chunk present
 ```
-Reusing staging buffers keeps page faults out of the receive path (a fresh buffer costs ~4x a reused one to
-fill). A buffer is pooled only when no stream was still writing into it when its transfer was dropped; the
-pool is not "staged" state (occupancy counts live transfers only) and is bounded.
+Buffers come from `buffers.py`: the heap with a bounded pool of warm buffers (gRPC plane: a fresh buffer
+costs ~4x a reused one to fill), or one registered region (data planes: the sender writes into it directly,
+so the region is registered once and transfers get ranges of it). A buffer is reused at once only when no
+stream can still be writing into it; the pool is not "staged" state (occupancy counts live transfers only).
 Idempotent by transfer id: a stream for a VERIFIED or INSTALLED transfer is acknowledged as a duplicate and
 nothing is applied. Nothing here trusts the sender's description of a chunk: the receiver derives the whole
 plan from the spec and each header must match its plan entry exactly.
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 from k3serve.transfer.v1 import transfer_pb2 as pb
+from k3serve.transfer.buffers import HeapBuffers, RegionBuffers
 from k3serve.transfer.chunks import KDA, ChunkRef, stream_plan
 from k3serve.transfer.spec import DTYPES, TransferSpec
 from k3serve.transfer.wire import PB_TO_KIND, crc32c, digest_crcs
@@ -80,6 +84,7 @@ class StagingCounters:
     installed: int = 0
     cancelled: int = 0
     expired: int = 0
+    landed: int = 0  # chunks written by a data plane and checked in place
     crc_s: float = 0.0  # CPU seconds (thread time) checking CRC32C
     place_s: float = 0.0  # CPU seconds copying payloads to their resharded offsets
 
@@ -105,16 +110,18 @@ class StagingStore:
     """Thread-safe: several senders' streams write one transfer concurrently (disjoint byte ranges)."""
 
     def __init__(self, rank: int, tp: int, limits: StagingLimits = StagingLimits(),
-                 expect_geometry: tuple | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 expect_geometry: tuple | None = None, clock: Callable[[], float] = time.monotonic,
+                 region: RegionBuffers | None = None) -> None:
+        """region: stage into this registered region (a data plane writes there) instead of the heap."""
         self.rank, self.tp, self.limits = rank, tp, limits
+        self.region = region
+        self._buffers: HeapBuffers | RegionBuffers = region if region is not None else HeapBuffers(limits.pool_bytes)
         self.expect_geometry = expect_geometry  # StateGeometry.without_tokens() of the decode model, if known
         self.counters = StagingCounters()
         self._clock = clock
         self._lock = threading.Lock()
         self._live: dict[str, _Transfer] = {}
         self._tombs: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._pool: dict[tuple, list[torch.Tensor]] = {}
-        self._pooled = 0
 
     # ------------------------------------------------------------------------------------------ streams
     def open(self, spec: TransferSpec, src: int, dst: int) -> str:
@@ -156,11 +163,15 @@ class StagingStore:
                 raise self._reject("RESOURCE_EXHAUSTED", f"staging full: {held} + {need} bytes > "
                                    f"{self.limits.max_staging_bytes}")
             g = spec.geometry
+            kda = self._buffers.alloc(g.kda_shape(self.tp), torch.float32)
+            mla = self._buffers.alloc(g.mla_shape(), DTYPES[g.mla_dtype]) if kda is not None else None
+            if mla is None:  # only a region runs out; the heap raises MemoryError instead
+                if kda is not None:
+                    self._buffers.release(kda, False)
+                raise self._reject("RESOURCE_EXHAUSTED", f"staging region full: no free range for {need} bytes")
             plans = {s: stream_plan(spec, s, self.rank) for s in range(spec.prefill_tp)}
-            self._live[spec.transfer_id] = _Transfer(
-                spec, self._alloc(g.kda_shape(self.tp), torch.float32), self._alloc(g.mla_shape(),
-                                                                                    DTYPES[g.mla_dtype]), plans,
-                {s: [None] * len(p) for s, p in plans.items()}, self._clock())
+            self._live[spec.transfer_id] = _Transfer(spec, kda, mla, plans,
+                                                     {s: [None] * len(p) for s, p in plans.items()}, self._clock())
             return RECEIVING
 
     def write(self, spec: TransferSpec, src: int, h: pb.ChunkHeader, payload: memoryview | None) -> bool:
@@ -209,6 +220,44 @@ class StagingStore:
             k = self.counters
             k.chunks, k.bytes, k.crc_s, k.place_s = k.chunks + 1, k.bytes + n, k.crc_s + t1 - t0, k.place_s + t2 - t1
         return True
+
+    def land(self, spec: TransferSpec, src: int, h: pb.ChunkHeader) -> bool:
+        """A chunk a data plane already wrote at its planned offset: check its header against the plan and its
+        CRC32C over the bytes that landed in staging; False if the transfer is already verified."""
+        if h.length > self.limits.max_chunk_bytes:
+            raise self._reject("INVALID_ARGUMENT", f"chunk.length: {h.length} bytes exceeds max_chunk_bytes "
+                               f"{self.limits.max_chunk_bytes}")
+        with self._lock:
+            t = self._live_transfer(spec.transfer_id)
+            if t.verified:
+                self.counters.duplicates += 1
+                return False
+            plan = t.plans[src]
+        self._check_header(spec, plan, h)
+        c = plan[h.seq]
+        t0 = time.thread_time()
+        dst = t.kda if c.kind == KDA else t.mla
+        got = crc32c(dst.reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length])
+        t1 = time.thread_time()
+        with self._lock:
+            self.counters.crc_s += t1 - t0
+            if got != h.crc32c:
+                self.counters.crc_failures += 1
+                raise TransferRejected("DATA_LOSS", f"chunk.crc32c mismatch over the landed bytes of seq {h.seq} "
+                                       f"from prefill rank {src}: header {h.crc32c:#010x}, landed {got:#010x}")
+            if self._live.get(spec.transfer_id) is not t:
+                raise self._reject("FAILED_PRECONDITION", f"transfer {spec.transfer_id} was dropped mid-stream")
+            t.crcs[src][h.seq] = got
+            t.touched = self._clock()
+            k = self.counters
+            k.chunks, k.landed, k.bytes = k.chunks + 1, k.landed + 1, k.bytes + c.length
+        return True
+
+    def addresses(self, transfer_id: str) -> tuple[int, int]:
+        """(kda, mla) staging addresses of a live transfer (data planes write there)."""
+        with self._lock:
+            t = self._live_transfer(transfer_id)
+            return t.kda.data_ptr(), t.mla.data_ptr()
 
     def finish(self, spec: TransferSpec, src: int, m: pb.Manifest) -> str:
         """A sender's manifest: its stream is done if every chunk is present and the summary matches."""
@@ -260,10 +309,9 @@ class StagingStore:
 
     def recycle(self, state: StagedState) -> None:
         """Return a taken transfer's buffers once they were copied out (never touch `state` afterwards)."""
-        if state.recyclable:
-            with self._lock:
-                self._put(state.kda)
-                self._put(state.mla)
+        with self._lock:
+            self._buffers.release(state.kda, not state.recyclable)
+            self._buffers.release(state.mla, not state.recyclable)
 
     def cancel(self, transfer_id: str) -> bool:
         """Drop a transfer's staging (if any); later streams of this id are refused. True if something was freed."""
@@ -296,28 +344,15 @@ class StagingStore:
 
     @property
     def pooled_bytes(self) -> int:
-        return self._pooled
+        return self._buffers.pooled if isinstance(self._buffers, HeapBuffers) else 0
 
     # ------------------------------------------------------------------------------------------ helpers
-    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        free = self._pool.get((shape, dtype))
-        if free:
-            t = free.pop()
-            self._pooled -= t.numel() * t.element_size()
-            return t
-        return torch.empty(shape, dtype=dtype)
-
-    def _put(self, t: torch.Tensor) -> None:
-        n = t.numel() * t.element_size()
-        if n and self._pooled + n <= self.limits.pool_bytes:
-            self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
-            self._pooled += n
-
     def _drop(self, t: _Transfer) -> None:
-        """A transfer left the live set: pool its buffers unless a stream is still copying into them."""
-        if t.writers == 0:
-            self._put(t.kda)
-            self._put(t.mla)
+        """A cancelled or expired transfer left the live set. Its buffers may still be written: by a stream
+        copying right now, or (region) by a remote sender that has not heard of the cancel yet."""
+        maybe_written = t.writers > 0 or self.region is not None
+        self._buffers.release(t.kda, maybe_written)
+        self._buffers.release(t.mla, maybe_written)
 
     def _live_transfer(self, transfer_id: str) -> _Transfer:
         t = self._live.get(transfer_id)

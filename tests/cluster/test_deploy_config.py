@@ -57,3 +57,16 @@ def test_speculative_section_builds_the_decode_spec_config(tmp_path):
 def test_bad_speculative_section_is_named(tmp_path, text, needle):
     with pytest.raises(DeployError, match=needle):
         load_deploy(_write(tmp_path, text))
+
+
+def test_transfer_planes_and_the_mooncake_section(tmp_path):
+    cfg = load_deploy(Path(__file__).resolve().parents[2] / "configs" / "mooncake.yaml")
+    assert cfg.clusters.transfer == "mooncake"
+    mc = cfg.clusters.mooncake.config()
+    assert (mc.protocol, mc.metadata, mc.staging_bytes) == ("tcp", "P2PHANDSHAKE", 64 << 20)
+    with pytest.raises(DeployError, match="clusters.transfer must be one of grpc, mooncake, object_store"):
+        load_deploy(_write(tmp_path, "clusters: {transfer: nixl}\n"))
+    with pytest.raises(DeployError, match="mooncake.protocol"):
+        load_deploy(_write(tmp_path, "clusters: {transfer: mooncake, mooncake: {protocol: udp}}\n"))
+    with pytest.raises(DeployError, match=r"unknown key deploy\.clusters\.mooncake\.region"):
+        load_deploy(_write(tmp_path, "clusters: {mooncake: {region: 5}}\n"))

@@ -8,8 +8,11 @@ from typer.testing import CliRunner
 
 from k3serve.bench.transfer import TransferBenchConfig, run_transfer_bench
 from k3serve.cli.main import app
+from k3serve.transfer.mooncake.plane import mooncake_available
 
-KEYS = {"p", "d", "bytes", "grpc_gbps", "socket_gbps", "ratio", "crc_share", "reshard_share", "framing_share"}
+KEYS = {"p", "d", "bytes", "grpc_gbps", "socket_gbps", "ratio", "crc_share", "reshard_share", "framing_share",
+        "bare_grpc_gbps", "ours_over_bare_grpc", "mooncake_gbps", "raw_mooncake_gbps", "ours_mooncake_over_raw",
+        "cpu_s_per_gb"}
 
 
 def test_bench_reports_grpc_and_socket_side_by_side():
@@ -18,7 +21,12 @@ def test_bench_reports_grpc_and_socket_side_by_side():
     assert [(r["p"], r["d"]) for r in out["runs"]] == [(2, 1), (1, 2)]
     for r in out["runs"]:
         assert KEYS <= set(r) and r["verified"] and r["grpc_gbps"] > 0 and r["socket_gbps"] > 0
-        assert r["ratio"] > 0 and 0 <= r["crc_share"] <= 1
+        assert r["ratio"] > 0 and 0 <= r["crc_share"] <= 1 and r["ours_over_bare_grpc"] > 0
+        if mooncake_available():  # the wheel is absent: the report says so and the Mooncake columns are empty
+            assert r["mooncake_gbps"] is None and out["mooncake"].startswith("not measured")
+        else:
+            assert r["mooncake_gbps"] > 0 and r["raw_mooncake_gbps"] > 0 and r["ours_mooncake_over_raw"] > 0
+            assert r["cpu_s_per_gb"]["mooncake"] > 0
     # the same bytes: KDA once, MLA rows once per decode rank
     mla = out["mla_bytes_per_decode_rank"]
     assert out["runs"][0]["bytes"] == out["kda_bytes"] + mla and out["runs"][1]["bytes"] == out["kda_bytes"] + 2 * mla
@@ -27,8 +35,10 @@ def test_bench_reports_grpc_and_socket_side_by_side():
 def test_cli_json_and_bad_layouts():
     runner = CliRunner()
     res = runner.invoke(app, ["bench", "transfer", "--pairs", "1x1", "--tokens", "128", "--preset", "tiny",
-                              "--chunk-kib", "8", "--reps", "1", "--json"])
+                              "--chunk-kib", "8", "--reps", "1", "--no-mooncake", "--json"])
     assert res.exit_code == 0, res.output
-    assert KEYS <= set(json.loads(res.output)["runs"][0])
+    out = json.loads(res.output)
+    assert KEYS <= set(out["runs"][0]) and out["runs"][0]["mooncake_gbps"] is None  # --no-mooncake: said so
+    assert out["mooncake"].startswith("not measured")
     res = runner.invoke(app, ["bench", "transfer", "--pairs", "3x1", "--preset", "tiny", "--json"])
     assert res.exit_code == 2 and "divisible" in res.output

@@ -25,7 +25,7 @@ def test_generated_transfer_code_is_current(tmp_path):
 def test_generated_code_imports_under_the_package_path():
     assert pb.DESCRIPTOR.package == "k3serve.transfer.v1"
     assert pb.DESCRIPTOR.name == "k3serve/transfer/v1/transfer.proto"
-    assert set(pb.DESCRIPTOR.services_by_name["Transfer"].methods_by_name) == {"Push", "Cancel", "Status"}
+    assert set(pb.DESCRIPTOR.services_by_name["Transfer"].methods_by_name) == {"Push", "Cancel", "Status", "Open"}
 
 
 def test_hand_framed_payload_parses_as_protobuf_and_back():

@@ -64,16 +64,32 @@ class TransferSpec(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prefill_tp: _Optional[int] = ..., decode_tp: _Optional[int] = ..., kda_layers: _Optional[int] = ..., kda_heads: _Optional[int] = ..., kda_block_floats: _Optional[int] = ..., mla_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., mla_dim: _Optional[int] = ..., mla_dtype: _Optional[str] = ..., page_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class StreamOpen(_message.Message):
-    __slots__ = ("spec", "src_rank", "dst_rank", "attempt")
+    __slots__ = ("spec", "src_rank", "dst_rank", "attempt", "landed")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
     DST_RANK_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
     spec: TransferSpec
     src_rank: int
     dst_rank: int
     attempt: int
-    def __init__(self, spec: _Optional[_Union[TransferSpec, _Mapping]] = ..., src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+    landed: bool
+    def __init__(self, spec: _Optional[_Union[TransferSpec, _Mapping]] = ..., src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., attempt: _Optional[int] = ..., landed: _Optional[bool] = ...) -> None: ...
+
+class OpenReply(_message.Message):
+    __slots__ = ("transfer_id", "state", "segment", "kda_addr", "mla_addr")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    KDA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MLA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    state: TransferState
+    segment: str
+    kda_addr: int
+    mla_addr: int
+    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., segment: _Optional[str] = ..., kda_addr: _Optional[int] = ..., mla_addr: _Optional[int] = ...) -> None: ...
 
 class HeadRange(_message.Message):
     __slots__ = ("start", "count")
@@ -135,17 +151,25 @@ class Manifest(_message.Message):
     crc32c: int
     def __init__(self, transfer_id: _Optional[str] = ..., src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
+class LandedChunks(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkHeader]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkHeader, _Mapping]]] = ...) -> None: ...
+
 class PushMessage(_message.Message):
-    __slots__ = ("open", "chunk", "manifest", "payload")
+    __slots__ = ("open", "chunk", "manifest", "landed", "payload")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     open: StreamOpen
     chunk: ChunkHeader
     manifest: Manifest
+    landed: LandedChunks
     payload: bytes
-    def __init__(self, open: _Optional[_Union[StreamOpen, _Mapping]] = ..., chunk: _Optional[_Union[ChunkHeader, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[StreamOpen, _Mapping]] = ..., chunk: _Optional[_Union[ChunkHeader, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., landed: _Optional[_Union[LandedChunks, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("transfer_id", "src_rank", "dst_rank", "state", "chunks_applied", "duplicate")

@@ -49,6 +49,11 @@ class TransferStub:
                 request_serializer=k3serve_dot_transfer_dot_v1_dot_transfer__pb2.StatusRequest.SerializeToString,
                 response_deserializer=k3serve_dot_transfer_dot_v1_dot_transfer__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Open = channel.unary_unary(
+                '/k3serve.transfer.v1.Transfer/Open',
+                request_serializer=k3serve_dot_transfer_dot_v1_dot_transfer__pb2.StreamOpen.SerializeToString,
+                response_deserializer=k3serve_dot_transfer_dot_v1_dot_transfer__pb2.OpenReply.FromString,
+                _registered_method=True)
 
 
 class TransferServicer:
@@ -75,6 +80,15 @@ class TransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Open(self, request, context):
+        """Data-plane handshake (the Mooncake plane, k3serve/transfer/mooncake/): stage the transfer and say where in
+        the receiver's registered staging region the sender's bytes land. The sender then writes its chunks there
+        with the data plane and sends Push(open{landed}, chunk headers without payload, manifest) as usual.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_TransferServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=k3serve_dot_transfer_dot_v1_dot_transfer__pb2.StatusRequest.FromString,
                     response_serializer=k3serve_dot_transfer_dot_v1_dot_transfer__pb2.StatusReply.SerializeToString,
+            ),
+            'Open': grpc.unary_unary_rpc_method_handler(
+                    servicer.Open,
+                    request_deserializer=k3serve_dot_transfer_dot_v1_dot_transfer__pb2.StreamOpen.FromString,
+                    response_serializer=k3serve_dot_transfer_dot_v1_dot_transfer__pb2.OpenReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class Transfer:
             '/k3serve.transfer.v1.Transfer/Status',
             k3serve_dot_transfer_dot_v1_dot_transfer__pb2.StatusRequest.SerializeToString,
             k3serve_dot_transfer_dot_v1_dot_transfer__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Open(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/k3serve.transfer.v1.Transfer/Open',
+            k3serve_dot_transfer_dot_v1_dot_transfer__pb2.StreamOpen.SerializeToString,
+            k3serve_dot_transfer_dot_v1_dot_transfer__pb2.OpenReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,194 @@
+"""The Mooncake data plane (k3serve/transfer/mooncake/): the same plan, CRC32C, manifest, staging and HMAC as
+the gRPC plane, with the payload written by the engine into the receiver's registered staging region.
+
+State lands byte-identical to the in-process reshard for every (P, D); faults end in a verified transfer
+after retry or a clean failure, with no staging or region range left held; the region is registered once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from transfer_helpers import make_spec, random_state
+from k3serve.bench.transfer_faults import SenderFaults
+from k3serve.transfer.buffers import RegionBuffers
+from k3serve.transfer.mooncake.plane import DataPlane, MooncakeConfig, mooncake_available
+from k3serve.transfer.plan import reshard_kda
+from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
+from k3serve.transfer.sender import SendResult, TransferFailed, TransferSender
+from k3serve.transfer.staging import StagingLimits
+
+pytestmark = pytest.mark.skipif(bool(mooncake_available()), reason=mooncake_available() or "available")
+
+PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4), (4, 2), (4, 1)]
+MC = MooncakeConfig(staging_bytes=8 << 20, send_bytes=8 << 20, quarantine_s=0.2, batch_bytes=64 << 10)
+
+
+@pytest.fixture(scope="module")
+def sender_plane():
+    plane = DataPlane(MC)
+    region = RegionBuffers(MC.send_bytes, quarantine_s=0.0)
+    yield plane, region
+    plane.close()
+
+
+@pytest.fixture(scope="module")
+def groups(auth):
+    """d -> d receivers, each with its own engine and registered staging region (made on first use)."""
+    made: dict[int, list[tuple[TransferReceiver, DataPlane]]] = {}
+
+    def get(d: int) -> list[TransferReceiver]:
+        if d not in made:
+            made[d] = []
+            for r in range(d):
+                plane = DataPlane(MC)
+                region = RegionBuffers(MC.staging_bytes, quarantine_s=MC.quarantine_s)
+                plane.register(region)
+                cfg = ReceiverConfig(auth, limits=StagingLimits(ttl_s=30.0), gc_interval_s=0.05).for_rank(r, d)
+                made[d].append((TransferReceiver(cfg, region=region, segment=plane.segment), plane))
+        return [rx for rx, _ in made[d]]
+
+    yield get
+    for group in made.values():
+        for rx, plane in group:
+            rx.stop(0)
+            plane.close()
+            assert plane.registered_bytes == 0
+
+
+def _send_all(rxs, spec, parts, mla, config, sender_plane, faults=None):
+    from k3serve.transfer.mooncake.sender import MooncakeSender
+
+    plane, region = sender_plane
+    out: list[object] = [None] * len(parts)
+
+    def one(r: int) -> None:
+        with MooncakeSender(r, [x.endpoint for x in rxs], config, plane, region, faults, MC.batch_bytes) as s:
+            try:
+                out[r] = s.send(spec, parts[r], mla)
+            except TransferFailed as e:
+                out[r] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(parts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def _assert_nothing_held(rxs, sender_plane):
+    for rx in rxs:
+        assert rx.store.occupancy() == (0, 0)
+        assert rx.store.region.used_bytes == 0  # quarantined ranges are not held by any transfer
+    assert sender_plane[1].used_bytes == 0
+
+
+@pytest.mark.parametrize("p,d", PAIRS)
+def test_state_over_mooncake_is_byte_identical_to_the_inprocess_reshard(p, d, groups, fast_sender, sender_plane):
+    rxs = groups(d)
+    parts, mla = random_state(p, heads=8, tokens=300, seed=p * 10 + d)
+    want = reshard_kda(parts, d)
+    for rep in range(2):  # the second transfer reuses the same registered regions
+        spec = make_spec(f"mc-{p}-{d}-{rep}", parts, mla, d)
+        results = _send_all(rxs, spec, parts, mla, fast_sender, sender_plane)
+        assert all(isinstance(r, SendResult) for r in results), results
+        assert set().union(*(r.verified_ranks for r in results)) == set(range(d))
+        for rank, rx in enumerate(rxs):
+            st = rx.store.take(spec.transfer_id)
+            assert torch.equal(st.kda, want[rank]) and torch.equal(st.mla, mla)
+            rx.store.recycle(st)
+    assert all(rx.store.counters.landed == rx.store.counters.chunks for rx in rxs)  # no payload went over gRPC
+    assert all(rx.store.counters.place_s == 0.0 for rx in rxs)  # and the receiver copied nothing
+    _assert_nothing_held(rxs, sender_plane)
+    assert sender_plane[0].registrations == 1  # the send region: once, for every transfer of this module
+
+
+RETRIED = {"drop": SenderFaults(drop_after_chunks=3), "corrupt": SenderFaults(corrupt_chunk=2),
+           "delay": SenderFaults(stall_after_chunks=1, stall_s=4.0)}
+
+
+@pytest.mark.parametrize("fault", sorted(RETRIED))
+def test_fault_on_first_attempt_is_retried_to_identical_bytes(fault, groups, fast_sender, sender_plane):
+    config = dataclasses.replace(fast_sender, stream_timeout_s=2.0) if fault == "delay" else fast_sender
+    rxs = groups(2)
+    parts, mla = random_state(2, seed=3)
+    spec = make_spec(f"mc-retry-{fault}", parts, mla, 2)
+    failures = [rx.store.counters.crc_failures for rx in rxs]
+    results = _send_all(rxs, spec, parts, mla, config, sender_plane, RETRIED[fault])
+    assert all(isinstance(r, SendResult) for r in results), results
+    assert all(s.attempts == 2 for r in results for s in r.streams)
+    want = reshard_kda(parts, 2)
+    for rank, rx in enumerate(rxs):
+        st = rx.store.take(spec.transfer_id)
+        assert torch.equal(st.kda, want[rank]) and torch.equal(st.mla, mla)
+        rx.store.recycle(st)
+    if fault == "corrupt":  # caught by the CRC over the bytes that landed in staging
+        assert all(rx.store.counters.crc_failures > f for rx, f in zip(rxs, failures))
+    _assert_nothing_held(rxs, sender_plane)
+
+
+@pytest.mark.parametrize("fault,code", [("drop", "CANCELLED"), ("corrupt", "DATA_LOSS"),
+                                        ("delay", "DEADLINE_EXCEEDED")])
+def test_persistent_fault_fails_cleanly_and_frees_staging(fault, code, groups, fast_sender, sender_plane):
+    config = dataclasses.replace(fast_sender, stream_timeout_s=1.0, max_attempts=2)
+    rxs = groups(2)
+    parts, mla = random_state(2, seed=4)
+    spec = make_spec(f"mc-fail-{fault}", parts, mla, 2)
+    results = _send_all(rxs, spec, parts, mla, config, sender_plane,
+                        dataclasses.replace(RETRIED[fault], attempts=0))
+    assert all(isinstance(r, TransferFailed) for r in results), results
+    assert any(r.code == code for r in results), [(r.code, r.message) for r in results]
+    for rx in rxs:
+        assert rx.store.status(spec.transfer_id) == "cancelled"
+        with pytest.raises(Exception, match="not verified"):
+            rx.store.take(spec.transfer_id)
+    _assert_nothing_held(rxs, sender_plane)
+    # a late retry of the cancelled transfer is refused at Open, before any byte is written
+    results = _send_all(rxs, spec, parts[:1], mla, fast_sender, sender_plane)
+    assert isinstance(results[0], TransferFailed) and results[0].code == "FAILED_PRECONDITION"
+    _assert_nothing_held(rxs, sender_plane)
+
+
+def test_duplicate_open_writes_nothing_and_grpc_only_receivers_refuse_open(groups, receivers, fast_sender,
+                                                                            sender_plane):
+    (rx,) = groups(1)
+    parts, mla = random_state(1, seed=5)
+    spec = make_spec("mc-dup", parts, mla, 1)
+    (first,) = _send_all([rx], spec, parts, mla, fast_sender, sender_plane)
+    chunks = rx.store.counters.chunks
+    (again,) = _send_all([rx], spec, parts, mla, fast_sender, sender_plane)
+    assert not first.streams[0].duplicate and again.streams[0].duplicate and rx.store.counters.chunks == chunks
+    rx.store.recycle(rx.store.take(spec.transfer_id))
+    _assert_nothing_held([rx], sender_plane)
+    (plain,) = receivers(1)  # a gRPC-plane receiver: no region, so no Open
+    (res,) = _send_all([plain], make_spec("mc-plain", parts, mla, 1), parts, mla, fast_sender, sender_plane)
+    assert isinstance(res, TransferFailed) and res.code == "FAILED_PRECONDITION" and "data plane" in res.message
+    with TransferSender(0, [rx.endpoint], fast_sender) as s:  # and gRPC payloads still work on a Mooncake receiver
+        ok = s.send(make_spec("mc-grpc-payload", parts, mla, 1), parts[0], mla)
+    assert ok.verified_ranks == {0}
+    st = rx.store.take("mc-grpc-payload")
+    assert torch.equal(st.kda, parts[0]) and torch.equal(st.mla, mla)
+    rx.store.recycle(st)
+    _assert_nothing_held([rx], sender_plane)
+
+
+def test_a_full_region_is_resource_exhausted_and_holds_nothing(auth, fast_sender, sender_plane):
+    plane = DataPlane(MC)
+    region = RegionBuffers(64 << 10, quarantine_s=0.2)  # smaller than one transfer's staging
+    plane.register(region)
+    rx = TransferReceiver(ReceiverConfig(auth), region=region, segment=plane.segment)
+    try:
+        parts, mla = random_state(1, seed=6)
+        (res,) = _send_all([rx], make_spec("mc-full", parts, mla, 1), parts, mla,
+                           dataclasses.replace(fast_sender, max_attempts=1), sender_plane)
+        assert isinstance(res, TransferFailed) and res.code == "RESOURCE_EXHAUSTED"
+        assert region.used_bytes == 0 and rx.store.occupancy() == (0, 0)
+    finally:
+        rx.stop(0)
+        plane.close()
+    assert plane.registered_bytes == 0 and plane.registrations == 1
