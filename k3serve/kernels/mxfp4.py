@@ -70,14 +70,18 @@ def _scale_table() -> torch.Tensor:
     return torch.tensor(vals, dtype=torch.float32)
 
 
-_PAIRS = _pair_table()
-_SCALES = _scale_table()
+# Lookup tables, built once (constants). bf16 holds every E2M1 x E8M0 product exactly too (same exponent
+# range as fp32, subnormals included), so bf16 outputs are looked up directly; other dtypes go through fp32.
+_TABLES = {dt: (_pair_table().to(dt), _scale_table().to(dt).unsqueeze(1)) for dt in (torch.float32, torch.bfloat16)}
 
 
-def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    if device.type == "cpu":
-        return _PAIRS, _SCALES
-    return _PAIRS.to(device), _SCALES.to(device)
+def _tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """(pair table [256, 2], scale table [256, 1], their dtype) for outputs of `dtype` on `device`."""
+    table_dtype = dtype if dtype in _TABLES else torch.float32
+    pairs, scales = _TABLES[table_dtype]
+    if device.type != "cpu":
+        pairs, scales = pairs.to(device), scales.to(device)
+    return pairs, scales, table_dtype
 
 
 def check_packed(packed: torch.Tensor, scales: torch.Tensor, what: str = "weight") -> int:
@@ -98,16 +102,17 @@ def check_packed(packed: torch.Tensor, scales: torch.Tensor, what: str = "weight
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The one MXFP4 dequantisation: packed uint8 `[..., K/2]`, scales uint8 `[..., K/32]` -> `[..., K]` in `dtype`.
 
-    Two table lookups (byte -> its two E2M1 values; scale code -> 2^(s-127)) and one multiply in fp32, all
-    exact, then the cast to `dtype`.
+    Two table lookups (byte -> its two E2M1 values; scale code -> 2^(s-127)) and one multiply, all exact in
+    fp32 and in bf16 (computed in fp32 and cast for other dtypes).
     """
     k = check_packed(packed, scales)
-    pairs, stab = _tables(packed.device)
-    vals = pairs[packed.int()]  # [..., K/2, 2]: element 2i then 2i + 1
-    s = stab[scales.int()]  # [..., K/32]
+    pairs, stab, tdt = _tables(packed.device, dtype)
     lead = packed.shape[:-1]
-    out = vals.reshape(*lead, k // GROUP, GROUP) * s.unsqueeze(-1)
-    return out.reshape(*lead, k).to(dtype)
+    # torch.embedding (the aten op, not F.embedding's Python wrapper): a decode step makes ~50 of these calls
+    vals = torch.embedding(pairs, packed.int())  # [..., K/2, 2]: element 2i then 2i + 1
+    s = torch.embedding(stab, scales.int())  # [..., K/32, 1]
+    out = (vals.view(*lead, k // GROUP, GROUP) * s).view(*lead, k)
+    return out if tdt == dtype else out.to(dtype)
 
 
 # ------------------------------------------------------------------------------------------------ quantise

@@ -77,3 +77,12 @@ def dequantize_checkpoint(src: str | Path, out: str | Path, dtype: str | None = 
             else:
                 tensors[spec.name] = reader.read(spec.name)
     return save_checkpoint(out_cfg, tensors, out)
+
+
+def cast_checkpoint(src: str | Path, out: str | Path, dtype: str) -> Path:
+    """Copy checkpoint `src` to `out` with its full-precision tensors stored in `dtype` (MXFP4 pairs unchanged)."""
+    cfg, reader = _open(src)
+    out_cfg = cfg.replace(torch_dtype=dtype)
+    with reader:
+        tensors = {s.name: reader.read(s.name) for s in checkpoint_specs(cfg)}
+    return save_checkpoint(out_cfg, tensors, out)

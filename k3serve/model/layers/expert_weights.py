@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from k3serve.kernels._dispatch import resolve_backend
 from k3serve.kernels.mxfp4 import check_packed, mxfp4_linear
 from k3serve.model.names import mxfp4_names
 
@@ -34,12 +35,16 @@ class MXFP4Linear:
     packed: torch.Tensor  # uint8 [out, in / 2]
     scale: torch.Tensor  # uint8 [out, in / 32]
 
+    backend: str = ""  # resolved once from the weights' device (a decode step makes ~50 of these calls)
+
     def __post_init__(self) -> None:
         check_packed(self.packed, self.scale)
+        if not self.backend:
+            object.__setattr__(self, "backend", resolve_backend(None, self.packed.device))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[N, in]` -> `[N, out]` in x's dtype."""
-        return mxfp4_linear(x, self.packed, self.scale)
+        return mxfp4_linear(x, self.packed, self.scale, backend=self.backend)
 
 
 def expert_linear(weights: dict[str, torch.Tensor], name: str) -> DenseLinear | MXFP4Linear:
