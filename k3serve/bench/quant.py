@@ -11,7 +11,9 @@ and the fp32 original. Measured:
   {ptq, qat}: mean KL(p_bf16 || p_quant) in nats per scored position, from the same windows;
 * ``decode_tokens_per_s`` {bf16, mxfp4} by batch: the decode engine (``bench decode``'s harness), the two
   checkpoints measured alternately ``repeats`` times, best of each; ``decode_weight_bytes_per_token``: weight
-  bytes one step reads (non-expert weights once, the expected distinct experts of the batch) / batch.
+  bytes one step reads (non-expert weights once, the expected distinct experts of the batch) / batch;
+* ``expert_matmul_us`` {bf16, mxfp4} by rows: one expert's three matmuls alone, alternated, best of each (the
+  kernel-level difference, less exposed to a loaded machine than whole decode steps).
 """
 
 from __future__ import annotations
@@ -50,6 +52,27 @@ def weight_bytes_per_token(cfg: ModelConfig, batch: int) -> float:
     e, k = cfg.num_experts, cfg.num_experts_per_token
     distinct = e * (1 - (1 - k / e) ** batch)
     return (dense + moe_layers * distinct * per_expert) / batch
+
+
+def expert_matmul_us(cfg: ModelConfig, rows: int, iters: int = 200, rounds: int = 5) -> dict[str, float]:
+    """Microseconds for one routed expert's three matmuls (w1, w3, w2 on `rows` tokens), bf16 weights vs MXFP4
+    (the serving objects of ``model/layers/expert_weights.py``), alternated `rounds` times, best of each."""
+    from k3serve.kernels.mxfp4 import quantize_mxfp4
+    from k3serve.model.layers.expert_weights import DenseLinear, MXFP4Linear
+
+    g = torch.Generator().manual_seed(0)
+    e_in, mi = cfg.expert_input_size, cfg.moe_intermediate_size
+    ws = [torch.randn(mi, e_in, generator=g), torch.randn(mi, e_in, generator=g), torch.randn(e_in, mi, generator=g)]
+    forms = {"bf16": [DenseLinear(w.bfloat16()) for w in ws], "mxfp4": [MXFP4Linear(*quantize_mxfp4(w)) for w in ws]}
+    x = torch.randn(rows, e_in, generator=g).bfloat16()
+    best = dict.fromkeys(forms, float("inf"))
+    for _ in range(rounds):
+        for name, (l1, l3, l2) in forms.items():
+            t = time.perf_counter()
+            for _ in range(iters):
+                l2(l1(x) * l3(x))
+            best[name] = min(best[name], (time.perf_counter() - t) / iters * 1e6)
+    return best
 
 
 def _quality(ckpts: dict[str, str], windows: torch.Tensor, batch: int = 8) -> dict:
@@ -106,6 +129,7 @@ def run_quant_bench(qat_dir: str | None = None, qat_steps: int = 20, rule: str =
                     rate, _ = _decode_rate(str(path), cfg, b, decode_context, decode_steps)
                     rates[name][str(b)] = max(rates[name].get(str(b), 0.0), rate)
         cfg_bf16, cfg_mx = load_config(bf16), load_config(ptq)
+    matmul = {str(b): expert_matmul_us(cfg_bf16, b) for b in batches}
     return {
         "preset": PRESET, "scale_rule": rule, "threads": torch.get_num_threads(),
         "expert_bytes_ratio": info_ptq["mxfp4_bytes"] / info_ptq["routed_expert_bf16_bytes"],
@@ -118,5 +142,6 @@ def run_quant_bench(qat_dir: str | None = None, qat_steps: int = 20, rule: str =
         "decode_weight_bytes_per_token": {
             "bf16": {str(b): weight_bytes_per_token(cfg_bf16, b) for b in batches},
             "mxfp4": {str(b): weight_bytes_per_token(cfg_mx, b) for b in batches}},
+        "expert_matmul_us": matmul,
         "decode_context_tokens": decode_context, "decode_steps": decode_steps,
     }
