@@ -21,19 +21,17 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from k3serve.bench.decode import _decode_rate
 from k3serve.model.checkpoint import inspect_checkpoint, load_config
 from k3serve.model.config import ModelConfig
-from k3serve.model.loader import load_model
 from k3serve.model.names import SplitKind, checkpoint_specs
 from k3serve.model.presets import write_preset_checkpoint
 from k3serve.model.quant_check import spec_bytes
 from k3serve.model.quantize import cast_checkpoint, quantize_checkpoint
-from k3serve.train.corpus import eval_windows, load_corpus
-from k3serve.train.step import byte_nll, count_bytes, window_logits
 
 PRESET = "tiny-trained"
 
@@ -75,52 +73,24 @@ def expert_matmul_us(cfg: ModelConfig, rows: int, iters: int = 200, rounds: int 
     return best
 
 
-def _quality(ckpts: dict[str, str], windows: torch.Tensor, batch: int = 8) -> dict:
-    models = {k: load_model(p) for k, p in ckpts.items()}
-    nats = dict.fromkeys(models, 0.0)
-    kl = {k: 0.0 for k in models if k not in ("bf16", "fp32")}
-    positions, nbytes = 0, 0
-    for i in range(0, windows.shape[0], batch):
-        w = windows[i: i + batch]
-        logits = {k: window_logits(m, w, grad=False).float() for k, m in models.items()}
-        for k, lg in logits.items():
-            nats[k] += float(byte_nll(lg, w).double().sum())
-        ref = torch.log_softmax(logits["bf16"][:, :-1].double(), -1)
-        for k in kl:
-            lq = torch.log_softmax(logits[k][:, :-1].double(), -1)
-            kl[k] += float((ref.exp() * (ref - lq)).sum())
-        positions += w.shape[0] * (w.shape[1] - 1)
-        nbytes += count_bytes(w)
-    bpb = {k: v / nbytes / 0.6931471805599453 for k, v in nats.items()}
-    return {"bits_per_byte": bpb, "kl_to_bf16": {k: v / positions for k, v in kl.items()},
-            "bits_per_byte_gap_vs_bf16": {k: bpb[k] / bpb["bf16"] - 1 for k in kl}, "eval_bytes": nbytes}
-
-
-def _run_qat(full: Path, out: Path, steps: int, rule: str, seed: int) -> Path:
-    from k3serve.train.loop import TrainConfig, run_training
-
-    cfg = TrainConfig(load_config(full), f"qat of {PRESET}", str(out), steps=steps, seed=seed, lr=5e-4,
-                      warmup_steps=min(5, steps), eval_every_s=1e9, eval_tokens=2048, measure_matmul=False,
-                      init_from=str(full), qat_rule=rule)
-    run_training(cfg, progress=False)
-    return out
-
-
-def run_quant_bench(qat_dir: str | None = None, qat_steps: int = 20, rule: str = "ocp", eval_bytes: int = 32768,
+def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat: Callable[[Path, Path, int, str, int], Path],
+                    qat_dir: str | None = None, qat_steps: int = 20, rule: str = "ocp", eval_bytes: int = 32768,
                     context: int = 256, batches: tuple[int, ...] = (1, 8), decode_context: int = 64,
-                    decode_steps: int = 16, repeats: int = 2, seed: int = 1) -> dict:
+                    decode_steps: int = 16, repeats: int = 2, seed: int = 1, matmul_iters: int = 200) -> dict:
+    """The measurements of the module doc. `quality(ckpts, eval_bytes, context)` and `run_qat(full, out, steps,
+    rule, seed)` are :func:`k3serve.train.quant_eval.quality` / ``run_qat`` (passed in: ``train`` imports
+    ``bench``, so ``bench`` cannot import ``train``)."""
     with tempfile.TemporaryDirectory(prefix="k3serve-bench-quant-") as tmp:
         d = Path(tmp)
         full = write_preset_checkpoint(PRESET, d / "fp32")
         bf16 = cast_checkpoint(full, d / "bf16", "bfloat16")
         ptq = quantize_checkpoint(full, d / "ptq", rule, "bfloat16")
         t0 = time.perf_counter()
-        qat_src = Path(qat_dir) if qat_dir else _run_qat(full, d / "qat_run", qat_steps, rule, seed)
+        qat_src = Path(qat_dir) if qat_dir else run_qat(full, d / "qat_run", qat_steps, rule, seed)
         qat_s = time.perf_counter() - t0
         qat = cast_checkpoint(qat_src, d / "qat", "bfloat16")
         info_bf16, info_ptq = inspect_checkpoint(bf16), inspect_checkpoint(ptq)
-        windows = eval_windows(load_corpus().heldout, min(context, eval_bytes), eval_bytes)
-        quality = _quality({"fp32": str(full), "bf16": str(bf16), "ptq": str(ptq), "qat": str(qat)}, windows)
+        scores = quality({"fp32": str(full), "bf16": str(bf16), "ptq": str(ptq), "qat": str(qat)}, eval_bytes, context)
         rates: dict[str, dict[str, float]] = {"bf16": {}, "mxfp4": {}}
         for b in batches:
             for _ in range(repeats):  # alternate, so both see the same background load
@@ -129,13 +99,13 @@ def run_quant_bench(qat_dir: str | None = None, qat_steps: int = 20, rule: str =
                     rate, _ = _decode_rate(str(path), cfg, b, decode_context, decode_steps)
                     rates[name][str(b)] = max(rates[name].get(str(b), 0.0), rate)
         cfg_bf16, cfg_mx = load_config(bf16), load_config(ptq)
-    matmul = {str(b): expert_matmul_us(cfg_bf16, b) for b in batches}
+    matmul = {str(b): expert_matmul_us(cfg_bf16, b, iters=matmul_iters) for b in batches}
     return {
         "preset": PRESET, "scale_rule": rule, "threads": torch.get_num_threads(),
         "expert_bytes_ratio": info_ptq["mxfp4_bytes"] / info_ptq["routed_expert_bf16_bytes"],
         "checkpoint_bytes_ratio": info_ptq["weights_bytes"] / info_bf16["weights_bytes"],
         "checkpoint_bytes": {"bf16": info_bf16["weights_bytes"], "mxfp4": info_ptq["weights_bytes"]},
-        **quality,
+        **scores,
         "qat": {"source": qat_dir or f"train qat, {qat_steps} steps in this run", "seconds": qat_s},
         "decode_tokens_per_s": rates,
         "decode_mxfp4_over_bf16": {b: rates["mxfp4"][b] / rates["bf16"][b] for b in rates["bf16"]},

@@ -64,10 +64,11 @@ def quant(qat: str = typer.Option("", "--qat", help="A `k3serve train qat` outpu
     """MXFP4 vs bf16 on tiny-trained: expert/checkpoint bytes, bits/byte and KL (PTQ, QAT), decode tokens/s."""
     _threads(threads)
     from k3serve.bench.quant import run_quant_bench
+    from k3serve.train.quant_eval import quality, run_qat
 
     sizes = tuple(int(b) for b in batches.split(","))
-    emit(run_quant_bench(qat or None, qat_steps, rule, eval_bytes, batches=sizes, decode_steps=steps,
-                         repeats=repeats), as_json)
+    emit(run_quant_bench(quality, run_qat, qat or None, qat_steps, rule, eval_bytes, batches=sizes,
+                         decode_steps=steps, repeats=repeats), as_json)
 
 
 # Benchmarks owned by other modules join this group (their module defines `app` with its commands).
