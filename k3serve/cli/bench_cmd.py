@@ -67,6 +67,24 @@ def spec(preset: str = typer.Option("tiny-trained", "--preset"), method: str = t
     emit(run_spec_bench(preset, max_k, sizes, sessions, max_tokens, method=method), as_json)
 
 
+@app.command("quant")
+def quant(qat: str = typer.Option("", "--qat", help="A `k3serve train qat` output dir; default: a short QAT here."),
+          qat_steps: int = typer.Option(20, "--qat-steps", help="QAT steps when --qat is not given."),
+          rule: str = typer.Option("ocp", "--scale-rule", help="MXFP4 scale rule for PTQ (and QAT here)."),
+          eval_bytes: int = typer.Option(32768, "--eval-bytes", help="Held-out tokens scored per model."),
+          batches: str = typer.Option("1,8", "--batches"), steps: int = typer.Option(16, "--steps"),
+          repeats: int = typer.Option(2, "--repeats", help="Alternating decode measurements per batch (best kept)."),
+          threads: int = typer.Option(1, "--threads"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """MXFP4 vs bf16 on tiny-trained: expert/checkpoint bytes, bits/byte and KL (PTQ, QAT), decode tokens/s."""
+    _threads(threads)
+    from k3serve.bench.quant import run_quant_bench
+    from k3serve.train.quant_eval import quality, run_qat
+
+    sizes = tuple(int(b) for b in batches.split(","))
+    emit(run_quant_bench(quality, run_qat, qat or None, qat_steps, rule, eval_bytes, batches=sizes,
+                         decode_steps=steps, repeats=repeats), as_json)
+
+
 # Benchmarks owned by other modules join this group (their module defines `app` with its commands).
 for _module in ("k3serve.cli.bench_transfer_cmd", "k3serve.cli.bench_admission_cmd"):
     try:

@@ -1,4 +1,5 @@
-"""``k3serve train target``: pretrain a preset on a local corpus (default: the Python stdlib's sources)."""
+"""``k3serve train target``: pretrain a preset on a local corpus (default: the Python stdlib's sources).
+``k3serve train qat``: fine-tune a trained checkpoint with MXFP4 fake-quantised routed experts."""
 
 from __future__ import annotations
 
@@ -44,6 +45,54 @@ def target(
                           context, lr, warmup, eval_every_s=eval_every, eval_tokens=eval_tokens, resume=resume)
         result = run_training(cfg, progress=not quiet)
     except (TrainError, CorpusError, ConfigError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    emit({"out": result.out, **result.summary}, as_json)
+
+
+@app.command("qat")
+def qat(
+    target: str = typer.Option(..., "--target", help="Trained full-precision checkpoint to fine-tune."),
+    out: str = typer.Option(..., "--out", help="Output dir: the MXFP4 serving checkpoint, master weights, PNG, log."),
+    corpus: str = typer.Option("", "--corpus", help="Directory or text file; default: the stdlib's *.py."),
+    minutes: float = typer.Option(None, "--minutes", help="Budget in training minutes (eval/saving excluded)."),
+    steps: int = typer.Option(None, "--steps", help="Budget in optimizer steps (reproducible)."),
+    seed: int = typer.Option(1, "--seed", help="Batch order (a different stream than the target's seed 0)."),
+    batch: int = typer.Option(8, "--batch", help="Windows per step."),
+    context: int = typer.Option(256, "--context", help="Tokens per training window."),
+    lr: float = typer.Option(5e-4, "--lr", help="Peak AdamW learning rate (warm-up, then cosine to 10%)."),
+    warmup: int = typer.Option(5, "--warmup", help="Warm-up steps."),
+    rule: str = typer.Option("ocp", "--scale-rule", help="MXFP4 scale rule: ocp | round-up."),
+    eval_every: float = typer.Option(60.0, "--eval-every", help="Held-out eval every N training seconds."),
+    eval_tokens: int = typer.Option(8192, "--eval-tokens", help="Held-out tokens per periodic eval."),
+    threads: int = typer.Option(0, "--threads", help="torch threads (0: torch's default)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Fine-tune with MXFP4 fake quantisation of the routed experts (STE); writes an MXFP4 checkpoint."""
+    import torch
+
+    from k3serve.kernels.mxfp4 import SCALE_RULES
+    from k3serve.model.checkpoint import CheckpointError, load_config
+    from k3serve.model.config import ConfigError
+    from k3serve.train.corpus import CorpusError
+    from k3serve.train.loop import TrainConfig, TrainError, run_training
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        if rule not in SCALE_RULES:
+            raise TrainError(f"--scale-rule must be one of {SCALE_RULES}, got {rule!r}")
+        model = load_config(target)
+        if model.quantization:
+            raise TrainError(f"--target {target} is already quantized ({model.quantization}); give the "
+                             "full-precision checkpoint")
+        cfg = TrainConfig(model, f"qat of {target}", out, corpus or None, steps, minutes, seed, batch, context, lr,
+                          warmup, eval_every_s=eval_every, eval_tokens=eval_tokens, resume=resume,
+                          init_from=target, qat_rule=rule)
+        result = run_training(cfg, progress=not quiet)
+    except (TrainError, CorpusError, ConfigError, CheckpointError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     emit({"out": result.out, **result.summary}, as_json)

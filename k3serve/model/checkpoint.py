@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from k3serve.model.config import ConfigError, ModelConfig
 from k3serve.model.init import make_tensor, storage_dtype
 from k3serve.model.names import SplitKind, TensorSpec, checkpoint_specs
+from k3serve.model.quant_check import quant_summary
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -343,7 +344,8 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     """Summary of a checkpoint dir or a bare config.json, without loading or allocating any weights.
 
     Keys: model_type, num_layers, kda_layers / mla_layers (0-indexed), num_kda_layers, num_mla_layers,
-    num_tensors and num_params (expected by the config), the per-request serving sizes, and weights_present;
+    num_tensors and num_params (expected by the config; an MXFP4 byte is 2 params), the per-request serving
+    sizes, the sizes of :func:`k3serve.model.quant_check.quant_summary` and weights_present;
     when weights are present also missing_tensors, unexpected_tensors, shape_mismatches (counts),
     missing_sample (a few names), num_files and weights_bytes.
     """
@@ -364,10 +366,11 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
         "torch_dtype": cfg.torch_dtype,
         "quantization": cfg.quantization or None,
         "num_tensors": len(specs),
-        "num_params": sum(s.numel for s in specs),
+        "num_params": sum(s.params for s in specs),
         **serving_sizes(cfg),
     }
     inventory = _header_inventory(path) if path.is_dir() else None
+    info.update(quant_summary(cfg, specs, inventory))
     info["weights_present"] = inventory is not None
     if inventory is not None:
         expected = {s.name: tuple(s.shape) for s in specs}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from k3serve.model import config_keys
+from k3serve.model.quant_config import MXFP4_FORMAT, mxfp4_quantization_config, parse_quantization
 
 MODEL_TYPES = ("kimi_linear", "kimi_k3")
 
@@ -72,6 +73,7 @@ class ModelConfig:
     pad_token_id: int = 2
     torch_dtype: str = "float32"
     quantization: str = ""  # weight quantization format the config declares (K3: "mxfp4-pack-quantized")
+    quant_scale_rule: str = ""  # PTQ scale rule recorded with an MXFP4 checkpoint ("ocp", "round-up"; "" unknown)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -196,9 +198,14 @@ class ModelConfig:
 
     def check_loadable(self) -> None:
         """Raise ConfigError unless k3serve can hold this model's weights (make, load)."""
-        if self.quantization:
+        if self.quantization and self.quantization != MXFP4_FORMAT:
             raise ConfigError(f"quantization_config.format = {self.quantization!r} is not implemented: k3serve "
-                              "loads unquantized weights only (the config still inspects)")
+                              f"loads full-precision or {MXFP4_FORMAT!r} weights (the config still inspects)")
+        if self.quantization:
+            for what, width in (("expert input width", self.expert_input_size),
+                                ("moe_intermediate_size", self.moe_intermediate_size)):
+                if width % 32:
+                    raise ConfigError(f"{MXFP4_FORMAT}: {what} = {width} is not a multiple of the group size 32")
 
     def check_tp(self, tp: int) -> None:
         """Raise ConfigError unless the model can be split over `tp` ranks."""
@@ -240,6 +247,8 @@ class ModelConfig:
         # keys whose other values would make the model compute something else: refused, named
         config_keys.check_implemented(t, raw if model_type == "kimi_k3" else {}, ConfigError,
                                       "text_config." if model_type == "kimi_k3" else "")
+
+        quant = parse_quantization(t, raw, ConfigError)
 
         def req(key: str) -> Any:
             if key not in t:
@@ -284,7 +293,8 @@ class ModelConfig:
             eos_token_id=int(_first(t.get("eos_token_id", raw.get("eos_token_id", 1)))),
             pad_token_id=int(t.get("pad_token_id", raw.get("pad_token_id", 2)) or 0),
             torch_dtype=_dtype(t, raw),
-            quantization=config_keys.quantization_format(t, raw, ConfigError),
+            quantization=quant[0],
+            quant_scale_rule=quant[1],
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -333,7 +343,9 @@ class ModelConfig:
             "tie_word_embeddings": False,
             "torch_dtype": self.torch_dtype,
         }
-        if self.quantization:
+        if self.quantization == MXFP4_FORMAT:
+            text["quantization_config"] = mxfp4_quantization_config(self.quant_scale_rule)
+        elif self.quantization:
             text["quantization_config"] = {"format": self.quantization}
         if self.routed_expert_hidden_size is not None:
             text["routed_expert_hidden_size"] = self.routed_expert_hidden_size

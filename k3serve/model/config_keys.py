@@ -54,16 +54,3 @@ def _check_grouped_topk(t: dict[str, Any], error: type[ValueError], prefix: str)
     if groups != keep:
         raise error(f"{prefix}use_grouped_topk with num_expert_group = {groups!r}, topk_group = {keep!r} is "
                     "not implemented (only topk_group == num_expert_group, where grouping is a no-op)")
-
-
-def quantization_format(text: dict[str, Any], top: dict[str, Any], error: type[ValueError]) -> str:
-    """The weight quantization format a config declares ("" for none), e.g. K3's ``mxfp4-pack-quantized``.
-
-    Parsed so `inspect` can report it; loading weights of a quantized checkpoint is refused until MXFP4
-    experts are implemented (`ModelConfig.check_loadable`)."""
-    q = text.get("quantization_config", top.get("quantization_config"))
-    if q is None:
-        return ""
-    if not isinstance(q, dict):
-        raise error(f"quantization_config must be an object, got {q!r}")
-    return str(q.get("format") or q.get("quant_method") or "unknown")

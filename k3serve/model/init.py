@@ -21,7 +21,10 @@ lm_head                                         N(0, 1/sqrt(d))
 any other weight (linear ``[out, in]``)         N(0, 1/sqrt(in))   (in = last dim)
 ==============================================  =========================================================
 
-Values are drawn in fp32; :func:`storage_dtype` gives the dtype a checkpoint stores them in.
+Values are drawn in fp32; :func:`storage_dtype` gives the dtype a checkpoint stores them in. The MXFP4 pair of a
+quantized routed expert (``weight_packed``, ``weight_scale``) is the PTQ (OCP scale rule) of the full-precision
+weight drawn under the ``.weight`` name, so a random MXFP4 checkpoint is the quantisation of the random
+full-precision one with the same seed.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import xxhash
 
 from k3serve.model.config import ModelConfig
-from k3serve.model.names import SplitKind, TensorSpec, checkpoint_specs
+from k3serve.model.names import Packing, SplitKind, TensorSpec, checkpoint_specs, weight_name_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,7 +63,10 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def storage_dtype(spec: TensorSpec, cfg: ModelConfig) -> torch.dtype:
-    """The dtype a checkpoint of `cfg` stores `spec` in: fp32 for fp32 specs, else cfg.torch_dtype."""
+    """The dtype a checkpoint of `cfg` stores `spec` in: uint8 for MXFP4 halves, fp32 for fp32 specs, else
+    cfg.torch_dtype."""
+    if spec.packing is not Packing.NONE:
+        return torch.uint8
     return torch.float32 if spec.fp32 else torch_dtype(cfg.torch_dtype)
 
 
@@ -111,6 +117,14 @@ def _log_uniform_decay(n: int, g: torch.Generator) -> torch.Tensor:
 
 def make_tensor(spec: TensorSpec, cfg: ModelConfig, seed: int = 0) -> torch.Tensor:
     """The tensor exactly as a checkpoint made with `seed` stores it (values and dtype)."""
+    if spec.packing is not Packing.NONE:
+        from k3serve.kernels.mxfp4 import quantize_mxfp4
+
+        full = TensorSpec(weight_name_of(spec.name), spec.weight_shape, spec.split)
+        # the full-precision weight as the unquantized checkpoint stores it, then quantised
+        w = init_tensor(full, cfg, seed=seed).to(torch_dtype(cfg.torch_dtype))
+        packed, scales = quantize_mxfp4(w, "ocp")
+        return packed if spec.packing is Packing.MXFP4_PACKED else scales
     return init_tensor(spec, cfg, seed=seed).to(storage_dtype(spec, cfg))
 
 

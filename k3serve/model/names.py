@@ -15,6 +15,16 @@ TP layout (T ranks, rank r):
  routed expert e              ──whole──────▶  owned by rank e // (E/T)                  (expert parallel)
  everything else (norms, router, latent projections, MLA kv_a, embeddings, lm_head): replicated
 ```
+
+Two forms of a routed expert weight ``...experts.{e}.w{1,2,3}`` (docs/mxfp4.md):
+
+```
+ full precision   .weight          [out, in]       cfg.torch_dtype
+ MXFP4            .weight_packed   [out, in / 2]   uint8, two E2M1 codes per byte (even input in the low nibble)
+                  .weight_scale    [out, in / 32]  uint8, E8M0 scale per 32 inputs
+```
+A config with ``quantization_config`` (``cfg.quantization``) lists the MXFP4 form; every other tensor keeps
+its full-precision form in both.
 """
 
 from __future__ import annotations
@@ -31,6 +41,36 @@ class SplitKind(Enum):
     SHARD = "shard"  # split `dim` evenly over ranks
     HEAD_PREFIX = "head_prefix"  # K3 A_log: first `count` entries are real (zero padded); shard those
     EXPERT = "expert"  # whole tensor on the rank that owns `expert`
+
+
+@dataclass(frozen=True)
+class Packing(Enum):
+    """What a tensor holds: a plain weight, or one half of an MXFP4 pair."""
+
+    NONE = "none"
+    MXFP4_PACKED = "weight_packed"  # uint8 [out, in / 2]
+    MXFP4_SCALE = "weight_scale"  # uint8 [out, in / 32]
+
+
+MXFP4_GROUP = 32
+PACKED_SUFFIX = ".weight_packed"
+SCALE_SUFFIX = ".weight_scale"
+
+
+def mxfp4_names(weight_name: str) -> tuple[str, str]:
+    """``...w1.weight`` -> (``...w1.weight_packed``, ``...w1.weight_scale``)."""
+    if not weight_name.endswith(".weight"):
+        raise ValueError(f"{weight_name!r} is not a weight name")
+    base = weight_name[: -len(".weight")]
+    return base + PACKED_SUFFIX, base + SCALE_SUFFIX
+
+
+def weight_name_of(name: str) -> str:
+    """The full-precision name of a tensor (``...w1.weight_packed`` / ``_scale`` -> ``...w1.weight``)."""
+    for suffix in (PACKED_SUFFIX, SCALE_SUFFIX):
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ".weight"
+    return name
 
 
 @dataclass(frozen=True)
@@ -54,10 +94,29 @@ class TensorSpec:
     shape: tuple[int, ...]
     split: Split = REPLICATED
     fp32: bool = False  # kept in fp32 whatever the checkpoint dtype (A_log, dt_bias, conv weights, norms of KDA)
+    packing: Packing = Packing.NONE
 
     @property
     def numel(self) -> int:
+        """Stored elements (bytes, for the uint8 halves of an MXFP4 pair)."""
         return math.prod(self.shape)
+
+    @property
+    def params(self) -> int:
+        """Model parameters the tensor encodes: 2 per packed byte, none for scales."""
+        if self.packing is Packing.MXFP4_PACKED:
+            return 2 * self.numel
+        return 0 if self.packing is Packing.MXFP4_SCALE else self.numel
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        """Shape of the full-precision weight this tensor encodes (its own shape when not packed)."""
+        out, cols = self.shape[0], self.shape[-1]
+        if self.packing is Packing.MXFP4_PACKED:
+            return (out, cols * 2)
+        if self.packing is Packing.MXFP4_SCALE:
+            return (out, cols * MXFP4_GROUP)
+        return self.shape
 
     def owned_by(self, rank: int, tp: int, num_experts: int) -> bool:
         if self.split.kind is not SplitKind.EXPERT:
@@ -138,6 +197,17 @@ def mla_layer_specs(cfg: ModelConfig, p: str) -> list[TensorSpec]:
     return specs
 
 
+def routed_weight_specs(cfg: ModelConfig, name: str, shape: tuple[int, int], split: Split) -> list[TensorSpec]:
+    """One routed expert weight in the checkpoint's form: ``name`` itself, or its MXFP4 pair when the config
+    is quantized (packed bytes first, then scales)."""
+    if not cfg.quantization:
+        return [TensorSpec(name, shape, split)]
+    out, cols = shape
+    packed, scale = mxfp4_names(name)
+    return [TensorSpec(packed, (out, cols // 2), split, packing=Packing.MXFP4_PACKED),
+            TensorSpec(scale, (out, cols // MXFP4_GROUP), split, packing=Packing.MXFP4_SCALE)]
+
+
 def ffn_layer_specs(cfg: ModelConfig, layer: int, p: str) -> list[TensorSpec]:
     """Dense MLP or MoE tensors of one layer; `p` is the layer prefix ending with '.'."""
     d = cfg.hidden_size
@@ -156,11 +226,8 @@ def ffn_layer_specs(cfg: ModelConfig, layer: int, p: str) -> list[TensorSpec]:
     ]
     for x in range(e):
         ex = Split(SplitKind.EXPERT, expert=x)
-        specs += [
-            TensorSpec(f"{m}experts.{x}.w1.weight", (mi, e_in), ex),
-            TensorSpec(f"{m}experts.{x}.w2.weight", (e_in, mi), ex),
-            TensorSpec(f"{m}experts.{x}.w3.weight", (mi, e_in), ex),
-        ]
+        for w, shape in (("w1", (mi, e_in)), ("w2", (e_in, mi)), ("w3", (mi, e_in))):
+            specs += routed_weight_specs(cfg, f"{m}experts.{x}.{w}.weight", shape, ex)
     if cfg.num_shared_experts:
         si = cfg.shared_expert_intermediate_size
         specs += [

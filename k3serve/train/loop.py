@@ -1,4 +1,6 @@
 """``k3serve train target``: pretrain a preset on a corpus; checkpoints, resume, periodic eval, curves.
+``k3serve train qat`` runs the same loop from a trained checkpoint with MXFP4 fake-quantised experts
+(:mod:`k3serve.train.qat`; ``init_from`` + ``qat_rule``).
 
 Out dir (a serving checkpoint at every save, loadable as it is)::
 
@@ -31,6 +33,7 @@ from k3serve.train.corpus import Corpus, eval_windows, load_corpus, sample_windo
 from k3serve.train.evaluate import windows_nll
 from k3serve.train.flops import train_flops_per_token
 from k3serve.train.params import BIAS_SUFFIX, init_params, model_view, no_decay
+from k3serve.train.qat import MASTER_DIR, fake_quant_view, save_mxfp4
 from k3serve.train.plot import plot_curves
 from k3serve.train.schedule import Schedule
 from k3serve.train.step import attach_route_recorder, byte_nll, count_bytes, window_logits
@@ -65,6 +68,8 @@ class TrainConfig:
     save_every_s: float = 120.0
     resume: bool = False
     measure_matmul: bool = True  # torch.mm GFLOP/s at start and end, the ceiling achieved FLOP/s is set against
+    init_from: str | None = None  # start from this checkpoint's weights (QAT: the trained target) instead of init
+    qat_rule: str | None = None  # QAT: routed experts fake-quantised to MXFP4 with this scale rule (train/qat.py)
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.minutes is None):
@@ -104,14 +109,19 @@ def _optimizer(params: dict[str, torch.Tensor], cfg: TrainConfig) -> torch.optim
 
 def _load_params(out: Path, model: ModelConfig) -> dict[str, torch.Tensor]:
     if load_config(out).to_hf_dict() != model.to_hf_dict():
-        raise TrainError(f"--resume: {out} holds a run of a different model config")
+        raise TrainError(f"{out} holds weights of a different model config")
     with CheckpointReader(out) as r:
         return {s.name: r.read(s.name).float().clone().requires_grad_(not s.name.endswith(BIAS_SUFFIX))
                 for s in checkpoint_specs(model)}
 
 
+def _view(params: dict[str, torch.Tensor], cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """What the forward sees: the leaves, or for QAT the leaves with fake-quantised routed experts."""
+    return params if cfg.qat_rule is None else fake_quant_view(params, cfg.qat_rule)
+
+
 def _heldout_bpb(params: dict[str, torch.Tensor], cfg: TrainConfig, windows: torch.Tensor) -> float:
-    return windows_nll(model_view(cfg.model, params), windows).bits_per_byte
+    return windows_nll(model_view(cfg.model, _view(params, cfg)), windows).bits_per_byte
 
 
 class _Run:
@@ -126,7 +136,7 @@ class _Run:
         if cfg.resume:
             if not (self.out / STATE_FILE).is_file():
                 raise TrainError(f"--resume: {self.out} has no {STATE_FILE}")
-            self.params = _load_params(self.out, cfg.model)
+            self.params = _load_params(self._weights_dir(), cfg.model)
             self.opt = _optimizer(self.params, cfg)
             state = torch.load(self.out / STATE_FILE, weights_only=False)
             self.opt.load_state_dict(state["optimizer"])
@@ -135,10 +145,15 @@ class _Run:
         else:
             if (self.out / STATE_FILE).exists():
                 raise TrainError(f"--out {self.out} already holds a training run; pass --resume to continue it")
-            self.params = init_params(cfg.model, cfg.seed)
+            self.params = (init_params(cfg.model, cfg.seed) if cfg.init_from is None
+                           else _load_params(Path(cfg.init_from), cfg.model))
             self.opt = _optimizer(self.params, cfg)
         self.recent: list[float] = []  # last steps' train bits/byte (running mean for the curve)
         self.balance = 1.0
+
+    def _weights_dir(self) -> Path:
+        """Where the full-precision weights are saved: `out` itself, or `out/master` for QAT (out holds MXFP4)."""
+        return self.out if self.cfg.qat_rule is None else self.out / MASTER_DIR
 
     def done(self) -> bool:
         return self.cfg.progress(self.step, self.train_s) >= 1.0
@@ -149,7 +164,7 @@ class _Run:
         for g in self.opt.param_groups:
             g["lr"] = lr
         x = sample_windows(self.corpus.train, cfg.batch, cfg.context + 1, cfg.seed, self.step)
-        model = model_view(cfg.model, self.params)
+        model = model_view(cfg.model, _view(self.params, cfg))
         records = attach_route_recorder(model)
         nll = byte_nll(window_logits(model, x, grad=True), x)
         loss = nll.sum() / max(1, count_bytes(x))
@@ -170,14 +185,17 @@ class _Run:
                              "max_expert_load_over_fair": round(self.balance, 3)})
 
     def save(self, summary: dict) -> None:
-        save_checkpoint(self.cfg.model, self.params, self.out)
+        save_checkpoint(self.cfg.model, self.params, self._weights_dir())
+        if self.cfg.qat_rule is not None:
+            save_mxfp4(self.cfg.model, self.params, self.out, self.cfg.qat_rule)
         tmp = self.out / (STATE_FILE + ".tmp")
         torch.save({"optimizer": self.opt.state_dict(), "step": self.step, "train_s": self.train_s,
                     "tokens": self.tokens, "history": self.history}, tmp)
         tmp.replace(self.out / STATE_FILE)
         log = {"settings": self.cfg.settings(), "summary": summary, "history": self.history}
         (self.out / LOG_FILE).write_text(json.dumps(log, indent=2) + "\n")
-        plot_curves(self.history, self.out, f"k3serve train target: {self.cfg.preset} on {self.corpus.source}",
+        what = "target" if self.cfg.qat_rule is None else "qat (MXFP4 experts)"
+        plot_curves(self.history, self.out, f"k3serve train {what}: {self.cfg.preset} on {self.corpus.source}",
                     summary.get("unigram_entropy_bits"))
 
 

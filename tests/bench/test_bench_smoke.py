@@ -32,3 +32,30 @@ def test_decode_bench_keys_and_byte_model():
     assert set(out["achieved_gbps"]) == {"1", "2"}
     cfg = preset("tiny")
     assert step_bytes(cfg, 8, 100) > step_bytes(cfg, 1, 100)
+
+
+def test_quant_bench_keys_side_by_side(tmp_path):
+    from k3serve.bench.quant import run_quant_bench, weight_bytes_per_token
+    from k3serve.model.presets import write_preset_checkpoint
+    from k3serve.model.quantize import quantize_checkpoint
+
+    # any MXFP4 checkpoint of the preset stands in for a `train qat` output (the QAT run itself: tests/train)
+    qat = quantize_checkpoint(write_preset_checkpoint("tiny-trained", tmp_path / "tt"), tmp_path / "q", "round-up")
+    import functools
+
+    from k3serve.train.quant_eval import quality, run_qat
+
+    text = tmp_path / "code.py"  # a small corpus: the stdlib's takes long to read
+    text.write_text("".join(f"def f{i}(x):\n    return x + {i % 10}\n\n" for i in range(400)))
+    out = run_quant_bench(functools.partial(quality, corpus=str(text)), run_qat, str(qat), eval_bytes=256, context=64, batches=(1,), decode_context=8,
+                          decode_steps=1, repeats=1, matmul_iters=2)
+    assert out["expert_bytes_ratio"] == 4.25 / 16
+    assert 0 < out["checkpoint_bytes_ratio"] < 1
+    assert set(out["bits_per_byte"]) == {"fp32", "bf16", "ptq", "qat"} and set(out["kl_to_bf16"]) == {"ptq", "qat"}
+    assert all(v >= 0 for v in out["kl_to_bf16"].values())
+    for form in ("bf16", "mxfp4"):
+        assert set(out["decode_tokens_per_s"][form]) == {"1"} and set(out["expert_matmul_us"]["1"]) >= {form}
+    mx = out["decode_weight_bytes_per_token"]
+    assert mx["mxfp4"]["1"] < mx["bf16"]["1"]
+    cfg = preset("tiny-trained")
+    assert weight_bytes_per_token(cfg, 1) > weight_bytes_per_token(cfg, 8)

@@ -82,11 +82,13 @@ def test_grouped_topk_only_as_a_no_op():
     ModelConfig.from_hf_dict(raw)
 
 
-def test_quantized_configs_inspect_but_do_not_make_or_load(tmp_path):
-    cfg = preset("tiny").replace(quantization="mxfp4-pack-quantized")
+def test_unknown_quantization_formats_inspect_but_do_not_make_or_load(tmp_path):
+    cfg = preset("tiny").replace(quantization="nvfp4-pack-quantized")
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
-    with pytest.raises(ConfigError, match="quantization_config.format = 'mxfp4-pack-quantized'"):
+    with pytest.raises(ConfigError, match="quantization_config.format = 'nvfp4-pack-quantized' is not implemented"):
         make_checkpoint(cfg, tmp_path / "q")
+    mx = preset("tiny").replace(quantization="mxfp4-pack-quantized")
+    assert ModelConfig.from_hf_dict(mx.to_hf_dict()) == mx  # MXFP4 makes and loads (tests/model/test_mxfp4_*)
 
 
 def test_written_configs_name_the_implemented_values():

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.model.config import ModelConfig
+from k3serve.model.layers.expert_weights import expert_linear
 from k3serve.model.layers.norm import glu, rms_norm
 from k3serve.model.tp import TPGroup
 
@@ -50,8 +51,9 @@ class MoE:
         self.score_bias = weights[m + "gate.e_score_correction_bias"].float()
         per_rank = cfg.num_experts // tp.world
         self.expert_ids = range(tp.rank * per_rank, (tp.rank + 1) * per_rank)
-        self.experts = {e: (weights[f"{m}experts.{e}.w1.weight"], weights[f"{m}experts.{e}.w3.weight"],
-                            weights[f"{m}experts.{e}.w2.weight"]) for e in self.expert_ids}
+        # (w1, w3, w2) per expert, each an object that multiplies in its stored form (full precision or MXFP4)
+        self.experts = {e: tuple(expert_linear(weights, f"{m}experts.{e}.{w}.weight") for w in ("w1", "w3", "w2"))
+                        for e in self.expert_ids}
         self.shared = GatedMLP(cfg, weights, m + "shared_experts.") if cfg.num_shared_experts else None
         if cfg.uses_latent_moe:
             self.w_down = weights[m + "routed_expert_down_proj.weight"]
@@ -99,8 +101,7 @@ class MoE:
             off += n
             w1, w3, w2 = self.experts[e]
             zi = z[rows]
-            y = F.linear(glu(F.linear(zi, w1), F.linear(zi, w3), c.hidden_act,
-                             c.activation_situ_beta, c.activation_situ_linear_beta), w2)
+            y = w2(glu(w1(zi), w3(zi), c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta))
             ys.append(y.float() * w[rows, slot].unsqueeze(-1))
             rows_used.append(rows)
         out = torch.zeros(z.shape, dtype=torch.float32, device=z.device)

@@ -1,0 +1,117 @@
+"""``k3serve bench quant``: MXFP4 routed experts against bf16 on the trained tiny model, side by side in one run.
+
+Four checkpoints are made from the shipped ``tiny-trained`` weights (fp32): ``bf16`` (every tensor cast to
+bf16: the baseline), ``ptq`` (routed experts MXFP4 by PTQ from the fp32 weights, the rest bf16), ``qat`` (a
+``k3serve train qat`` run, given with ``qat_dir`` or run here for ``qat_steps`` steps, the rest cast to bf16)
+and the fp32 original. Measured:
+
+* ``expert_bytes_ratio``: routed-expert bytes (packed + scales) / the same experts in bf16 (4.25 / 16 bits);
+* ``checkpoint_bytes_ratio``: weight files on disk, ptq / bf16;
+* ``bits_per_byte`` {fp32, bf16, ptq, qat} on held-out text (the ``k3serve eval`` windows) and ``kl_to_bf16``
+  {ptq, qat}: mean KL(p_bf16 || p_quant) in nats per scored position, from the same windows;
+* ``decode_tokens_per_s`` {bf16, mxfp4} by batch: the decode engine (``bench decode``'s harness), the two
+  checkpoints measured alternately ``repeats`` times, best of each; ``decode_weight_bytes_per_token``: weight
+  bytes one step reads (non-expert weights once, the expected distinct experts of the batch) / batch;
+* ``expert_matmul_us`` {bf16, mxfp4} by rows: one expert's three matmuls alone, alternated, best of each (the
+  kernel-level difference, less exposed to a loaded machine than whole decode steps).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from k3serve.bench.decode import _decode_rate
+from k3serve.model.checkpoint import inspect_checkpoint, load_config
+from k3serve.model.config import ModelConfig
+from k3serve.model.names import SplitKind, checkpoint_specs
+from k3serve.model.presets import write_preset_checkpoint
+from k3serve.model.quant_check import spec_bytes
+from k3serve.model.quantize import cast_checkpoint, quantize_checkpoint
+
+PRESET = "tiny-trained"
+
+
+def weight_bytes_per_token(cfg: ModelConfig, batch: int) -> float:
+    """Weight bytes a decode step of `batch` tokens reads, per token (see module doc)."""
+    dense = per_expert = 0
+    for s in checkpoint_specs(cfg):
+        if s.split.kind is SplitKind.EXPERT:
+            if s.split.expert == 0 and ".layers." in s.name:
+                per_expert += spec_bytes(s, cfg)
+        elif not s.name.endswith("embed_tokens.weight"):
+            dense += spec_bytes(s, cfg)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    per_expert //= max(1, moe_layers)  # expert 0 of every MoE layer was summed
+    e, k = cfg.num_experts, cfg.num_experts_per_token
+    distinct = e * (1 - (1 - k / e) ** batch)
+    return (dense + moe_layers * distinct * per_expert) / batch
+
+
+def expert_matmul_us(cfg: ModelConfig, rows: int, iters: int = 200, rounds: int = 5) -> dict[str, float]:
+    """Microseconds for one routed expert's three matmuls (w1, w3, w2 on `rows` tokens), bf16 weights vs MXFP4
+    (the serving objects of ``model/layers/expert_weights.py``), alternated `rounds` times, best of each."""
+    from k3serve.kernels.mxfp4 import quantize_mxfp4
+    from k3serve.model.layers.expert_weights import DenseLinear, MXFP4Linear
+
+    g = torch.Generator().manual_seed(0)
+    e_in, mi = cfg.expert_input_size, cfg.moe_intermediate_size
+    ws = [torch.randn(mi, e_in, generator=g), torch.randn(mi, e_in, generator=g), torch.randn(e_in, mi, generator=g)]
+    forms = {"bf16": [DenseLinear(w.bfloat16()) for w in ws], "mxfp4": [MXFP4Linear(*quantize_mxfp4(w)) for w in ws]}
+    x = torch.randn(rows, e_in, generator=g).bfloat16()
+    best = dict.fromkeys(forms, float("inf"))
+    for _ in range(rounds):
+        for name, (l1, l3, l2) in forms.items():
+            t = time.perf_counter()
+            for _ in range(iters):
+                l2(l1(x) * l3(x))
+            best[name] = min(best[name], (time.perf_counter() - t) / iters * 1e6)
+    return best
+
+
+def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat: Callable[[Path, Path, int, str, int], Path],
+                    qat_dir: str | None = None, qat_steps: int = 20, rule: str = "ocp", eval_bytes: int = 32768,
+                    context: int = 256, batches: tuple[int, ...] = (1, 8), decode_context: int = 64,
+                    decode_steps: int = 16, repeats: int = 2, seed: int = 1, matmul_iters: int = 200) -> dict:
+    """The measurements of the module doc. `quality(ckpts, eval_bytes, context)` and `run_qat(full, out, steps,
+    rule, seed)` are :func:`k3serve.train.quant_eval.quality` / ``run_qat`` (passed in: ``train`` imports
+    ``bench``, so ``bench`` cannot import ``train``)."""
+    with tempfile.TemporaryDirectory(prefix="k3serve-bench-quant-") as tmp:
+        d = Path(tmp)
+        full = write_preset_checkpoint(PRESET, d / "fp32")
+        bf16 = cast_checkpoint(full, d / "bf16", "bfloat16")
+        ptq = quantize_checkpoint(full, d / "ptq", rule, "bfloat16")
+        t0 = time.perf_counter()
+        qat_src = Path(qat_dir) if qat_dir else run_qat(full, d / "qat_run", qat_steps, rule, seed)
+        qat_s = time.perf_counter() - t0
+        qat = cast_checkpoint(qat_src, d / "qat", "bfloat16")
+        info_bf16, info_ptq = inspect_checkpoint(bf16), inspect_checkpoint(ptq)
+        scores = quality({"fp32": str(full), "bf16": str(bf16), "ptq": str(ptq), "qat": str(qat)}, eval_bytes, context)
+        rates: dict[str, dict[str, float]] = {"bf16": {}, "mxfp4": {}}
+        for b in batches:
+            for _ in range(repeats):  # alternate, so both see the same background load
+                for name, path in (("bf16", bf16), ("mxfp4", ptq)):
+                    cfg = load_config(path)
+                    rate, _ = _decode_rate(str(path), cfg, b, decode_context, decode_steps)
+                    rates[name][str(b)] = max(rates[name].get(str(b), 0.0), rate)
+        cfg_bf16, cfg_mx = load_config(bf16), load_config(ptq)
+    matmul = {str(b): expert_matmul_us(cfg_bf16, b, iters=matmul_iters) for b in batches}
+    return {
+        "preset": PRESET, "scale_rule": rule, "threads": torch.get_num_threads(),
+        "expert_bytes_ratio": info_ptq["mxfp4_bytes"] / info_ptq["routed_expert_bf16_bytes"],
+        "checkpoint_bytes_ratio": info_ptq["weights_bytes"] / info_bf16["weights_bytes"],
+        "checkpoint_bytes": {"bf16": info_bf16["weights_bytes"], "mxfp4": info_ptq["weights_bytes"]},
+        **scores,
+        "qat": {"source": qat_dir or f"train qat, {qat_steps} steps in this run", "seconds": qat_s},
+        "decode_tokens_per_s": rates,
+        "decode_mxfp4_over_bf16": {b: rates["mxfp4"][b] / rates["bf16"][b] for b in rates["bf16"]},
+        "decode_weight_bytes_per_token": {
+            "bf16": {str(b): weight_bytes_per_token(cfg_bf16, b) for b in batches},
+            "mxfp4": {str(b): weight_bytes_per_token(cfg_mx, b) for b in batches}},
+        "expert_matmul_us": matmul,
+        "decode_context_tokens": decode_context, "decode_steps": decode_steps,
+    }

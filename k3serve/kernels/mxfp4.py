@@ -1,0 +1,228 @@
+"""MXFP4 (OCP Microscaling, E2M1 elements + E8M0 block scales): quantise, the one dequantisation, and the
+routed-expert matmul that reads packed weights.
+
+Format (OCP MX v1.0; compressed-tensors ``mxfp4-pack-quantized``), for a weight ``W[out, in]``::
+
+    weight_packed  uint8 [out, in / 2]    two E2M1 codes per byte: element 2i in the LOW nibble, 2i+1 in the HIGH
+    weight_scale   uint8 [out, in / 32]   E8M0 per 32 consecutive inputs: 2^(s - 127); s = 0xFF is NaN
+
+    byte j of row o:   bit 7   6 5 4 | 3   2 1 0
+                           sign e e m | sign e e m
+                           element 2j+1 | element 2j
+
+    E2M1 code c (4 bits): sign = c >> 3; magnitude by c & 7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6   (code 8 is -0)
+    value[o, k] = E2M1[code[o, k]] * 2^(scale[o, k // 32] - 127)
+
+Every product of an E2M1 value and an E8M0 power of two is exact in fp32 (2^-127 is an fp32 subnormal), so
+:func:`dequantize_mxfp4` is exact and the same in every backend; it is the only dequantisation in k3serve:
+serving (the torch matmul below, per row block), PTQ round trips (``checkpoint dequantize``) and QAT fake
+quantisation (:func:`fake_quant_mxfp4`) all call it, so training and serving share one arithmetic.
+
+Scale rules (PTQ; recorded in the checkpoint's ``quantization_config`` and docs/mxfp4.md):
+
+* ``ocp``      : 2^(floor(log2(amax)) - 2), the OCP spec's rule (emax of E2M1 is 2). Values above 6 * scale
+                 (amax in (6, 8) * 2^k) saturate to +-6 * scale.
+* ``round-up`` : 2^ceil(log2(amax / 6)), the smallest power of two that puts amax on or below 6: never clips,
+                 costs one bit of resolution on blocks the OCP rule would have clipped.
+
+Elements are x / scale rounded to the nearest E2M1 value, ties to the even code (round-half-even as in the
+spec), saturating at +-6; the sign is kept, so a small negative rounds to -0. A block whose amax is 0 gets
+scale code 0; a block holding a NaN or inf gets scale 0xFF (NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3serve.kernels._dispatch import resolve_backend
+
+GROUP = 32  # inputs sharing one E8M0 scale
+E2M1_EMAX = 2  # exponent of the largest E2M1 value (6 = 1.5 * 2^2)
+SCALE_BIAS = 127
+SCALE_NAN = 0xFF
+SCALE_RULES = ("ocp", "round-up")
+# magnitudes of codes 0..7
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# rounding thresholds between code i and i + 1, and whether a tie goes up (to the even code i + 1)
+_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIE_UP = (False, True, False, True, False, True, False)
+# scratch budget of the CPU matmul: at most this many dequantised weights exist at a time
+SCRATCH_ELEMS = 1 << 16
+
+
+def _e2m1_table() -> torch.Tensor:
+    """fp32 [16]: value of each code (8..15 negative; code 8 is -0.0)."""
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+    return torch.cat([mags, -mags])
+
+
+def _pair_table() -> torch.Tensor:
+    """fp32 [256, 2]: (value of the low nibble, value of the high nibble) of every byte."""
+    t = _e2m1_table()
+    b = torch.arange(256)
+    return torch.stack([t[b & 15], t[b >> 4]], dim=1)
+
+
+def _scale_table() -> torch.Tensor:
+    """fp32 [256]: 2^(s - 127) for s < 255 (s = 0 is the subnormal 2^-127), NaN at 255."""
+    vals = [2.0 ** (s - SCALE_BIAS) for s in range(255)] + [float("nan")]
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+# Lookup tables, built once (constants). A byte's two values are one machine word (2 x fp32 = int64,
+# 2 x bf16 = int32), so a single 1-D index_select of words per byte unpacks both nibbles (the fastest gather torch
+# has on CPU). bf16 holds every E2M1 x E8M0 product exactly too (same exponent range as fp32, subnormals
+# included); other dtypes go through fp32.
+_WORD = {torch.float32: torch.int64, torch.bfloat16: torch.int32}
+_TABLES = {dt: (_pair_table().to(dt).contiguous().view(_WORD[dt]).view(-1), _scale_table().to(dt))
+           for dt in _WORD}
+
+
+def _tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """(pair words [256], scale table [256], their value dtype) for outputs of `dtype` on `device`."""
+    table_dtype = dtype if dtype in _TABLES else torch.float32
+    pairs, scales = _TABLES[table_dtype]
+    if device.type != "cpu":
+        pairs, scales = pairs.to(device), scales.to(device)
+    return pairs, scales, table_dtype
+
+
+def check_packed(packed: torch.Tensor, scales: torch.Tensor, what: str = "weight") -> int:
+    """Validate a packed pair and return the unpacked width K.
+
+    packed: uint8 `[..., K / 2]`; scales: uint8 `[..., K / 32]` with the same leading dims.
+    """
+    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{what}: weight_packed and weight_scale must be uint8, got {packed.dtype} and {scales.dtype}")
+    k = packed.shape[-1] * 2
+    if packed.shape[:-1] != scales.shape[:-1] or scales.shape[-1] * GROUP != k:
+        raise ValueError(f"{what}: weight_packed {list(packed.shape)} and weight_scale {list(scales.shape)} do "
+                         f"not describe one tensor with groups of {GROUP} inputs")
+    return k
+
+
+# ---------------------------------------------------------------------------------------------- dequantise
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The one MXFP4 dequantisation: packed uint8 `[..., K/2]`, scales uint8 `[..., K/32]` -> `[..., K]` in `dtype`.
+
+    Two table lookups (byte -> its two E2M1 values as one word; scale code -> 2^(s-127)) and one multiply, all
+    exact in fp32 and in bf16 (computed in fp32 and cast for other dtypes).
+    """
+    k = check_packed(packed, scales)
+    words, stab, tdt = _tables(packed.device, dtype)
+    lead = packed.shape[:-1]
+    vals = words.index_select(0, packed.reshape(-1).int()).view(tdt)  # element 2i, 2i + 1 of every byte
+    s = stab.index_select(0, scales.reshape(-1).int())
+    out = (vals.view(-1, GROUP) * s.unsqueeze(-1)).view(*lead, k)
+    return out if tdt == dtype else out.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ quantise
+def _scale_exponent(amax: torch.Tensor, rule: str) -> torch.Tensor:
+    """Unbiased E8M0 exponent per block from amax > 0 (fp32), clamped to the E8M0 range [-127, 127]."""
+    if rule == "ocp":
+        e = torch.floor(torch.log2(amax)) - E2M1_EMAX
+    elif rule == "round-up":
+        e = torch.ceil(torch.log2(amax / 6.0))
+    else:
+        raise ValueError(f"scale rule must be one of {SCALE_RULES}, got {rule!r}")
+    return e.clamp(-SCALE_BIAS, SCALE_BIAS)
+
+
+def quantize_mxfp4(w: torch.Tensor, rule: str = "ocp") -> tuple[torch.Tensor, torch.Tensor]:
+    """w `[..., K]` (any float dtype, K % 32 == 0) -> (packed uint8 `[..., K/2]`, scales uint8 `[..., K/32]`).
+
+    See the module docstring for the rounding and the scale rules. Values on the E2M1 x E8M0 grid come back
+    exactly through :func:`dequantize_mxfp4`.
+    """
+    if w.shape[-1] % GROUP:
+        raise ValueError(f"MXFP4 needs the input width to be a multiple of {GROUP}, got {w.shape[-1]}")
+    x = w.detach().float()
+    lead, k = x.shape[:-1], x.shape[-1]
+    blocks = x.reshape(*lead, k // GROUP, GROUP)
+    amax = blocks.abs().amax(-1)  # NaN propagates
+    bad = ~torch.isfinite(amax)
+    zero = amax == 0
+    e = _scale_exponent(torch.where(bad | zero, torch.ones_like(amax), amax), rule)
+    scale_code = (e + SCALE_BIAS).to(torch.uint8)
+    scale_code = torch.where(zero, torch.zeros_like(scale_code), scale_code)
+    scale_code = torch.where(bad, torch.full_like(scale_code, SCALE_NAN), scale_code)
+    # x / 2^e is exact for normal results; a subnormal quotient is below 0.25 and rounds to 0 either way
+    a = (blocks.abs() * torch.exp2(-e).unsqueeze(-1)).nan_to_num(0.0, 0.0, 0.0)
+    code = torch.zeros(a.shape, dtype=torch.uint8)
+    for t, up in zip(_THRESHOLDS, _TIE_UP):
+        code += (a >= t) if up else (a > t)  # 7 comparisons: the code is the count of thresholds passed
+    code = code | (torch.signbit(blocks).to(torch.uint8) << 3)
+    code = torch.where(bad.unsqueeze(-1), torch.zeros_like(code), code).reshape(*lead, k)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.contiguous(), scale_code.contiguous()
+
+
+def fake_quant_mxfp4(w: torch.Tensor, rule: str = "ocp") -> torch.Tensor:
+    """QAT fake quantisation with a straight-through estimator: the forward value is exactly
+    ``dequantize_mxfp4(*quantize_mxfp4(w, rule), w.dtype)`` (the serving weights), the gradient passes to `w`
+    unchanged. w `[..., K]`."""
+    q = dequantize_mxfp4(*quantize_mxfp4(w, rule), dtype=w.dtype)
+    return w + (q - w).detach()
+
+
+def mxfp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """MXFP8 activation fake quantisation (the K3 recipe's activations): E4M3 elements with an E8M0 scale per
+    32 consecutive values of the last dim, OCP rule 2^(floor(log2(amax)) - 8), saturating at +-448.
+    x `[..., K]`, K % 32 == 0 -> same shape and dtype (values on the MXFP8 grid)."""
+    if x.shape[-1] % GROUP:
+        raise ValueError(f"MXFP8 needs the last dim to be a multiple of {GROUP}, got {x.shape[-1]}")
+    xf = x.float()
+    blocks = xf.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    e = (torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - 8).clamp(-127, 127)
+    q = (blocks * torch.exp2(-e)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * torch.exp2(e)
+    return q.reshape(x.shape).to(x.dtype)
+
+
+# -------------------------------------------------------------------------------------------------- matmul
+def mxfp4_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """CPU path: ``x @ W^T`` with W dequantised one block of rows at a time into a scratch of at most
+    :data:`SCRATCH_ELEMS` values (never the whole expert set, nor a large matrix at once).
+
+    The math is fp32 whatever x's dtype (exact weights, fp32 products and sums; the result is cast to x's dtype
+    once): torch's CPU fp32 GEMM/GEMV is several times faster than its bf16 one, which pays for the dequant.
+    x `[N, K]`; packed uint8 `[O, K/2]`; scales uint8 `[O, K/32]` -> `[N, O]` in x's dtype.
+    """
+    k = check_packed(packed, scales)
+    o = packed.shape[0]
+    rows = max(1, SCRATCH_ELEMS // k)
+    xf = x.float()
+    if rows >= o:
+        return F.linear(xf, dequantize_mxfp4(packed, scales, torch.float32)).to(x.dtype)
+    out = torch.empty(*x.shape[:-1], o, dtype=x.dtype, device=x.device)
+    for r0 in range(0, o, rows):
+        r1 = min(o, r0 + rows)
+        out[..., r0:r1] = F.linear(xf, dequantize_mxfp4(packed[r0:r1], scales[r0:r1], torch.float32))
+    return out
+
+
+def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, act_mxfp8: bool = False,
+                 backend: str | None = None) -> torch.Tensor:
+    """Routed-expert matmul reading packed MXFP4 weights: x `[N, K]` -> `[N, O]` in x's dtype.
+
+    packed uint8 `[O, K/2]`, scales uint8 `[O, K/32]` (a ``weight_packed`` / ``weight_scale`` pair).
+    act_mxfp8: fake-quantise x to MXFP8 first (off by default; the published config has no activation scheme).
+    backend: "naive" (element loops, the oracle), "torch" (row-block scratch), "triton" (dequantises in
+    registers); default by device (see :mod:`k3serve.kernels._dispatch`).
+    """
+    if x.shape[-1] != packed.shape[-1] * 2:
+        raise ValueError(f"x has {x.shape[-1]} inputs, the packed weight {packed.shape[-1] * 2}")
+    if act_mxfp8:
+        x = mxfp8_fake_quant(x)
+    choice = resolve_backend(backend, x.device)
+    if choice == "naive":
+        from k3serve.kernels.mxfp4_naive import mxfp4_linear_naive
+
+        return mxfp4_linear_naive(x, packed, scales)
+    if choice == "triton":
+        from k3serve.kernels.mxfp4_triton import mxfp4_linear_triton
+
+        return mxfp4_linear_triton(x, packed, scales)
+    return mxfp4_linear_torch(x, packed, scales)

@@ -1,0 +1,57 @@
+"""A routed expert's weight as an object that knows how to multiply, whatever form the checkpoint stores it in.
+
+The MoE layer calls ``lin(x)`` for each of an expert's three matrices and never looks at the storage, so
+full-precision and MXFP4 experts run the same routing, grouping and summation code (docs/mxfp4.md):
+
+* :class:`DenseLinear`  ``...w1.weight``                       -> ``F.linear(x, W)``
+* :class:`MXFP4Linear`  ``...w1.weight_packed`` + ``_scale``    -> :func:`k3serve.kernels.mxfp4.mxfp4_linear`
+  (the packed bytes are all that is held; the CPU path dequantises a small row block at a time, the Triton
+  kernel in registers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from k3serve.kernels._dispatch import resolve_backend
+from k3serve.kernels.mxfp4 import check_packed, mxfp4_linear
+from k3serve.model.names import mxfp4_names
+
+
+@dataclass(frozen=True)
+class DenseLinear:
+    weight: torch.Tensor  # [out, in]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[N, in]` -> `[N, out]`."""
+        return F.linear(x, self.weight)
+
+
+@dataclass(frozen=True)
+class MXFP4Linear:
+    packed: torch.Tensor  # uint8 [out, in / 2]
+    scale: torch.Tensor  # uint8 [out, in / 32]
+
+    backend: str = ""  # resolved once from the weights' device (a decode step makes ~50 of these calls)
+
+    def __post_init__(self) -> None:
+        check_packed(self.packed, self.scale)
+        if not self.backend:
+            object.__setattr__(self, "backend", resolve_backend(None, self.packed.device))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[N, in]` -> `[N, out]` in x's dtype."""
+        return mxfp4_linear(x, self.packed, self.scale, backend=self.backend)
+
+
+def expert_linear(weights: dict[str, torch.Tensor], name: str) -> DenseLinear | MXFP4Linear:
+    """The weight `name` (``...experts.{e}.w1.weight``) from `weights`, in the form present there."""
+    if name in weights:
+        return DenseLinear(weights[name])
+    packed, scale = mxfp4_names(name)
+    if packed in weights and scale in weights:
+        return MXFP4Linear(weights[packed], weights[scale])
+    raise KeyError(f"routed expert weight {name!r} is missing (neither it nor {packed!r} + {scale!r} is loaded)")
