@@ -23,8 +23,6 @@ from k3serve.model.state import ForwardBatch, new_kda_blocks
 from k3serve.model.tp import SINGLE, TPGroup
 
 # torch.profiler labels of the sublayers (with their input norms); `bench decode` sums them per step.
-# Layers per feature block of a stack without Attention Residuals (the tiny presets' AttnRes block size).
-PLAIN_BLOCK_SIZE = 3
 PROFILE_LABELS = {"kda": "k3serve.attention.kda", "mla": "k3serve.attention.mla", "moe": "k3serve.ffn.moe",
                   "dense": "k3serve.ffn.dense"}
 
@@ -94,45 +92,22 @@ class HybridModel:
 
     def logits(self, token_ids: torch.Tensor, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
         """:meth:`forward` without inference mode: differentiable when the weights require grad (training)."""
-        h = self.hidden(token_ids, batch)
-        if not all_logits:
-            h = h[:, -1]
-        return self.head(h)
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden `[..., d]` -> logits fp32 `[..., vocab]` (final norm + lm_head)."""
-        return F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
-
-    def hidden(self, token_ids: torch.Tensor, batch: ForwardBatch,
-               taps: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """token_ids `[B, T]` -> final hidden `[B, T, d]` (before the final norm), advancing `batch` by T.
-
-        taps: if given, receives the output of every block of ``block_size`` layers, in order (the drafter's
-        low/mid features, ``k3serve.model.eagle3``): with Attention Residuals the block's completed sublayer
-        sum (the source it adds to the mix), else the residual stream after the block's last layer.
-        """
         if batch.decode and token_ids.shape[1] != 1:
             raise ValueError("decode forward takes exactly one token per request")
         x = F.embedding(token_ids, self.embed)
-        if self.cfg.attn_res_block_size:
-            return self._stack_attn_res(x, batch, taps)
-        return self._stack_plain(x, batch, taps)
+        h = self._stack_attn_res(x, batch) if self.cfg.attn_res_block_size else self._stack_plain(x, batch)
+        if not all_logits:
+            h = h[:, -1]
+        return F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
-    @property
-    def block_size(self) -> int:
-        """Layers per block: the Attention-Residual block size, or 3 for plain residual stacks."""
-        return self.cfg.attn_res_block_size or PLAIN_BLOCK_SIZE
-
-    def _stack_plain(self, x: torch.Tensor, batch: ForwardBatch, taps: list | None = None) -> torch.Tensor:
+    def _stack_plain(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
         for layer in self.layers:
             x = x + layer.attention(x, batch, eps)
             x = x + layer.feed_forward(x, eps)
-            if taps is not None and (layer.layer + 1) % PLAIN_BLOCK_SIZE == 0:
-                taps.append(x)
         return x
 
-    def _stack_attn_res(self, emb: torch.Tensor, batch: ForwardBatch, taps: list | None = None) -> torch.Tensor:
+    def _stack_attn_res(self, emb: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Block Attention Residuals (MODEL.md §4).
 
         ```
@@ -148,14 +123,10 @@ class HybridModel:
         for layer in self.layers:
             x = attn_res_mix(done + [partial], *layer.attn_res, eps) if done else partial
             if layer.layer % size == 0:
-                if taps is not None and layer.layer:
-                    taps.append(partial)  # the block just completed
                 done.append(partial)
                 partial = None
             a = layer.attention(x, batch, eps)
             partial = a if partial is None else partial + a
             x = attn_res_mix(done + [partial], *layer.mlp_res, eps)
             partial = partial + layer.feed_forward(x, eps)
-        if taps is not None:
-            taps.append(partial)
         return attn_res_mix(done + [partial], *self.output_res, eps)
