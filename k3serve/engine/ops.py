@@ -17,10 +17,23 @@ class PoolConfig:
     kda_slots: int
     mla_pages: int
     page_size: int = 64
+    # speculative decoding's record buffers (docs/speculative.md): spec_slots requests verified at once, each
+    # with up to spec_tokens (= k + 1) records per KDA layer and head; 0 = no speculative decoding
+    spec_slots: int = 0
+    spec_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kda_slots <= 0 or self.mla_pages <= 0 or self.page_size <= 0:
             raise ValueError(f"pool sizes must be positive: {self}")
+        if self.spec_slots < 0 or self.spec_tokens < 0 or (self.spec_slots > 0) != (self.spec_tokens > 0):
+            raise ValueError(f"spec_slots and spec_tokens must both be positive or both 0: {self}")
+
+    @staticmethod
+    def record_slot_bytes(num_kda_layers: int, heads_local: int, head_dim: int, spec_tokens: int) -> int:
+        """Bytes of one request's record buffer on one rank (fp32 records, kernels/kda_spec.py)."""
+        from k3serve.kernels.kda_spec import record_floats
+
+        return num_kda_layers * heads_local * spec_tokens * record_floats(head_dim) * 4
 
     @staticmethod
     def kda_slot_bytes(num_kda_layers: int, heads_local: int, block_floats: int) -> int:
@@ -85,6 +98,36 @@ class DecodeBatch:
     token_ids: tuple[int, ...]
     starts: tuple[int, ...]
     block_tables: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    """Speculative verify for B requests: request b runs token_ids[b] (x_0 = its last token, then its drafts; all
+    rows the same length T) at positions starts[b] .. starts[b]+T-1 from the committed state in slots[b], which
+    is read and NOT written; the per-token KDA records go to record buffer record_slots[b]; MLA rows are written
+    (rows of rejected tokens are rolled back by length: nothing reads past a request's committed length).
+
+    capture_layers: layers whose hidden states come back (the drafter feature hook, engine/spec/drafter.py).
+    Returns (logits `[B, T, vocab]` fp32, {layer: `[B, T, d]` fp32}).
+    """
+
+    slots: tuple[int, ...]
+    record_slots: tuple[int, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+    starts: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+    capture_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class CommitBatch:
+    """After a VerifyBatch: replay the first accepted[b] records of record_slots[b] into the state of slots[b]
+    (the recurrent state and the conv windows, written once). 0 <= accepted[b] <= T of that verify."""
+
+    slots: tuple[int, ...]
+    record_slots: tuple[int, ...]
+    accepted: tuple[int, ...]
+    num_tokens: int  # T of the verify these records came from
 
 
 @dataclass(frozen=True)

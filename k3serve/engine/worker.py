@@ -3,6 +3,7 @@
 ```
  kda_store  [kda_slots, L_kda, H_local, block_floats] fp32   one slot per running request or checkpoint
  page_store [mla_pages, L_mla, page_size, D]          dtype  MLA latent rows, identical on every rank
+ record_store [spec_slots, L_kda, H_local, spec_tokens, R] fp32  speculative verify records (R = 6K)
 ```
 A slot's blocks for one layer, ``kda_store[slot, layer]``, are the head-contiguous transfer units.
 
@@ -19,8 +20,9 @@ from typing import Protocol
 
 import torch
 
-from k3serve.engine.ops import (CopySlot, DecodeBatch, ExportState, InstallStaged, InstallState, PoolConfig,
-                                PrefillChunk, ResetSlots, SendState)
+from k3serve.engine.ops import (CommitBatch, CopySlot, DecodeBatch, ExportState, InstallStaged, InstallState,
+                                PoolConfig, PrefillChunk, ResetSlots, SendState, VerifyBatch)
+from k3serve.kernels.kda_spec import kda_commit, record_floats
 from k3serve.model.model import HybridModel
 from k3serve.model.state import ForwardBatch, PagedLatentCache
 
@@ -71,6 +73,9 @@ class ModelWorker:
                                      cfg.kda_head_block_floats, dtype=torch.float32, device=dev)
         self.page_store = torch.zeros(pools.mla_pages, cfg.num_mla_layers, pools.page_size, cfg.mla_latent_dim,
                                       dtype=_DTYPES.get(cfg.torch_dtype, torch.float32), device=dev)
+        self.record_store = torch.zeros(pools.spec_slots, cfg.num_kda_layers, model.kda_heads_local,
+                                        pools.spec_tokens, record_floats(cfg.kda_head_dim), dtype=torch.float32,
+                                        device=dev)
         self.hooks = hooks or WorkerHooks()
 
     def execute(self, op: object) -> object:
@@ -121,6 +126,45 @@ class ModelWorker:
                 self.kda_store[slots, layer] = b
         return logits.cpu()
 
+    def _gather_blocks(self, slots: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Per KDA layer `[B, H_local, block]`: views of the pool when the slots are one ascending run, else
+        copies (then the index to scatter them back with)."""
+        layers = range(self.model.cfg.num_kda_layers)
+        first, n = slots[0], len(slots)
+        if tuple(slots) == tuple(range(first, first + n)):
+            return [self.kda_store[first: first + n, layer] for layer in layers], None
+        idx = torch.tensor(slots, dtype=torch.long, device=self.kda_store.device)
+        return [self.kda_store[idx, layer] for layer in layers], idx
+
+    def _VerifyBatch(self, op: VerifyBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        cfg = self.model.cfg
+        t = len(op.token_ids[0])
+        if any(len(row) != t for row in op.token_ids) or t > self.pools.spec_tokens:
+            raise ValueError(f"VerifyBatch rows must share one length <= spec_tokens={self.pools.spec_tokens}")
+        blocks, _ = self._gather_blocks(op.slots)  # read only: the verify never writes the state
+        records = [torch.empty(len(op.slots), self.model.kda_heads_local, t, record_floats(cfg.kda_head_dim),
+                               device=self.kda_store.device) for _ in range(cfg.num_kda_layers)]
+        latent = PagedLatentCache(self.page_store, self._block_table(op.block_tables))
+        ids = torch.tensor(op.token_ids, dtype=torch.long, device=self.model.device)
+        batch = ForwardBatch(blocks, latent, list(op.starts), decode=False, kda_records=records,
+                             capture_layers=tuple(op.capture_layers))
+        logits = self.model.forward(ids, batch, all_logits=True)
+        rslots = torch.tensor(op.record_slots, dtype=torch.long, device=self.kda_store.device)
+        for layer, rec in enumerate(records):
+            self.record_store[rslots, layer, :, :t] = rec
+        return logits.cpu(), {layer: h.cpu() for layer, h in batch.captured.items()}
+
+    def _CommitBatch(self, op: CommitBatch) -> None:
+        cfg = self.model.cfg
+        blocks, idx = self._gather_blocks(op.slots)
+        rslots = torch.tensor(op.record_slots, dtype=torch.long, device=self.kda_store.device)
+        accepted = torch.tensor(op.accepted, dtype=torch.long)
+        for layer, b in enumerate(blocks):
+            records = self.record_store[rslots, layer, :, : op.num_tokens]
+            kda_commit(b, records, accepted, cfg.kda_head_dim, cfg.short_conv_kernel_size)
+            if idx is not None:
+                self.kda_store[idx, layer] = b
+
     def _ExportState(self, op: ExportState) -> tuple[torch.Tensor, torch.Tensor | None]:
         kda = self.kda_store[op.slot].cpu().clone()
         if not op.include_mla:
@@ -156,5 +200,5 @@ class ModelWorker:
     HANDLERS: dict[type, Callable[["ModelWorker", object], object]] = {
         ResetSlots: _ResetSlots, CopySlot: _CopySlot, PrefillChunk: _PrefillChunk, DecodeBatch: _DecodeBatch,
         ExportState: _ExportState, InstallState: _InstallState, SendState: _SendState,
-        InstallStaged: _InstallStaged,
+        InstallStaged: _InstallStaged, VerifyBatch: _VerifyBatch, CommitBatch: _CommitBatch,
     }

@@ -50,7 +50,8 @@ class DecoderLayer:
         with record_function(self.attn_label):
             h = rms_norm(x, self.input_norm, eps)
             if self.is_kda:
-                return self.attn.forward(h, batch.kda_blocks[self.kda_idx], batch.decode)
+                records = batch.kda_records[self.kda_idx] if batch.kda_records is not None else None
+                return self.attn.forward(h, batch.kda_blocks[self.kda_idx], batch.decode, records)
             return self.attn.forward(h, batch)
 
     def feed_forward(self, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -105,6 +106,8 @@ class HybridModel:
         for layer in self.layers:
             x = x + layer.attention(x, batch, eps)
             x = x + layer.feed_forward(x, eps)
+            if layer.layer in batch.capture_layers:
+                batch.captured[layer.layer] = x.float()
         return x
 
     def _stack_attn_res(self, emb: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -129,4 +132,6 @@ class HybridModel:
             partial = a if partial is None else partial + a
             x = attn_res_mix(done + [partial], *layer.mlp_res, eps)
             partial = partial + layer.feed_forward(x, eps)
+            if layer.layer in batch.capture_layers:
+                batch.captured[layer.layer] = partial.float()
         return attn_res_mix(done + [partial], *self.output_res, eps)

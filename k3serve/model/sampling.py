@@ -25,6 +25,13 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
     """Pick the token for absolute `position` from logits `[vocab]` (any float dtype)."""
     if params.greedy:
         return int(torch.argmax(logits).item())
+    probs = sampling_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)).item())
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy `params` samples from: logits `[vocab]` -> probs `[vocab]` fp32 (CPU),
+    after temperature, top-k and top-p (the speculative acceptance rule compares drafts against it)."""
     scaled = logits.detach().float().cpu() / params.temperature
     if params.top_k and params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
@@ -36,7 +43,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
         drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)).item())
+    return probs
 
 
 def is_stop(token: int, params: SamplingParams, eos_token_id: int) -> bool:

@@ -20,7 +20,7 @@ attention in the absorbed form by the paged kernel).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -141,9 +141,19 @@ class ForwardBatch:
     latent: the MLA rows; this call writes positions start_positions[b] .. + T - 1.
     start_positions: tokens each request already has in its state (``num_computed_tokens``).
     decode: T == 1 for every request; MLA uses the paged absorbed kernel when the cache is paged.
+    kda_records: speculative verify (docs/speculative.md): per KDA layer a `[B, H_local, T, record_floats(K)]`
+        fp32 buffer the layer fills with its per-token records (kernels/kda_spec.py) *instead of* updating
+        kda_blocks, which it then only reads. MLA rows are written as in prefill (rolled back by length).
+    capture_layers: layer indices whose hidden states the forward stores into ``captured`` (the drafter
+        feature hook, engine/spec/drafter.py): `[B, T, d]` fp32, the residual stream after that layer (with
+        Block AttnRes: the running partial sum of the layer's block, which at a block's last layer is the
+        block's output).
     """
 
     kda_blocks: list[torch.Tensor]
     latent: LatentCache
     start_positions: list[int]
     decode: bool = False
+    kda_records: list[torch.Tensor] | None = None
+    capture_layers: tuple[int, ...] = ()
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from k3serve.kernels.gate import kda_gate
 from k3serve.kernels.kda import chunk_kda, recurrent_kda
+from k3serve.kernels.kda_spec import kda_verify, record_offsets
 from k3serve.kernels.short_conv import short_conv, short_conv_step
 from k3serve.model.config import ModelConfig
 from k3serve.model.layers.norm import rms_norm
@@ -44,15 +45,25 @@ class KDAAttention:
         self.o_norm = w("o_norm.weight")
         self.w_o = w("o_proj.weight")
 
-    def forward(self, x: torch.Tensor, blocks: torch.Tensor, decode: bool) -> torch.Tensor:
-        """x `[B, T, d]`; blocks `[B, H_local, block_floats]` fp32 (updated in place). Returns `[B, T, d]`."""
+    def forward(self, x: torch.Tensor, blocks: torch.Tensor, decode: bool,
+                records: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[B, T, d]`; blocks `[B, H_local, block_floats]` fp32 (updated in place). Returns `[B, T, d]`.
+
+        records: speculative verify: `[B, H_local, T, record_floats(K)]` fp32, filled with this call's per-token
+        records (kernels/kda_spec.py layout); blocks are then only read (the commit replays the records)."""
         cfg, h, k = self.cfg, self.heads, self.k
         bsz, t, _ = x.shape
         conv = kda_conv_view(blocks, k, cfg.conv_window)
+        off = record_offsets(k)
         qkv = []
         for i, w_proj in enumerate((self.w_q, self.w_k, self.w_v)):
             raw = F.linear(x, w_proj)  # [B, T, H*K]
             window = conv_window_channels(conv, i)
+            if records is not None:  # verify: the window is read, never stored; raw inputs go to the records
+                y, _ = short_conv(raw.float(), self.conv_w[i], window)
+                records[..., off["raw"] + i * k: off["raw"] + (i + 1) * k] = raw.float().view(bsz, t, h, k).transpose(1, 2)
+                qkv.append(y.view(bsz, t, h, k))
+                continue
             if decode:
                 y, new_window = short_conv_step(raw[:, 0].float(), self.conv_w[i], window)
                 y = y.unsqueeze(1)
@@ -65,7 +76,12 @@ class KDAAttention:
         g = kda_gate(z.float(), self.a_log, self.dt_bias, cfg.gate_lower_bound)  # [B, T, H, K] fp32
         beta = torch.sigmoid(F.linear(x, self.w_b).float())  # [B, T, H]
         state = kda_recurrent_view(blocks, k)
-        if decode and not torch.is_grad_enabled():  # serving: the kernel updates the pool's state in place
+        if records is not None:
+            o, u = kda_verify(q, kk, v, g.view(bsz, t, h, k), beta, state)
+            records[..., off["k"]: off["k"] + k] = kk.transpose(1, 2)
+            records[..., off["g"]: off["g"] + k] = g.view(bsz, t, h, k).transpose(1, 2)
+            records[..., off["u"]: off["u"] + k] = u.transpose(1, 2)
+        elif decode and not torch.is_grad_enabled():  # serving: the kernel updates the pool's state in place
             o, _ = recurrent_kda(q, kk, v, g.view(bsz, t, h, k), beta, initial_state=state, inplace_state=True)
         else:
             kernel = recurrent_kda if decode else chunk_kda

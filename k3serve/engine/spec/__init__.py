@@ -1,0 +1,1 @@
+"""Speculative decoding: drafter interface, drafters, the lossless acceptance rule (docs/speculative.md)."""
