@@ -12,7 +12,7 @@ Feature blocks (DESIGN.md §10: outputs of the 1st, 4th and last Attention-Resid
     fewer blocks    low = block 0, mid = block n // 2, high = last       (tiny: 0, 1, 2)
 
 low and mid are the blocks' outputs (the completed sublayer sum each block adds to the AttnRes sources;
-without AttnRes the residual stream after the block, blocks of 3 layers); high is the target's final hidden
+without AttnRes the residual stream after the block, blocks of PLAIN_BLOCK_SIZE = 3 layers); high is the target's final hidden
 state (the output mix, before the final norm): the tensor the target's head reads and what an MTP layer
 is trained on, so the identity-on-high initialisation starts the drafter from MTP's input.
 """
@@ -113,7 +113,10 @@ class DrafterConfig:
             raise ConfigError("this drafter was made for a different target model config")
 
 
-def block_size(cfg: ModelConfig) -> int:
-    from k3serve.model.model import PLAIN_BLOCK_SIZE
+# Layers per feature block of a target without Attention Residuals (the tiny presets' AttnRes block size).
+PLAIN_BLOCK_SIZE = 3
 
+
+def block_size(cfg: ModelConfig) -> int:
+    """Layers per feature block: the Attention-Residual block size, or PLAIN_BLOCK_SIZE."""
     return cfg.attn_res_block_size or PLAIN_BLOCK_SIZE
