@@ -30,6 +30,9 @@ def generate(
     prefill_tp: int = typer.Option(1, "--prefill-tp"),
     decode_tp: int = typer.Option(1, "--decode-tp"),
     reference: bool = typer.Option(False, "--reference", help="run the single-process reference generator"),
+    speculative: str = typer.Option("", "--speculative", help="draft with ngram | eagle3 (speculative decoding)"),
+    num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", help="drafts per verify step (k)"),
+    drafter: str = typer.Option("", "--drafter", help="drafter checkpoint directory (eagle3)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     import torch
@@ -51,6 +54,18 @@ def generate(
         _fail("--prompt-ids must be comma-separated integers")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             ignore_eos=ignore_eos)
+    spec_cfg = None
+    if speculative:
+        if reference:
+            _fail("--speculative runs the serving path; it cannot be combined with --reference")
+        from k3serve.engine.spec.config import SpecConfig, make_drafter
+
+        try:
+            spec_cfg = SpecConfig(method=speculative, num_draft_tokens=num_draft_tokens, drafter_dir=drafter)
+            make_drafter(spec_cfg)  # a drafter that cannot be built is a usage error, reported before any work
+        except ValueError as e:
+            _fail(str(e).replace("speculative.method", "--speculative").replace("speculative.num_draft_tokens",
+                                                                                   "--num-draft-tokens"))
     try:
         cfg = load_config(checkpoint)
         if reference:
@@ -62,7 +77,7 @@ def generate(
         else:
             from k3serve.disagg.pipeline import LocalPipeline
 
-            with LocalPipeline(checkpoint, prefill_tp, decode_tp) as pipe:
+            with LocalPipeline(checkpoint, prefill_tp, decode_tp, speculative=spec_cfg) as pipe:
                 res = pipe.generate([PrefillRequest("cli-0", tuple(ids), params)])["cli-0"]
             if res.error:
                 _fail(f"{res.error.code}: {res.error.message}")
@@ -71,6 +86,10 @@ def generate(
         _fail(str(e))
     result = {"token_ids": out_ids, "finish_reason": reason, "prompt_tokens": len(ids), "cached_tokens": cached,
               "path": "reference" if reference else f"prefill_tp={prefill_tp},decode_tp={decode_tp}"}
+    if spec_cfg is not None:
+        result.update(speculative=spec_cfg.method, num_draft_tokens=spec_cfg.num_draft_tokens,
+                      drafted_tokens=res.drafted_tokens, accepted_tokens=res.accepted_tokens,
+                      verify_steps=res.verify_steps)
     if cfg.vocab_size == tok.vocab_size:
         result["text"] = tok.decode(out_ids)
     if as_json:

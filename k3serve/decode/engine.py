@@ -1,7 +1,9 @@
 """The decode role: install handoffs, continuous batching, token streaming.
 
 One :class:`DecodeEngine` drives one decode TP group. Each step decodes one token for every running request
-(up to ``max_batch``); requests join (install) and leave (stop, length, cancel) between steps. A request's
+(up to ``max_batch``); requests join (install) and leave (stop, length, cancel) between steps. With
+``DecodeConfig.speculative`` set, requests whose class has it on draft up to k tokens each step and are
+verified + committed in the same step as the plain ones (`decode/speculative.py`, docs/speculative.md). A request's
 pages for prompt + max_tokens are reserved when it is installed, so a running request never runs out of
 memory mid-stream; a handoff that does not fit yet waits for running requests to finish.
 """
@@ -18,7 +20,10 @@ from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.executor import Executor, OpFailed
 from k3serve.contracts.handoff import Handoff
 from k3serve.contracts.channel import StateChannel, StateInstallError
+from k3serve.decode import speculative as spec
 from k3serve.engine.ops import DecodeBatch, PoolConfig
+from k3serve.engine.spec.config import SpecConfig, make_drafter
+from k3serve.engine.spec.drafter import DraftSession, VerifyOutcome
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.requests import RequestFailure, TokenEvent
 from k3serve.model.sampling import is_stop, sample_token
@@ -33,8 +38,18 @@ SAMPLING_LABEL = "k3serve.sampling"  # per-step token sampling (bench decode's b
 
 @dataclass(frozen=True)
 class DecodeConfig:
+    """speculative: drafting settings (None: plain decoding); pools.spec_slots/spec_tokens must then hold
+    the verify windows (spec_tokens >= num_draft_tokens + 1)."""
+
     pools: PoolConfig
     max_batch: int = 64
+    speculative: SpecConfig | None = None
+
+    def __post_init__(self) -> None:
+        sp = self.speculative
+        if sp is not None and (self.pools.spec_slots < 1 or self.pools.spec_tokens < sp.num_draft_tokens + 1):
+            raise ValueError(f"speculative decoding with k={sp.num_draft_tokens} needs pools.spec_slots >= 1 and "
+                             f"pools.spec_tokens >= {sp.num_draft_tokens + 1}; got {self.pools}")
 
 
 @dataclass
@@ -45,6 +60,8 @@ class _Decoding:
     generated: list[int]
     installed_s: float = field(default_factory=time.monotonic)
     token_times: list[float] = field(default_factory=list)
+    session: DraftSession | None = None  # the drafter's state for this request (speculative requests only)
+    usage: spec.SpecUsage = field(default_factory=spec.SpecUsage)
 
     @property
     def next_position(self) -> int:
@@ -57,6 +74,9 @@ class RequestTimings:
     ttft_s: float  # prefill start -> first token
     tpot_s: float  # mean time per output token after the first
     num_tokens: int
+    drafted_tokens: int = 0  # speculative decoding: drafts verified, accepted, verify steps run
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
 
 class DecodeEngine:
@@ -72,8 +92,14 @@ class DecodeEngine:
         self.running: dict[str, _Decoding] = {}
         self.failures: list[RequestFailure] = []
         self.timings: dict[str, RequestTimings] = {}
+        self.drafter = make_drafter(config.speculative, cfg) if config.speculative is not None else None
+        self.spec_usage = spec.SpecUsage()  # summed over every request this engine served (Prometheus)
 
     # ------------------------------------------------------------------------------------------ intake
+    def speculates(self, h: Handoff) -> bool:
+        sp = self.config.speculative
+        return sp is not None and sp.enabled_for(h.num_tokens - h.cached_tokens)
+
     def pages_needed(self, h: Handoff) -> int:
         total = min(h.num_tokens + h.params.max_tokens, self.cfg.max_position_embeddings)
         return -(-total // self.config.pools.page_size)
@@ -119,7 +145,8 @@ class DecodeEngine:
                 code = ErrorCode.UNAVAILABLE if isinstance(e, StateInstallError) else ErrorCode.INTERNAL
                 self.failures.append(RequestFailure(handoff.request_id, code, str(e).splitlines()[0]))
                 continue
-            self.running[handoff.request_id] = _Decoding(handoff, slot, pages, [handoff.first_token])
+            session = self.drafter.open(handoff.request_id, handoff.prompt_ids) if self.speculates(handoff) else None
+            self.running[handoff.request_id] = _Decoding(handoff, slot, pages, [handoff.first_token], session=session)
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request now; its slot and pages are free when this returns."""
@@ -144,41 +171,90 @@ class DecodeEngine:
 
     # -------------------------------------------------------------------------------------------- step
     def step(self) -> list[TokenEvent]:
-        """One token for every running request."""
+        """One token for every plain running request; up to k + 1 for each speculative one."""
         self._admit()
         if not self.running:
             return []
-        batch = list(self.running.values())
+        plain, drafts = [], []
+        for run in self.running.values():
+            prop = self._propose(run) if run.session is not None else None
+            if prop is None or not prop.tokens:
+                plain.append(run)
+            else:
+                drafts.append(spec.Draft(run, prop, (run.generated[-1],) + prop.tokens))
+        events = self._plain_step(plain) if plain else []
+        for bucket in spec.buckets(drafts, self.config.pools.spec_slots):
+            events += self._spec_step(bucket)
+        self._admit()
+        return events
+
+    def _propose(self, run: _Decoding):
+        h, sp = run.handoff, self.config.speculative
+        limit = spec.draft_limit(h.num_tokens, len(run.generated), h.params.max_tokens, run.next_position,
+                                 self.cfg.max_position_embeddings, sp.num_draft_tokens)
+        return spec.propose(run.session, h.prompt_ids + tuple(run.generated), limit)
+
+    def _fail_batch(self, runs: list[_Decoding], what: str, e: OpFailed) -> None:
+        for run in runs:  # the group is intact: fail these requests, keep serving
+            self.running.pop(run.handoff.request_id, None)
+            self._free(run)
+            self.failures.append(RequestFailure(run.handoff.request_id, ErrorCode.INTERNAL,
+                                                f"{what} failed: {str(e).splitlines()[0]}"))
+
+    def _plain_step(self, batch: list[_Decoding]) -> list[TokenEvent]:
         op = DecodeBatch(tuple(r.slot for r in batch), tuple(r.generated[-1] for r in batch),
                          tuple(r.next_position for r in batch), tuple(tuple(r.pages) for r in batch))
         try:
             logits = self.executor.run(op)[0]
-        except OpFailed as e:  # the group is intact: fail this batch's requests, keep serving
-            for run in batch:
-                self.running.pop(run.handoff.request_id, None)
-                self._free(run)
-                self.failures.append(RequestFailure(run.handoff.request_id, ErrorCode.INTERNAL,
-                                                    f"decode step failed: {str(e).splitlines()[0]}"))
+        except OpFailed as e:
+            self._fail_batch(batch, "decode step", e)
             return []
-        now = time.monotonic()
-        events = []
         with record_function(SAMPLING_LABEL):
             toks = [sample_token(logits[i], run.handoff.params, run.next_position + 1) for i, run in enumerate(batch)]
+        events = []
         for run, tok in zip(batch, toks):
-            h = run.handoff
+            if run.session is not None:
+                run.session.observe(VerifyOutcome(run.next_position, (run.generated[-1],), (tok,), None))
+            events.append(self._emit(run, (tok,)))
+        return events
+
+    def _spec_step(self, bucket: list[spec.Draft]) -> list[TokenEvent]:
+        runs = [d.run for d in bucket]
+        layers = tuple(self.drafter.feature_layers)
+        try:
+            logits, features = self.executor.run(spec.verify_ops(bucket, layers))[0]
+            with record_function(SAMPLING_LABEL):
+                accs = spec.accept_bucket(bucket, logits)
+            self.executor.run(spec.commit_op(bucket, accs))
+        except OpFailed as e:
+            self._fail_batch(runs, "speculative step", e)
+            return []
+        events = []
+        for i, (d, acc) in enumerate(zip(bucket, accs)):
+            d.run.usage.add(len(d.proposal.tokens), acc.accepted)
+            self.spec_usage.add(len(d.proposal.tokens), acc.accepted)
+            d.run.session.observe(spec.outcome(d, acc, features, i))
+            events.append(self._emit(d.run, acc.tokens))
+        return events
+
+    def _emit(self, run: _Decoding, tokens: tuple[int, ...]) -> TokenEvent:
+        """Append a step's tokens (cut at a stop token or the budget) and finish the request if it ended."""
+        h, now = run.handoff, time.monotonic()
+        out, reason = [], ""
+        for tok in tokens:
             pos = run.next_position + 1
             run.generated.append(tok)
             run.token_times.append(now)
-            reason = ""
+            out.append(tok)
             if is_stop(tok, h.params, self.cfg.eos_token_id):
                 reason = "stop"
             elif len(run.generated) >= h.params.max_tokens or pos + 1 >= self.cfg.max_position_embeddings:
                 reason = "length"
-            events.append(TokenEvent(h.request_id, (tok,), bool(reason), reason))
             if reason:
-                self._finish(run)
-        self._admit()
-        return events
+                break
+        if reason:
+            self._finish(run)
+        return TokenEvent(h.request_id, tuple(out), bool(reason), reason)
 
     def _finish(self, run: _Decoding) -> None:
         h = run.handoff
@@ -186,7 +262,9 @@ class DecodeEngine:
         ttft = h.first_token_s - h.prefill_started_s
         steps = run.token_times
         tpot = (steps[-1] - h.first_token_s) / len(steps) if steps else 0.0
-        self._record(h.request_id, RequestTimings(ttft, tpot, len(run.generated)))
+        u = run.usage
+        self._record(h.request_id, RequestTimings(ttft, tpot, len(run.generated), u.drafted_tokens,
+                                                  u.accepted_tokens, u.verify_steps))
         self._free(run)
 
     def _record(self, request_id: str, timing: RequestTimings) -> None:
@@ -196,5 +274,8 @@ class DecodeEngine:
             self.timings.pop(next(iter(self.timings)))
 
     def _free(self, run: _Decoding) -> None:
+        if run.session is not None:
+            run.session.close()
+            run.session = None
         self.pages.decref(run.pages)
         self.slots.free(run.slot)

@@ -15,6 +15,7 @@ from k3serve.disagg.loop import DisaggLoop
 from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import PoolConfig
+from k3serve.engine.spec.config import SpecConfig
 from k3serve.model.checkpoint import load_config
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 from k3serve.transfer.inprocess import InProcessChannel
@@ -27,14 +28,22 @@ class RequestOutput:
     finish_reason: str = ""
     cached_tokens: int = 0
     error: RequestFailure | None = None
+    drafted_tokens: int = 0  # speculative decoding (0 when off)
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
 
 class LocalPipeline:
     def __init__(self, checkpoint: str, prefill_tp: int = 1, decode_tp: int = 1,
-                 prefill: PrefillConfig | None = None, decode: DecodeConfig | None = None) -> None:
+                 prefill: PrefillConfig | None = None, decode: DecodeConfig | None = None,
+                 speculative: SpecConfig | None = None) -> None:
+        """speculative: decode with drafts (ignored when `decode` is given: that config says it)."""
         self.cfg = load_config(checkpoint)
         prefill = prefill or PrefillConfig(PoolConfig(kda_slots=64, mla_pages=1024))
-        decode = decode or DecodeConfig(PoolConfig(kda_slots=64, mla_pages=1024, page_size=prefill.pools.page_size))
+        if decode is None:
+            k1 = speculative.num_draft_tokens + 1 if speculative is not None else 0
+            decode = DecodeConfig(PoolConfig(kda_slots=64, mla_pages=1024, page_size=prefill.pools.page_size,
+                                             spec_slots=64 if k1 else 0, spec_tokens=k1), speculative=speculative)
         self._prefill_exec = make_executor(WorkerSpec(checkpoint, prefill_tp, prefill.pools))
         try:
             self._decode_exec = make_executor(WorkerSpec(checkpoint, decode_tp, decode.pools))
@@ -55,6 +64,11 @@ class LocalPipeline:
         while self.loop.has_work:
             for ev in self.loop.step():
                 self._apply(outs[ev.request_id], ev)
+        for rid, out in outs.items():
+            t = self.decode.timings.get(rid)
+            if t is not None:
+                out.drafted_tokens, out.accepted_tokens, out.verify_steps = (t.drafted_tokens, t.accepted_tokens,
+                                                                             t.verify_steps)
         return outs
 
     @staticmethod

@@ -15,12 +15,12 @@ def test_proposes_the_continuation_of_the_latest_longest_match():
     assert s.propose(ctx2, 2).tokens == (8, 6)
 
 
-def test_no_match_and_truncation_at_the_context_end():
+def test_no_match_and_periodic_continuation_at_the_context_end():
     s = NgramDrafter(NgramConfig(min_n=2, max_n=2)).open("r", [1, 2, 3])
     assert s.propose([1, 2, 3], 4).tokens == ()
     ctx = [5, 6, 5, 6]
     s = NgramDrafter(NgramConfig(min_n=2, max_n=2)).open("r", ctx)
-    assert s.propose(ctx, 4).tokens == (5, 6)  # what followed (5, 6) at 0..1, cut at the end
+    assert s.propose(ctx, 4).tokens == (5, 6, 5, 6)  # what followed (5, 6) at 0..1, then its repetition
 
 
 def test_incremental_equals_fresh_and_a_rewritten_context_rebuilds():

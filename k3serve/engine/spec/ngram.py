@@ -2,7 +2,8 @@
 context's suffix. Strong on agentic and code traffic, which quotes its own context (tool output, code edits).
 
 For n from ``max_n`` down to ``min_n``: if the context's last n tokens occurred earlier (ending at j < L), the
-draft is ``context[j : j + k]`` (what followed, cut at the context's end); the most recent occurrence wins. The
+draft is ``context[j : j + k]`` (what followed; past the context's end the repetition continues with period
+L - j); the most recent occurrence wins. The
 session keeps, per n, a map n-gram -> latest end j, extended incrementally as the context grows (O(max_n) work
 per new token, no rescans).
 """
@@ -57,7 +58,10 @@ class NgramSession:
                 continue
             end = self._index[n].get(tuple(toks[length - n:]))
             if end is not None:
-                return DraftProposal(tuple(toks[end: min(end + k, length)]))
+                # what followed the match; where that runs into the context's end, the drafts continue the
+                # repetition they are part of (period length - end): x_{L+i} = context[end + i mod period]
+                period = length - end
+                return DraftProposal(tuple(toks[end + i % period] for i in range(k)))
         return DraftProposal()
 
     def observe(self, outcome: VerifyOutcome) -> None:

@@ -66,6 +66,8 @@ class MLAAttention:
         q_nope, q_pe = self.queries(x)
         if batch.decode and batch.latent.paged:
             attn = self._decode_absorbed(q_nope[:, 0], q_pe[:, 0], batch).unsqueeze(1)
+        elif batch.kda_records is not None and batch.latent.paged:
+            attn = self._verify_absorbed(q_nope, q_pe, batch)
         else:
             attn = torch.stack([self._decompressed(q_nope[b], q_pe[b], batch, b) for b in range(bsz)])
         attn = attn.flatten(2)  # [B, T, H_local * v]
@@ -117,6 +119,20 @@ class MLAAttention:
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)  # key j > query i
         scores[:, :, first:].masked_fill_(causal, float("-inf"))
         return torch.bmm(scores.softmax(-1), v)
+
+    def _verify_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Speculative verify: q_nope `[B, T, H, nope]`, q_pe `[B, T, H, rope]` -> `[B, T, H, v]` fp32.
+
+        Each verify row is one query of the paged decode kernel: row i of request b sees that request's rows
+        0 .. start_b + i (causal inside the window), so every row is computed as a plain decode step would."""
+        bsz, t = q_nope.shape[:2]
+        latent = batch.latent
+        q_lat = torch.einsum("bthn,hnr->bthr", q_nope.float(), self.w_uk.float()).flatten(0, 1)
+        tables = latent.block_tables.repeat_interleave(t, dim=0)
+        seq_lens = torch.tensor([s + i + 1 for s in batch.start_positions for i in range(t)], device=q_lat.device)
+        ctx = mla_decode(q_lat, q_pe.float().flatten(0, 1), latent.layer_pages(self.mla_idx), tables, seq_lens,
+                         self.scale)
+        return torch.einsum("bhr,hvr->bhv", ctx.float(), self.w_uv.float()).unflatten(0, (bsz, t))
 
     def _decode_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q_nope `[B, H, nope]`, q_pe `[B, H, rope]` -> `[B, H, v]` fp32 via the paged latent kernel."""
