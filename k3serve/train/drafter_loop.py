@@ -3,7 +3,8 @@
 Per step: one target forward (no autograd) over a batch of corpus windows gives its distributions p and the
 features the drafter fuses; the drafter is unrolled for ``ttt_steps`` on its own output features (training-time
 test, k3serve.model.eagle3.attention) and each step's q is scored against the target's p at that position with
-the LK loss (or KL). Only the drafter's tensors are trained; the target's embedding and head are shared, frozen.
+the LK loss (or KL). Only the drafter's tensors are trained; its copies of the target's embedding and head
+stay frozen.
 
 Out dir (a drafter checkpoint at every save)::
 
@@ -27,7 +28,7 @@ from k3serve.model.checkpoint import load_config
 from k3serve.model.eagle3.config import DEFAULT_WINDOW, DrafterConfig
 from k3serve.model.eagle3.drafter import Eagle3Drafter
 from k3serve.model.eagle3.features import target_features
-from k3serve.model.eagle3.weights import drafter_specs, init_drafter_weights, save_drafter
+from k3serve.model.eagle3.weights import drafter_specs, init_drafter_weights, is_frozen, save_drafter
 from k3serve.model.loader import load_model, load_weights
 from k3serve.model.model import HybridModel
 from k3serve.model.state import DenseLatentCache, ForwardBatch
@@ -116,10 +117,10 @@ class _Run:
         tdir = _target_dir(cfg.target)
         self.target = load_model(tdir)
         self.dcfg = DrafterConfig.for_target(load_config(tdir), cfg.window)
-        self.params = {n: t.requires_grad_() for n, t in
+        self.params = {n: t.requires_grad_(not is_frozen(self.dcfg, n)) for n, t in
                        init_drafter_weights(self.dcfg, load_weights(tdir), cfg.seed).items()}
-        self.drafter = Eagle3Drafter(self.dcfg, self.params, self.target.embed, self.target.lm_head)
-        names = [s.name for s in drafter_specs(self.dcfg)]
+        self.drafter = Eagle3Drafter(self.dcfg, self.params)
+        names = [s.name for s in drafter_specs(self.dcfg) if not is_frozen(self.dcfg, s.name)]
         decay = [self.params[n] for n in names if self.params[n].dim() >= 2]
         flat = [self.params[n] for n in names if self.params[n].dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": flat, "weight_decay": 0.0}],
@@ -136,7 +137,7 @@ class _Run:
         loss = torch.stack(losses).mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(self.params.values()), 1.0)
+        torch.nn.utils.clip_grad_norm_([t for t in self.params.values() if t.requires_grad], 1.0)
         self.opt.step()
         self.step += 1
         return float(loss.detach()), [float(a) for a in accs]

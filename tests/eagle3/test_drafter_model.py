@@ -9,7 +9,7 @@ from k3serve.model.config import ConfigError
 from k3serve.model.eagle3.config import DrafterConfig, feature_blocks
 from k3serve.model.eagle3.drafter import Eagle3Drafter
 from k3serve.model.eagle3.features import target_features
-from k3serve.model.eagle3.weights import drafter_specs, init_drafter_weights, load_drafter_weights, save_drafter
+from k3serve.model.eagle3.weights import check_shared, drafter_specs, init_drafter_weights, load_drafter_weights, save_drafter
 from k3serve.model.eagle3.window import DrafterWindow, stack_windows
 from k3serve.model.loader import load_weights
 from k3serve.model.state import DenseLatentCache, ForwardBatch
@@ -36,7 +36,7 @@ def test_feature_blocks_rule():
 def test_fused_input_equals_high_feature_at_init(target):
     model, weights = target
     cfg = DrafterConfig.for_target(model.cfg)
-    dr = Eagle3Drafter(cfg, init_drafter_weights(cfg, weights), model.embed, model.lm_head)
+    dr = Eagle3Drafter(cfg, init_drafter_weights(cfg, weights))
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
     f = target_features(model, cfg, ids, _fresh(model, 2))
     assert torch.equal(f.logits, model.forward(ids, _fresh(model, 2), all_logits=True))
@@ -52,7 +52,7 @@ def test_training_unroll_equals_serving_chain(tiny_model, tiny_ckpt):
     w = init_drafter_weights(cfg, load_weights(tiny_ckpt))
     w = {n: t + 0.01 * torch.randn(t.shape, generator=torch.Generator().manual_seed(i))  # off the init
          for i, (n, t) in enumerate(sorted(w.items()))}
-    dr = Eagle3Drafter(cfg, w, model.embed, model.lm_head)
+    dr = Eagle3Drafter(cfg, w)
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(5))
     f = target_features(model, cfg, ids, _fresh(model, 2))
     toks, g = ids[:, 1:], dr.fuse(f.low, f.mid, f.high)[:, :-1]
@@ -77,8 +77,13 @@ def test_checkpoint_round_trip_and_target_check(tmp_path, tiny_model, tiny_ckpt,
     assert all(torch.equal(w[n], w2[n]) for n in w)
     assert "language_model.model.layers.9.fc.weight" in w2 and w2[cfg.prefix + "fc.weight"].shape == (256, 768)
     cfg2.check_target(tiny_model.cfg)
+    check_shared(cfg2, w2, load_weights(tiny_ckpt))
     with pytest.raises(ConfigError, match="different target"):
         cfg2.check_target(tiny_linear_model.cfg)
+    other = dict(load_weights(tiny_ckpt))
+    other[tiny_model.cfg.lm_head_name] = other[tiny_model.cfg.lm_head_name] + 1.0
+    with pytest.raises(ConfigError, match="another target"):
+        check_shared(cfg2, w2, other)
 
 
 def test_window_commit_and_channel_block():

@@ -4,10 +4,10 @@
  target features at position t:  h_low  h_mid  h_high            (k3serve.model.eagle3.features)
                                    \\     |     /
  g_t = W_E3 · [h_low | h_mid | h_high]       (fc, [d, 3d], bias-free; init selects h_high: g_t = h_high)
- x   = eh_proj · [enorm(embed(x_{t+1})) | hnorm(g_t)]                       (embed: the target's, frozen)
+ x   = eh_proj · [enorm(embed(x_{t+1})) | hnorm(g_t)]                       (embed: the target's, a frozen copy)
  y   = x + o_proj(attn(input_layernorm(x)) · sigmoid(g_proj(..)))     gated NoPE MLA, window of W rows
  d_t = y + mlp(post_attention_layernorm(y))                             the drafter's output feature
- q(x_{t+2}) = softmax(lm_head(shared_head.norm(d_t)))                   (lm_head: the target's, frozen)
+ q(x_{t+2}) = softmax(lm_head(shared_head.norm(d_t)))                   (lm_head: the target's, a frozen copy)
 ```
 
 Unrolled (training-time test and chain drafting), step j feeds d from step j-1 in place of g and the token
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from k3serve.model.eagle3.attention import attend, shift_right, teacher_mask
 from k3serve.model.eagle3.config import DrafterConfig
+from k3serve.model.eagle3.weights import SHARED_EMBED, SHARED_HEAD
 from k3serve.model.layers.ffn import GatedMLP
 from k3serve.model.layers.mla import MLAAttention
 from k3serve.model.layers.norm import rms_norm
@@ -40,14 +41,13 @@ class Unrolled:
 
 
 class Eagle3Drafter:
-    def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor], embed: torch.Tensor,
-                 lm_head: torch.Tensor) -> None:
-        """weights: the drafter's tensors by name (:mod:`k3serve.model.eagle3.weights`); embed `[V, d]` and
-        lm_head `[V, d]`: the target's (full, unsharded)."""
+    def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor]) -> None:
+        """weights: the drafter's tensors by name (:mod:`k3serve.model.eagle3.weights`), including its frozen
+        copies of the target's embedding and head `[V, d]`."""
         self.cfg, t, p = cfg, cfg.target, cfg.prefix
         self.eps = t.rms_norm_eps
-        self.embed, self.lm_head = embed, lm_head
         w = lambda n: weights[p + n]  # noqa: E731
+        self.embed, self.lm_head = w(SHARED_EMBED), w(SHARED_HEAD)
         self.fc, self.enorm, self.hnorm, self.eh_proj = w("fc.weight"), w("enorm.weight"), w("hnorm.weight"), w("eh_proj.weight")
         self.input_norm, self.post_norm = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
         self.attn = MLAAttention(t, weights, p + "self_attn.", SINGLE, 0)

@@ -12,14 +12,17 @@ fusion matrix beside it; ``P = {target prefix}layers.{L}.``::
     P.post_attention_layernorm.weight [d]   }
     P.mlp.{gate,up,down}_proj.weight        }
     P.shared_head.norm.weight      [d]      the drafter's final norm
+    P.shared_head.head.weight      [V, d]   } frozen copies of the target's lm_head and embed_tokens (never
+    P.embed_tokens.weight          [V, d]   } trained; a decode engine drafts without the target's files)
 
-``shared_head.head`` is not stored: the drafter uses the target's ``lm_head`` and ``embed_tokens`` as they are
-(frozen, shared; the drafter checkpoint is useless without its target, whose config it embeds).
+The copies follow vLLM's MTP layout (``shared_head.head``) and make the drafter checkpoint self-contained for
+the decode side, which holds the target's weights only on its TP ranks; :func:`check_shared` verifies them
+against a target.
 
 Initialisation: ``fc`` selects h_high, so the fused input equals the high feature at init; ``eh_proj`` is
 ``[N(0, 1/sqrt(d)) | I]`` so the block first sees hnorm(h_high) plus a token signal; the block starts as a
 copy of the target's last MLA layer (attention, norms) and its dense layer 0 (MLP); ``shared_head.norm``
-starts as the target's final norm. Everything in this file is trained; the target's tensors are not.
+starts as the target's final norm. Everything but the two copies is trained.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from k3serve.model.init import tensor_generator
 from k3serve.model.names import TensorSpec, ffn_layer_specs, mla_layer_specs
 
 WEIGHTS_FILE = "model.safetensors"
+SHARED_HEAD = "shared_head.head.weight"
+SHARED_EMBED = "embed_tokens.weight"
 
 
 def drafter_specs(cfg: DrafterConfig) -> list[TensorSpec]:
@@ -50,7 +55,23 @@ def drafter_specs(cfg: DrafterConfig) -> list[TensorSpec]:
         TensorSpec(p + "post_attention_layernorm.weight", (d,)),
         *ffn_layer_specs(_dense(t), 0, p),
         TensorSpec(p + "shared_head.norm.weight", (d,)),
+        TensorSpec(p + SHARED_HEAD, (t.vocab_size, d)),
+        TensorSpec(p + SHARED_EMBED, (t.vocab_size, d)),
     ]
+
+
+def is_frozen(cfg: DrafterConfig, name: str) -> bool:
+    """The target's tensors the drafter carries (not trained)."""
+    return name in (cfg.prefix + SHARED_HEAD, cfg.prefix + SHARED_EMBED)
+
+
+def check_shared(cfg: DrafterConfig, weights: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> None:
+    """Refuse a drafter whose head/embedding copies differ from `target`'s (it was trained for other weights)."""
+    t = cfg.target
+    for mine, theirs in ((SHARED_HEAD, t.lm_head_name), (SHARED_EMBED, t.name_prefix + "embed_tokens.weight")):
+        if not torch.equal(weights[cfg.prefix + mine].float(), target[theirs].float()):
+            raise ConfigError(f"drafter {cfg.prefix + mine} differs from the target's {theirs}: "
+                              "it was trained for another target checkpoint")
 
 
 def _dense(t: ModelConfig) -> ModelConfig:
@@ -78,6 +99,10 @@ def init_drafter_weights(cfg: DrafterConfig, target: dict[str, torch.Tensor], se
             w = torch.cat([torch.randn(d, d, generator=tensor_generator(seed, spec.name)) / d ** 0.5, torch.eye(d)], 1)
         elif n == "shared_head.norm.weight":
             w = target[t.name_prefix + "norm.weight"]
+        elif n == SHARED_HEAD:
+            w = target[t.lm_head_name]
+        elif n == SHARED_EMBED:
+            w = target[t.name_prefix + "embed_tokens.weight"]
         elif n.startswith("mlp."):
             w = _dense_mlp_source(t, target, n)
         else:  # input/post norms and self_attn.*: the last MLA layer of the target
