@@ -100,7 +100,7 @@ def unrolled_losses(drafter: Eagle3Drafter, target: HybridModel, x: torch.Tensor
     return losses, accs
 
 
-def _target_dir(target: str) -> Path:
+def target_dir(target: str) -> Path:
     path = Path(target)
     if path.is_dir():
         return path
@@ -114,7 +114,7 @@ def _target_dir(target: str) -> Path:
 class _Run:
     def __init__(self, cfg: DrafterTrainConfig) -> None:
         self.cfg, self.out = cfg, Path(cfg.out)
-        tdir = _target_dir(cfg.target)
+        tdir = target_dir(cfg.target)
         self.target = load_model(tdir)
         self.dcfg = DrafterConfig.for_target(load_config(tdir), cfg.window)
         self.params = {n: t.requires_grad_(not is_frozen(self.dcfg, n)) for n, t in

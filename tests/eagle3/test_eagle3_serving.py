@@ -72,3 +72,37 @@ def test_eagle3_needs_a_matching_drafter(tiny_linear_ckpt, drafter_dir):
         make_drafter(SpecConfig(method="eagle3", drafter_dir=drafter_dir), load_config(tiny_linear_ckpt))
     with pytest.raises(ValueError, match="drafter_dir"):
         make_drafter(SpecConfig(method="eagle3"))
+
+
+def test_prefill_hands_over_the_window_verified_rows_would_build(tiny_ckpt, tiny_model, drafter_dir):
+    """Prefill (chunked, TP=2) captures the last W positions' features; the window they make equals the one
+    built from a single-process forward over the prompt, and drafts the same tokens."""
+    from k3serve.engine.ops import PoolConfig
+    from k3serve.model.eagle3.features import target_features
+    from k3serve.model.state import DenseLatentCache, ForwardBatch
+    from k3serve.prefill.engine import PrefillConfig
+
+    method = make_drafter(SpecConfig(method="eagle3", drafter_dir=drafter_dir))
+    prompt = PROMPTS[0]
+    pcfg = PrefillConfig(PoolConfig(kda_slots=8, mla_pages=64), step_token_budget=13, draft_capture=method.capture)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with LocalPipeline(tiny_ckpt, 2, 1, prefill=pcfg) as pipe:
+        pipe.prefill.add_request(PrefillRequest("r", prompt, params))
+        (handoff,) = pipe.prefill.run_to_completion()
+        pipe.decode.submit(handoff)  # hand the state on so the pools drain
+        while pipe.decode.has_work:
+            pipe.decode.step()
+    draft = handoff.draft
+    w = method.drafter.cfg.window
+    assert draft.start == len(prompt) - w and draft.next_tokens == prompt[-w + 1:] + (handoff.first_token,)
+    warm = method.window_of(draft)
+    model = tiny_model
+    ids = torch.tensor([prompt])
+    f = target_features(model, method.drafter.cfg, ids,
+                        ForwardBatch(model.new_kda_state(1), DenseLatentCache(model.cfg.num_mla_layers, 1), [0]))
+    g = method.drafter.fuse(f.low, f.mid, f.high)[0, -w:]
+    torch.testing.assert_close(warm.feats, g, atol=1e-4, rtol=1e-4)
+    assert warm.count == w and warm.tokens.tolist() == list(draft.next_tokens)
+    s_warm = method.open("r", prompt, draft)
+    assert torch.equal(s_warm.window.feats, warm.feats) and s_warm.window.count == w
+    assert len(s_warm.propose(prompt + (handoff.first_token,), 3).tokens) == 3 and s_warm.window is not None

@@ -12,6 +12,10 @@ Per request the session keeps a :class:`~k3serve.model.eagle3.window.DrafterWind
 Drafts are greedy (argmax of q) whatever the request's temperature and the proposal carries no q: the engine
 then applies the one-hot form of the lossless rule, so sampled output keeps the target's distribution.
 
+Warm start: prefill captures the feature layers for the prompt's last W positions when its config asks
+(``PrefillConfig.draft_capture = method.capture``) and the ticket carries them (``Handoff.draft``); ``open(...,
+draft=handoff.draft)`` turns them into the window, so the first step drafts like any later one.
+
 Cold start: a session opened without a window (``open`` from the prompt only) drafts its first step from the
 anchor pair (x_0, 0); the verify's features then replace it and the window fills from verified rows. A step
 that ran as plain decode (``features=None``) leaves the window without that position, so the session goes
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from k3serve.contracts.handoff import DraftCapture, DraftFeatures
 from k3serve.engine.spec.drafter import DraftProposal, VerifyOutcome
 from k3serve.model.config import ConfigError, ModelConfig
 from k3serve.model.eagle3.drafter import Eagle3Drafter
@@ -76,9 +81,24 @@ class Eagle3Method:
         self.drafter = drafter
         self.feature_layers: tuple[int, ...] = feature_layers(drafter.cfg)
 
-    def open(self, request_id: str, prompt_ids: Sequence[int], window: DrafterWindow | None = None) -> Eagle3Session:
-        """window: the state the prefill handed over (model/eagle3/prefill.py), or None for a cold start."""
-        return Eagle3Session(self, window)
+    @property
+    def capture(self) -> DraftCapture:
+        """What prefill must capture for this drafter (PrefillConfig.draft_capture): its layers, W rows."""
+        return DraftCapture(self.feature_layers, self.drafter.cfg.window)
+
+    def window_of(self, draft: DraftFeatures | None) -> DrafterWindow | None:
+        """The start window from prefill's rows (Handoff.draft): pairs (next token, fused feature)."""
+        if draft is None or not draft.next_tokens:
+            return None
+        cfg = self.drafter.cfg
+        low, mid, high = split_captured(cfg, draft.features)
+        g = self.drafter.fuse(low, mid, high)
+        empty = DrafterWindow.empty(cfg.window, cfg.hidden_size)
+        return empty.extended(torch.tensor(draft.next_tokens, dtype=torch.long)[-cfg.window:], g[-cfg.window:])
+
+    def open(self, request_id: str, prompt_ids: Sequence[int], draft: DraftFeatures | None = None) -> Eagle3Session:
+        """draft: the rows the prefill handed over (Handoff.draft, made with :attr:`capture`); None: cold start."""
+        return Eagle3Session(self, self.window_of(draft))
 
 
 def load_eagle3_drafter(drafter_dir: str | Path, model_cfg: ModelConfig | None) -> Eagle3Method:
