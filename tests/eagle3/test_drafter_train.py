@@ -77,3 +77,15 @@ def test_cli_refuses_an_unknown_loss(tmp_path):
     res = runner.invoke(app, ["train", "drafter", "--target", "tiny-trained", "--out", str(tmp_path), "--loss", "ce",
                               "--steps", "1"])
     assert res.exit_code == 2 and "--loss" in res.output
+
+
+def test_ngram_chain_sim_on_a_repetition():
+    """The bench's n-gram row runs the same simulated greedy decode: on a period-4 repetition every draft of
+    the 4-token chain is accepted (k + 1 tokens per verify)."""
+    from k3serve.bench.eagle3 import ngram_chain_stats
+    from k3serve.train.drafter_eval import EvalSet
+
+    seq = torch.tensor([[1, 2, 3, 4] * 10])
+    z = torch.zeros(1, 40, 2)
+    s = ngram_chain_stats(EvalSet(seq, 12, z, z, z), 4)
+    assert s.accepted_hist[-1] == s.rounds and s.tokens_per_verify == 5.0

@@ -106,3 +106,24 @@ def test_prefill_hands_over_the_window_verified_rows_would_build(tiny_ckpt, tiny
     s_warm = method.open("r", prompt, draft)
     assert torch.equal(s_warm.window.feats, warm.feats) and s_warm.window.count == w
     assert len(s_warm.propose(prompt + (handoff.first_token,), 3).tokens) == 3 and s_warm.window is not None
+
+
+def test_shipped_drafter_serves_tiny_trained_exactly():
+    """The shipped LK drafter belongs to the shipped target (config and head/embedding copies) and its greedy
+    output through the serving path equals the reference, with most drafts accepted on code."""
+    from k3serve.model.eagle3.assets import shipped_drafters
+    from k3serve.model.eagle3.weights import check_shared, load_drafter_weights
+    from k3serve.model.loader import load_model
+    from k3serve.model.presets import trained_dir
+
+    tdir = str(trained_dir("tiny-trained"))
+    ddir = shipped_drafters("tiny-trained")["eagle3-lk"]
+    cfg, w = load_drafter_weights(ddir)
+    check_shared(cfg, w, load_weights(tdir))
+    model = load_model(tdir)
+    prompt = tuple(b"import os\n\n\ndef main(argv):\n    ")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LocalPipeline(tdir, speculative=SpecConfig(method="eagle3", num_draft_tokens=3, drafter_dir=ddir)) as pipe:
+        out = pipe.generate([PrefillRequest("r", prompt, params)])["r"]
+    assert out.token_ids == reference_generate(model, list(prompt), params).token_ids
+    assert out.accepted_tokens > out.drafted_tokens // 3
