@@ -26,7 +26,8 @@ def plot_drafter(history: list[dict], final: dict | None, out_dir: Path, title: 
     ax.set_xlabel("training time (min)")
     ax.set_ylabel("loss (mean over the unrolled steps)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if tr or ev:
+        ax.legend(fontsize=8)
     ax = axes[1]
     evals = [h for h in history if h.get("alpha")]
     cmap = plt.get_cmap("viridis")
@@ -37,16 +38,19 @@ def plot_drafter(history: list[dict], final: dict | None, out_dir: Path, title: 
     ax.set_ylabel("acceptance P(j | 1..j-1 accepted)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if evals:
+        ax.legend(fontsize=7)
     ax = axes[2]
     if final and final.get("tokens_per_verify"):
         ks = sorted(int(k) for k in final["tokens_per_verify"])
         ax.plot(ks, [final["tokens_per_verify"][str(k)] for k in ks], "o-", color="tab:green", label="greedy chain")
         ax.axhline(2.5, ls="--", color="gray", lw=0.8, label="target 2.5 at k = 3")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "at the end of the run", ha="center", va="center", transform=ax.transAxes, color="gray")
     ax.set_xlabel("drafts per verify k")
     ax.set_ylabel("tokens per verify (held-out)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path = out_dir / DRAFTER_PNG
