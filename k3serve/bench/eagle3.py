@@ -2,7 +2,7 @@
 
 Two parts, measured side by side in one run:
 
-- offline, on held-out text (train/drafter_eval.py): greedy chain drafting against the target's greedy
+- offline, on held-out text (model/eagle3/chain_eval.py): greedy chain drafting against the target's greedy
   continuation, tokens per verify for k = 1..7 and per-position acceptance at k = 7; the n-gram drafter is
   simulated over the same sequences (it proposes from the context, no features).
 - online, through the serving path (LocalPipeline, prefill TP=1 -> decode TP=1): decode time per output token
@@ -25,8 +25,7 @@ from k3serve.engine.spec.ngram import NgramConfig, NgramSession
 from k3serve.model.eagle3.drafter import Eagle3Drafter
 from k3serve.model.eagle3.weights import load_drafter_weights
 from k3serve.model.loader import load_model
-from k3serve.train.corpus import load_corpus
-from k3serve.train.drafter_eval import ChainStats, EvalSet, chain_stats, make_eval_set
+from k3serve.model.eagle3.chain_eval import ChainStats, EvalSet, chain_stats, make_eval_set
 
 KS = tuple(range(1, 8))
 
@@ -49,14 +48,15 @@ def ngram_chain_stats(es: EvalSet, k: int, config: NgramConfig | None = None) ->
     return ChainStats(k, rounds, tokens, tuple(hist))
 
 
-def _offline(target, drafters: dict[str, str], corpus, prompts: int, prompt_len: int, gen_len: int) -> list[dict]:
+def _offline(target, drafters: dict[str, str], heldout: torch.Tensor, prompts: int, prompt_len: int,
+             gen_len: int) -> list[dict]:
     rows, es = [], None
     for name, path in drafters.items():
         cfg, w = load_drafter_weights(path)
         cfg.check_target(target.cfg)
         dr = Eagle3Drafter(cfg, w)
         if es is None:  # the features depend only on the target and the feature layers (same for every drafter)
-            es = make_eval_set(target, cfg, corpus.heldout, prompts, prompt_len, gen_len)
+            es = make_eval_set(target, cfg, heldout, prompts, prompt_len, gen_len)
         stats = {k: chain_stats(dr, es, k) for k in KS}
         rows.append({"method": name, "tokens_per_verify": {k: round(s.tokens_per_verify, 3) for k, s in stats.items()},
                      "acceptance_k7": [round(a, 3) for a in stats[7].position_acceptance()]})
@@ -94,15 +94,16 @@ def _online(target_dir: str, method: str, spec: SpecConfig | None, prompts: list
     return row
 
 
-def run_eagle3_bench(target_dir: str, drafters: dict[str, str], k: int = 3, batches: tuple[int, ...] = (1, 8),
-                     prompts: int = 8, prompt_len: int = 128, gen_len: int = 64, eval_prompts: int = 16) -> dict:
-    """drafters: row name (``eagle3-lk``, ``eagle3-kl``) -> drafter checkpoint dir, all for `target_dir`."""
-    corpus = load_corpus(None)
+def run_eagle3_bench(target_dir: str, drafters: dict[str, str], heldout: torch.Tensor, k: int = 3,
+                     batches: tuple[int, ...] = (1, 8), prompts: int = 8, prompt_len: int = 128, gen_len: int = 64,
+                     eval_prompts: int = 16) -> dict:
+    """drafters: row name (``eagle3-lk``, ``eagle3-kl``) -> drafter checkpoint dir, all for `target_dir`;
+    heldout: the held-out token stream (train.corpus, loaded by the command: bench does not import train)."""
     target = load_model(target_dir)
-    offline = _offline(target, drafters, corpus, eval_prompts, prompt_len, gen_len)
-    span = corpus.heldout.numel() - prompt_len
+    offline = _offline(target, drafters, heldout, eval_prompts, prompt_len, gen_len)
+    span = heldout.numel() - prompt_len
     starts = [(2 * i + 1) * span // (2 * prompts) for i in range(prompts)]  # between the offline prompts
-    ps = [tuple(corpus.heldout[s: s + prompt_len].long().tolist()) for s in starts]
+    ps = [tuple(heldout[s: s + prompt_len].long().tolist()) for s in starts]
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     methods: list[tuple[str, SpecConfig | None]] = [("plain", None), ("ngram", SpecConfig("ngram", k))]
     methods += [(name, SpecConfig("eagle3", k, drafter_dir=path)) for name, path in drafters.items()]

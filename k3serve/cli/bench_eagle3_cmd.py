@@ -22,6 +22,7 @@ def eagle3(target: str = typer.Option("tiny-trained", "--target", help="Target c
 
     from k3serve.bench.eagle3 import run_eagle3_bench
     from k3serve.model.eagle3.assets import shipped_drafters
+    from k3serve.train.corpus import load_corpus
     from k3serve.train.drafter_loop import target_dir
 
     torch.set_num_threads(threads)
@@ -30,5 +31,6 @@ def eagle3(target: str = typer.Option("tiny-trained", "--target", help="Target c
         pairs = dict(item.split("=", 1) for item in drafters.split(","))
     else:
         pairs = shipped_drafters(target)
-    emit(run_eagle3_bench(tdir, pairs, k, tuple(int(b) for b in batches.split(",")), prompts, gen_len=gen_len),
-         as_json)
+    heldout = load_corpus(None).heldout
+    emit(run_eagle3_bench(tdir, pairs, heldout, k, tuple(int(b) for b in batches.split(",")), prompts,
+                          gen_len=gen_len), as_json)

@@ -33,7 +33,7 @@ from k3serve.model.loader import load_model, load_weights
 from k3serve.model.model import HybridModel
 from k3serve.model.state import DenseLatentCache, ForwardBatch
 from k3serve.train.corpus import eval_windows, load_corpus, sample_windows
-from k3serve.train.drafter_eval import EvalSet, chain_stats, make_eval_set
+from k3serve.model.eagle3.chain_eval import EvalSet, chain_stats, make_eval_set
 from k3serve.train.drafter_loss import DrafterLoss, acceptance, drafter_loss
 from k3serve.train.drafter_plot import plot_drafter
 from k3serve.train.loop import TrainError

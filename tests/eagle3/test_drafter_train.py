@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from k3serve.cli.main import app
 from k3serve.model.eagle3.weights import load_drafter_weights
-from k3serve.train.drafter_eval import ChainStats
+from k3serve.model.eagle3.chain_eval import ChainStats
 from k3serve.train.drafter_loop import DrafterTrainConfig, _Run, run_drafter_training
 from k3serve.train.drafter_loss import DrafterLoss, acceptance, drafter_loss
 from k3serve.train.drafter_plot import DRAFTER_PNG
@@ -83,7 +83,7 @@ def test_ngram_chain_sim_on_a_repetition():
     """The bench's n-gram row runs the same simulated greedy decode: on a period-4 repetition every draft of
     the 4-token chain is accepted (k + 1 tokens per verify)."""
     from k3serve.bench.eagle3 import ngram_chain_stats
-    from k3serve.train.drafter_eval import EvalSet
+    from k3serve.model.eagle3.chain_eval import EvalSet
 
     seq = torch.tensor([[1, 2, 3, 4] * 10])
     z = torch.zeros(1, 40, 2)
