@@ -15,7 +15,8 @@ def eagle3(target: str = typer.Option("tiny-trained", "--target", help="Target c
                                         help="name=DIR,... (default: the shipped eagle3-lk and eagle3-kl)"),
            k: int = typer.Option(3, "--k", help="Drafts per verify in the online rows."),
            batches: str = typer.Option("1,8", "--batches"), prompts: int = typer.Option(8, "--prompts"),
-           gen_len: int = typer.Option(64, "--gen-tokens"), threads: int = typer.Option(1, "--threads"),
+           gen_len: int = typer.Option(64, "--gen-tokens"),
+           repeats: int = typer.Option(2, "--repeats", help="Interleaved passes per online row (fastest kept)."), threads: int = typer.Option(1, "--threads"),
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Tokens per verify k=1..7 and per-position acceptance (held-out), decode speedup at batch 1 and 8."""
     import torch
@@ -33,4 +34,4 @@ def eagle3(target: str = typer.Option("tiny-trained", "--target", help="Target c
         pairs = shipped_drafters(target)
     heldout = load_corpus(None).heldout
     emit(run_eagle3_bench(tdir, pairs, heldout, k, tuple(int(b) for b in batches.split(",")), prompts,
-                          gen_len=gen_len), as_json)
+                          gen_len=gen_len, repeats=repeats), as_json)
