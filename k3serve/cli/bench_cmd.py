@@ -53,6 +53,20 @@ def decode(preset: str = typer.Option("bench", "--preset"), context: int = typer
     emit(run_decode_bench(preset, sizes, context, steps), as_json)
 
 
+@app.command("spec")
+def spec(preset: str = typer.Option("tiny-trained", "--preset"), method: str = typer.Option("ngram", "--method"),
+         max_k: int = typer.Option(7, "--max-k"), batches: str = typer.Option("1,8", "--batches"),
+         sessions: int = typer.Option(8, "--sessions"), max_tokens: int = typer.Option(48, "--max-tokens"),
+         threads: int = typer.Option(1, "--threads"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Speculative vs plain decode on an agentic trace (k = 1..max-k, each batch size), and records memory
+    against snapshot-per-draft at this preset's and K3's geometry."""
+    _threads(threads)
+    from k3serve.bench.spec import run_spec_bench
+
+    sizes = tuple(int(b) for b in batches.split(","))
+    emit(run_spec_bench(preset, max_k, sizes, sessions, max_tokens, method=method), as_json)
+
+
 # Benchmarks owned by other modules join this group (their module defines `app` with its commands).
 for _module in ("k3serve.cli.bench_transfer_cmd", "k3serve.cli.bench_admission_cmd", "k3serve.cli.bench_eagle3_cmd"):
     try:

@@ -16,6 +16,7 @@ endpoint. Pins do not move back: sessions stay where they failed over to, new se
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -72,6 +73,10 @@ class ClusterActor:
         ray.get(pg.ready())
         pre_pools = c.prefill_pools.pool_config(cfg, c.prefill_tp)
         dec_pools = c.decode_pools.pool_config(cfg, c.decode_tp)
+        spec = c.speculative.spec_config(d.request_classes)
+        if spec is not None:  # record buffers for one verify of every request of a full batch
+            dec_pools = dataclasses.replace(dec_pools, spec_slots=c.max_decode_batch,
+                                            spec_tokens=spec.num_draft_tokens + 1)
         send_hooks, receive_hooks = self._transfer_hooks()
         self.executors["prefill"] = RayExecutor(ray_worker_spec(self.checkpoint, c.prefill_tp, pre_pools,
                                                                 d.torch_threads, send_hooks), pg)
@@ -86,7 +91,8 @@ class ClusterActor:
                                               long_threshold=_long_threshold(d),
                                               long_step_tokens=c.long_step_tokens or None),
                                 model_fingerprint(cfg.to_hf_dict()), channel)
-        decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch),
+        decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch,
+                                                                          speculative=spec),
                               channel)
         front = ClusterFront(self.cluster_id, DisaggLoop(prefill, decode), d.secret, c.prefill_tp, c.decode_tp)
         client = getattr(channel, "client", None)  # the gRPC channel's receivers report their staging

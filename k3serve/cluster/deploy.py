@@ -8,6 +8,7 @@ back to a default. Example (the embedded default, `configs/local.yaml`)::
       count: 3
       prefill_tp: 2
       decode_tp: 1
+      speculative: {method: ngram, num_draft_tokens: 3, classes: [short]}   # optional; default off
     routers: 1
 """
 
@@ -54,6 +55,45 @@ class PoolSpec:
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    """``clusters.speculative``: speculative decoding on every cluster's decode group (docs/speculative.md).
+
+    method: "" (off) | "ngram" | "eagle3"; num_draft_tokens: k; classes: names of the request classes that
+    speculate (empty: all), decided by a request's uncached prompt tokens as admission classes it;
+    drafter: the drafter checkpoint (eagle3); ngram_min / ngram_max: the n-gram drafter's match lengths.
+    """
+
+    method: str = ""
+    num_draft_tokens: int = 3
+    classes: tuple[str, ...] = ()
+    drafter: str = ""
+    ngram_min: int = 2
+    ngram_max: int = 5
+
+    def spec_config(self, request_classes: tuple["RequestClassSpec", ...]):
+        """The decode engine's SpecConfig, or None when off; raises DeployError naming the bad field."""
+        if not self.method:
+            return None
+        from k3serve.engine.spec.config import SpecConfig
+        from k3serve.engine.spec.ngram import NgramConfig
+
+        names = [rc.name for rc in request_classes]
+        unknown = [c for c in self.classes if c not in names]
+        if unknown:
+            raise DeployError(f"clusters.speculative.classes names unknown request classes {unknown} "
+                              f"(known: {', '.join(names)})")
+        classes = tuple((rc.max_uncached_tokens, rc.name in self.classes) for rc in request_classes) \
+            if self.classes else ()
+        try:
+            return SpecConfig(self.method, self.num_draft_tokens, classes, self.drafter,
+                              NgramConfig(self.ngram_min, self.ngram_max))
+        except ValueError as e:
+            msg = str(e).replace("speculative.", "clusters.speculative.").replace("ngram drafter:",
+                                                                                  "clusters.speculative:")
+            raise DeployError(msg) from None
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     count: int = 3
     prefill_tp: int = 2
@@ -68,6 +108,7 @@ class ClusterSpec:
     rebuild: bool = True  # a cluster whose rank died is torn down and built again in place
     rebuild_backoff_s: float = 1.0  # first wait before a rebuild; doubles after a failed attempt (max 30 s)
     ids: tuple[str, ...] = ()  # explicit cluster ids; default c0, c1, ...
+    speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
 
     @property
     def cluster_ids(self) -> tuple[str, ...]:
@@ -153,6 +194,7 @@ class DeployConfig:
         names = [rc.name for rc in self.request_classes]
         if len(set(names)) != len(names):
             raise DeployError("request_classes names must be unique")
+        c.speculative.spec_config(self.request_classes)  # raises DeployError naming the field
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:
@@ -166,12 +208,12 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         if key not in fields:
             raise DeployError(f"unknown key {where}.{key} (known: {', '.join(sorted(fields))})")
         nested = {"model": ModelSpec, "clusters": ClusterSpec, "control": ControlSpec,
-                  "prefill_pools": PoolSpec, "decode_pools": PoolSpec}.get(key)
+                  "prefill_pools": PoolSpec, "decode_pools": PoolSpec, "speculative": SpeculativeSpec}.get(key)
         if nested is not None:
             value = _build(nested, value, f"{where}.{key}")
         elif key == "request_classes":
             value = tuple(_build(RequestClassSpec, v, f"{where}.request_classes[{i}]") for i, v in enumerate(value))
-        elif key in ("ids", "api_keys"):
+        elif key in ("ids", "api_keys", "classes"):
             value = tuple(str(v) for v in value)
         kwargs[key] = value
     try:

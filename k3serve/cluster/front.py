@@ -143,7 +143,10 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
                     context.abort(item.error.code.grpc_status, item.error.message)
                 call.tokens += len(item.token_ids)
                 yield cluster_pb2.ClusterGenerateResponse(token_ids=item.token_ids, finish_reason=item.finish_reason,
-                                                          cached_tokens=max(item.cached_tokens, 0))
+                                                          cached_tokens=max(item.cached_tokens, 0),
+                                                          drafted_tokens=item.drafted_tokens,
+                                                          accepted_tokens=item.accepted_tokens,
+                                                          verify_steps=item.verify_steps)
                 if item.finish_reason:
                     finished = True
                     self._count("completed")

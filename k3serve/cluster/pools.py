@@ -9,6 +9,9 @@
  decode.mla_pages       pages reserved by running decode requests   (capacity: the decode page pool)
  decode.waiting         handoffs waiting for a slot/pages           (no capacity)
  decode.staging_bytes   transfer staging held on the decode ranks   (gRPC channel only; no capacity)
+ decode.spec_records    record buffers held by a verify in flight   (capacity: pools.spec_slots; 0 between steps)
+ decode.spec_accepted   drafts accepted, of drafts verified          ("capacity" = drafted, both cumulative
+                        (speculative decoding only)                   since start: used / capacity = acceptance)
 ```
 An idle cluster reads 0 everywhere except what the prefix cache keeps (checkpoints, cached pages).
 The engine-side numbers are taken by the engine thread (the only one that touches the engines): see
@@ -34,4 +37,7 @@ def engine_pools(prefill: PrefillEngine, decode: DecodeEngine) -> dict[str, Pool
         "decode.kda_slots": PoolUsage(decode.slots.num_used, decode.slots.capacity),
         "decode.mla_pages": PoolUsage(decode.pages.num_used, decode.pages.capacity),
         "decode.waiting": PoolUsage(len(decode.waiting)),
+        **({"decode.spec_records": PoolUsage(decode.records_in_use, decode.config.pools.spec_slots),
+            "decode.spec_accepted": PoolUsage(decode.spec_usage.accepted_tokens, decode.spec_usage.drafted_tokens)}
+           if decode.drafter is not None else {}),
     }

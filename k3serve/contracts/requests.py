@@ -48,6 +48,10 @@ class StreamEvent:
     finish_reason: str = ""  # set on the last event of a request that completed
     cached_tokens: int = -1  # prompt tokens served from the prefix cache; set on the first event only
     error: RequestFailure | None = None  # the request ended without its full output
+    # speculative decoding, set on the last event of a completed request (0 when off)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
     @property
     def final(self) -> bool:

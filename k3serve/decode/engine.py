@@ -23,7 +23,7 @@ from k3serve.contracts.channel import StateChannel, StateInstallError
 from k3serve.decode import speculative as spec
 from k3serve.engine.ops import DecodeBatch, PoolConfig
 from k3serve.engine.spec.config import SpecConfig, make_drafter
-from k3serve.engine.spec.drafter import DraftSession, VerifyOutcome
+from k3serve.engine.spec.drafter import Drafter, DraftSession, VerifyOutcome
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.requests import RequestFailure, TokenEvent
 from k3serve.model.sampling import is_stop, sample_token
@@ -81,9 +81,10 @@ class RequestTimings:
 
 class DecodeEngine:
     def __init__(self, cfg: ModelConfig, executor: Executor, config: DecodeConfig,
-                 channel: StateChannel | None = None) -> None:
+                 channel: StateChannel | None = None, drafter: Drafter | None = None) -> None:
         """channel: how handoffs' state reaches this group's pools (the same channel the prefill group
-        exports through); default in-process (state inline in the ticket)."""
+        exports through); default in-process (state inline in the ticket).
+        drafter: the drafting method when config.speculative is set (default: the one it names)."""
         self.cfg, self.executor, self.config = cfg, executor, config
         self.channel: StateChannel = channel or InProcessChannel()
         self.slots = SlotAllocator(config.pools.kda_slots)
@@ -92,8 +93,11 @@ class DecodeEngine:
         self.running: dict[str, _Decoding] = {}
         self.failures: list[RequestFailure] = []
         self.timings: dict[str, RequestTimings] = {}
-        self.drafter = make_drafter(config.speculative, cfg) if config.speculative is not None else None
+        if config.speculative is not None and drafter is None:
+            drafter = make_drafter(config.speculative, cfg)
+        self.drafter = drafter if config.speculative is not None else None
         self.spec_usage = spec.SpecUsage()  # summed over every request this engine served (Prometheus)
+        self.records_in_use = 0  # record buffers held by the verify in flight (they live for one bucket)
 
     # ------------------------------------------------------------------------------------------ intake
     def speculates(self, h: Handoff) -> bool:
@@ -190,7 +194,7 @@ class DecodeEngine:
 
     def _propose(self, run: _Decoding):
         h, sp = run.handoff, self.config.speculative
-        limit = spec.draft_limit(h.num_tokens, len(run.generated), h.params.max_tokens, run.next_position,
+        limit = spec.draft_limit(len(run.generated), h.params.max_tokens, run.next_position,
                                  self.cfg.max_position_embeddings, sp.num_draft_tokens)
         return spec.propose(run.session, h.prompt_ids + tuple(run.generated), limit)
 
@@ -221,6 +225,7 @@ class DecodeEngine:
     def _spec_step(self, bucket: list[spec.Draft]) -> list[TokenEvent]:
         runs = [d.run for d in bucket]
         layers = tuple(self.drafter.feature_layers)
+        self.records_in_use = len(bucket)
         try:
             logits, features = self.executor.run(spec.verify_ops(bucket, layers))[0]
             with record_function(SAMPLING_LABEL):
@@ -229,6 +234,8 @@ class DecodeEngine:
         except OpFailed as e:
             self._fail_batch(runs, "speculative step", e)
             return []
+        finally:
+            self.records_in_use = 0
         events = []
         for i, (d, acc) in enumerate(zip(bucket, accs)):
             d.run.usage.add(len(d.proposal.tokens), acc.accepted)

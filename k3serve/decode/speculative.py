@@ -19,8 +19,7 @@ import torch
 
 from k3serve.engine.ops import CommitBatch, VerifyBatch
 from k3serve.engine.spec.accept import accept_drafts
-from k3serve.engine.spec.config import SpecConfig
-from k3serve.engine.spec.drafter import DraftProposal, DraftSession, Drafter, VerifyOutcome
+from k3serve.engine.spec.drafter import DraftProposal, DraftSession, VerifyOutcome
 
 
 @dataclass
@@ -50,7 +49,7 @@ class Draft:
     window: tuple[int, ...] = field(default=())
 
 
-def draft_limit(num_tokens: int, generated: int, max_tokens: int, position: int, max_positions: int, k: int) -> int:
+def draft_limit(generated: int, max_tokens: int, position: int, max_positions: int, k: int) -> int:
     """Drafts a request may verify this step: emits at most drafts + 1 tokens within max_tokens, and every
     emitted token's position stays below the context (the last allowed position is max_positions - 1)."""
     return max(0, min(k, max_tokens - generated - 1, max_positions - 2 - position))
@@ -99,6 +98,3 @@ def outcome(d: Draft, acc, features: dict[int, torch.Tensor], row: int) -> Verif
     return VerifyOutcome(d.run.next_position, d.window[: acc.accepted + 1], acc.tokens,
                          {layer: h[row, : acc.accepted + 1] for layer, h in features.items()})
 
-
-__all__ = ["Draft", "Drafter", "SpecConfig", "SpecUsage", "accept_bucket", "buckets", "commit_op", "draft_limit",
-           "outcome", "propose", "verify_ops"]

@@ -61,6 +61,11 @@ class DisaggLoop:
             for ev in self.decode.submit(h):
                 yield _event(ev, h.cached_tokens)
         for ev in self.decode.step():
+            t = self.decode.timings.get(ev.request_id) if ev.finished else None
+            if t is not None and t.verify_steps:
+                yield StreamEvent(ev.request_id, ev.token_ids, ev.finish_reason, -1, None, t.drafted_tokens,
+                                  t.accepted_tokens, t.verify_steps)
+                continue
             yield _event(ev)
         yield from self._failures()
 

@@ -16,6 +16,7 @@ from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import PoolConfig
 from k3serve.engine.spec.config import SpecConfig
+from k3serve.engine.spec.drafter import Drafter
 from k3serve.model.checkpoint import load_config
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 from k3serve.transfer.inprocess import InProcessChannel
@@ -36,8 +37,9 @@ class RequestOutput:
 class LocalPipeline:
     def __init__(self, checkpoint: str, prefill_tp: int = 1, decode_tp: int = 1,
                  prefill: PrefillConfig | None = None, decode: DecodeConfig | None = None,
-                 speculative: SpecConfig | None = None) -> None:
-        """speculative: decode with drafts (ignored when `decode` is given: that config says it)."""
+                 speculative: SpecConfig | None = None, drafter: Drafter | None = None) -> None:
+        """speculative: decode with drafts (ignored when `decode` is given: that config says it);
+        drafter: the drafting method (default: the one the config names)."""
         self.cfg = load_config(checkpoint)
         prefill = prefill or PrefillConfig(PoolConfig(kda_slots=64, mla_pages=1024))
         if decode is None:
@@ -53,7 +55,7 @@ class LocalPipeline:
         channel = InProcessChannel()
         self.prefill = PrefillEngine(self.cfg, self._prefill_exec, prefill, model_fingerprint(self.cfg.to_hf_dict()),
                                      channel)
-        self.decode = DecodeEngine(self.cfg, self._decode_exec, decode, channel)
+        self.decode = DecodeEngine(self.cfg, self._decode_exec, decode, channel, drafter)
         self.loop = DisaggLoop(self.prefill, self.decode)
 
     def generate(self, requests: list[PrefillRequest]) -> dict[str, RequestOutput]:

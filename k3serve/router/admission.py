@@ -42,7 +42,6 @@ The class specs are passed with each call, so all router replicas must run with 
 
 from __future__ import annotations
 
-from k3serve.router.retry_hint import HINT_LATENESS, drain_wait_s  # noqa: F401 (re-exported)
 import functools
 import operator
 import random
@@ -58,6 +57,7 @@ from k3serve.router.admission_lua import REASSERT as _REASSERT
 from k3serve.router.admission_lua import RENEW as _RENEW
 from k3serve.router.admission_lua import RESERVE as _RESERVE
 from k3serve.router.admission_lua import STATS as _STATS
+from k3serve.router.retry_hint import HINT_JITTER, HINT_LATENESS, drain_wait_s  # noqa: F401 (re-exported)
 from k3serve.router.admission_lua import TOUCH as _TOUCH
 from k3serve.router.membership import check_id, key_prefix, ttl_ms
 
@@ -435,7 +435,8 @@ class Admission:
     def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
                   expected_s: float = 0.0) -> AdmissionRejected:
         """The rejection with its hint: the expected drain time of what holds the budget (the recovery grace while
-        Redis recovers from a state loss), jittered by +0-20% so rejected clients do not all return at once."""
+        Redis recovers from a state loss), jittered by +0-``HINT_JITTER`` so refused clients do not all return at
+        once."""
         if self._recovering and self.guard is not None:
             hint, message = self.guard.grace_s, f"{message} (admission state recovering after a Redis loss)"
         else:
@@ -444,5 +445,5 @@ class Admission:
             except (redis.RedisError, OSError):
                 hint = max(cls.max_wait_s, 0.1)  # no holders to read: the queue turns over in about max_wait_s
         with self._rng_lock:  # late rather than early: an early retry is refused again, a late one only waits
-            hint = max(hint, MIN_RETRY_AFTER_S) * HINT_LATENESS * self._rng.uniform(1.0, 1.2)
+            hint = max(hint, MIN_RETRY_AFTER_S) * HINT_LATENESS * self._rng.uniform(1.0, 1.0 + HINT_JITTER)
         return AdmissionRejected(round(hint, 3), message, reason, cluster, cls.name)

@@ -85,6 +85,9 @@ class _ClusterCollector:
         used = GaugeMetricFamily("k3serve_cluster_pool_used", "pool occupancy (cluster/pools.py)",
                                  labels=["cluster", "pool"])
         cap = GaugeMetricFamily("k3serve_cluster_pool_capacity", "pool capacity (0: none)", labels=["cluster", "pool"])
+        accept = GaugeMetricFamily("k3serve_cluster_spec_acceptance_rate",
+                                   "speculative decoding: drafts accepted / drafts verified since the cluster started",
+                                   labels=["cluster"])
         for c in self._infos():
             running.add_metric([c.cluster_id], c.running_requests)
             tokens.add_metric([c.cluster_id], c.inflight_tokens)
@@ -92,7 +95,9 @@ class _ClusterCollector:
             for p in c.pools:
                 used.add_metric([c.cluster_id, p.name], p.used)
                 cap.add_metric([c.cluster_id, p.name], p.capacity)
-        yield from (running, tokens, pinned, used, cap)
+                if p.name == "decode.spec_accepted" and p.capacity:
+                    accept.add_metric([c.cluster_id], p.used / p.capacity)
+        yield from (running, tokens, pinned, used, cap, accept)
 
 
 class RouterMetrics:

@@ -53,6 +53,9 @@ class Attempts:
     streamed: list[int] = field(default_factory=list)
     failovers: int = 0
     cached: int = 0
+    drafted: int = 0  # speculative decoding, summed over the attempts that finished a stream part
+    accepted: int = 0
+    verify_steps: int = 0
     # one incremental decoder per client request, surviving failovers: text pieces follow the token stream
     text: StreamDecoder = field(default_factory=StreamDecoder)
 
@@ -91,6 +94,9 @@ def stream_attempt(target: Target, req: ValidRequest, st: Attempts, progress: St
             if not st.streamed and not st.failovers:
                 st.cached = resp.cached_tokens
             st.streamed += resp.token_ids
+            st.drafted += resp.drafted_tokens
+            st.accepted += resp.accepted_tokens
+            st.verify_steps += resp.verify_steps
             progress.advance(len(resp.token_ids))
             msg = router_pb2.GenerateResponse(token_ids=resp.token_ids, finish_reason=resp.finish_reason)
             if tok is not None:
@@ -98,7 +104,8 @@ def stream_attempt(target: Target, req: ValidRequest, st: Attempts, progress: St
             if resp.finish_reason:
                 msg.usage.CopyFrom(router_pb2.Usage(
                     prompt_tokens=len(req.prompt_ids), cached_tokens=st.cached, completion_tokens=len(st.streamed),
-                    cluster_id=cluster, failovers=st.failovers))
+                    cluster_id=cluster, failovers=st.failovers, drafted_tokens=st.drafted,
+                    accepted_tokens=st.accepted, verify_steps=st.verify_steps))
                 yield msg
                 return Ending.FINISHED
             yield msg

@@ -9,6 +9,10 @@ from collections.abc import Sequence
 # burst on 2 cores (tests/cluster/test_router_live.py), real waits ran 1.15-2.1x the raw estimate (hint/wait
 # 0.48-0.87 in a clean CI run, 0.59-1.39 in others), so hints are scaled by this factor: late, never early.
 HINT_LATENESS = 1.25
+# Spread of the hints handed out together (+0-10%), so refused clients do not all come back at one instant. Kept
+# small: within one burst the waits per cluster agree to ~10% (measured), so a wider jitter alone would use up much of
+# the 2x accuracy the hint promises (it was +0-20%, which made half of one run's spread).
+HINT_JITTER = 0.10
 
 
 def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, queued_tokens: int, tokens: int,

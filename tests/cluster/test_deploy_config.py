@@ -37,3 +37,23 @@ def test_long_step_tokens_defaults_to_the_step_budget(tmp_path):
 def test_short_secret_is_refused(tmp_path):
     with pytest.raises(DeployError, match="secret must be at least 16"):
         load_deploy(_write(tmp_path, "secret: short\n"))
+
+
+def test_speculative_section_builds_the_decode_spec_config(tmp_path):
+    cfg = load_deploy(_write(tmp_path, "clusters:\n  speculative: {method: ngram, num_draft_tokens: 5, classes: [long]}\n"))
+    spec = cfg.clusters.speculative.spec_config(cfg.request_classes)
+    assert spec.method == "ngram" and spec.num_draft_tokens == 5
+    assert not spec.enabled_for(100) and spec.enabled_for(5000)  # short (<= 4096 uncached) off, long on
+    assert load_deploy(None).clusters.speculative.spec_config(cfg.request_classes) is None  # default: off
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("clusters: {speculative: {method: medusa}}\n", "clusters.speculative.method"),
+    ("clusters: {speculative: {method: ngram, num_draft_tokens: 0}}\n", "clusters.speculative.num_draft_tokens"),
+    ("clusters: {speculative: {method: ngram, classes: [tiny]}}\n", "unknown request classes"),
+    ("clusters: {speculative: {method: ngram, ngram_min: 4, ngram_max: 2}}\n", "min_n"),
+    ("clusters: {speculative: {k: 3}}\n", r"unknown key deploy\.clusters\.speculative\.k"),
+])
+def test_bad_speculative_section_is_named(tmp_path, text, needle):
+    with pytest.raises(DeployError, match=needle):
+        load_deploy(_write(tmp_path, text))

@@ -1,0 +1,22 @@
+"""`k3serve bench spec` runs end to end at a tiny size and reports its fields (no timing is asserted)."""
+
+from k3serve.bench.spec import K3_GEOMETRY, memory_report, run_spec_bench
+
+
+def test_bench_spec_reports_runs_and_memory():
+    out = run_spec_bench("tiny-trained", max_k=1, batches=(1, 2), sessions=1, max_tokens=6)
+    runs = out["runs"]
+    assert [(r["batch"], r["k"]) for r in runs] == [(1, 1), (2, 1)]
+    for r in runs:
+        assert {"method", "k", "batch", "tokens_per_verify", "tokens_per_s", "plain_tokens_per_s", "speedup"} <= set(r)
+        assert r["mismatches"] == 0  # greedy: speculative tokens equal the plain run's
+        assert r["verify_steps"] == 0 or 1.0 <= r["tokens_per_verify"] <= r["k"] + 1
+    assert out["memory"]["k3"]["records_over_snapshot"] <= 1 / 16
+
+
+def test_memory_report_at_k3_geometry():
+    m = memory_report(**K3_GEOMETRY, k=7)
+    # 69 layers x 12 heads x (128 x 128 + 9 x 128) fp32 = 58,079,232 B per state; records 8 x 768 floats per head
+    assert m["state_bytes"] == 69 * 12 * (128 * 128 + 9 * 128) * 4
+    assert m["records_bytes"] == 69 * 12 * 8 * 6 * 128 * 4
+    assert m["snapshot_per_draft_bytes"] == 8 * m["state_bytes"]

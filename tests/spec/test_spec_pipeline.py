@@ -1,0 +1,98 @@
+"""Speculative decoding through the local disaggregated pipeline gives exactly the reference's tokens
+(issue #12 acceptance 2): greedy and seeded, k in {1, 3, 7}, (P, D) in {(1,1), (2,1), (1,2)}, the n-gram
+drafter and a scripted drafter (long accepted runs + rejections at every depth), speculative and plain
+requests in one continuous batch; pools are back to zero afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3serve.contracts.requests import PrefillRequest
+from k3serve.contracts.sampling import SamplingParams
+from k3serve.disagg.pipeline import LocalPipeline
+from k3serve.engine.spec.config import SpecConfig
+from k3serve.engine.spec.ngram import NgramConfig
+from k3serve.model.reference import reference_generate
+
+from tests.spec.drafters import ScriptedDrafter
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=10, ignore_eos=True)
+
+
+def _prompt(n: int, seed: int, repeat: bool) -> tuple[int, ...]:
+    base = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return tuple(base * 3 if repeat else base)  # a repeated prompt gives the n-gram drafter matches
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_model):
+    out = []
+    for i, (n, rep) in enumerate([(7, True), (40, False), (90, True)]):
+        prompt = _prompt(n, 300 + i, rep)
+        for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
+            out.append((f"{name}-{i}", prompt, params, reference_generate(tiny_model, list(prompt), params).token_ids))
+    return out
+
+
+def _check(pipe, cases):
+    outs = pipe.generate([PrefillRequest(rid, prompt, params) for rid, prompt, params, _ in cases])
+    for rid, _, _, want in cases:
+        assert outs[rid].error is None, outs[rid].error
+        assert outs[rid].token_ids == want, rid
+    assert pipe.decode.slots.num_used == 0 and pipe.decode.pages.num_used == 0
+    return outs
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_scripted_drafts_equal_reference(tiny_ckpt, cases, k):
+    scripts = {prompt: want[1:] for _, prompt, _, want in cases}  # want[0] comes from prefill
+    drafter = ScriptedDrafter(scripts, wrong_every=4)
+    with LocalPipeline(tiny_ckpt, speculative=SpecConfig(num_draft_tokens=k), drafter=drafter) as pipe:
+        outs = _check(pipe, cases)
+        usage = pipe.decode.spec_usage
+    assert usage.verify_steps > 0 and 0 < usage.accepted_tokens < usage.drafted_tokens
+    assert sum(o.verify_steps for o in outs.values()) == usage.verify_steps
+    # every outcome handed to a session starts where the previous one ended
+    for s in drafter.sessions:
+        for a, b in zip(s.observed, s.observed[1:]):
+            assert b.start_position == a.start_position + len(a.committed)
+
+
+@pytest.mark.parametrize("p,d,k", [(1, 1, 3), (2, 1, 7), (1, 2, 3)])
+def test_ngram_equals_reference(tiny_ckpt, cases, p, d, k):
+    # min_n = 1: the random tiny model rarely repeats a 2-gram of its prompt; single-token matches still draft
+    spec = SpecConfig(num_draft_tokens=k, ngram=NgramConfig(min_n=1, max_n=3))
+    with LocalPipeline(tiny_ckpt, prefill_tp=p, decode_tp=d, speculative=spec) as pipe:
+        _check(pipe, cases)
+        assert pipe.decode.spec_usage.verify_steps > 0
+
+
+def test_per_class_switch_mixes_plain_and_speculative(tiny_ckpt, cases):
+    """Prompts of <= 40 uncached tokens decode plainly, longer ones speculatively, in one batch."""
+    spec = SpecConfig(num_draft_tokens=3, classes=((40, False), (1 << 30, True)))
+    scripts = {prompt: want[1:] for _, prompt, _, want in cases}
+    with LocalPipeline(tiny_ckpt, speculative=spec, drafter=ScriptedDrafter(scripts, wrong_every=0)) as pipe:
+        outs = _check(pipe, cases)
+    for rid, prompt, _, _ in cases:
+        assert (outs[rid].verify_steps > 0) == (len(prompt) > 40), rid
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(tiny_ckpt, tiny_model, cases):
+    _, prompt, _, want = cases[0]
+    stop = SamplingParams(max_tokens=10, stop_token_ids=(want[4],), ignore_eos=True)
+    ref = reference_generate(tiny_model, list(prompt), stop).token_ids  # ends at the first want[4]
+    drafter = ScriptedDrafter({prompt: want[1:]}, wrong_every=0)  # all drafts right: the stop is mid-window
+    with LocalPipeline(tiny_ckpt, speculative=SpecConfig(num_draft_tokens=7), drafter=drafter) as pipe:
+        out = pipe.generate([PrefillRequest("stop", prompt, stop)])["stop"]
+        assert pipe.decode.slots.num_used == 0 and pipe.decode.pages.num_used == 0
+    assert out.token_ids == ref and out.finish_reason == "stop"
+
+
+def test_draft_limit_keeps_the_budget_and_the_context():
+    from k3serve.decode.speculative import draft_limit
+
+    assert draft_limit(generated=3, max_tokens=10, position=50, max_positions=4096, k=7) == 6  # 6 + 1 = 7 left
+    assert draft_limit(generated=9, max_tokens=10, position=50, max_positions=4096, k=7) == 0
+    assert draft_limit(generated=1, max_tokens=99, position=90, max_positions=95, k=7) == 3  # last position 94
