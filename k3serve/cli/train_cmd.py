@@ -1,4 +1,5 @@
 """``k3serve train target``: pretrain a preset on a local corpus (default: the Python stdlib's sources).
+``k3serve train drafter``: train an EAGLE-3 drafter for a frozen target (LK or KL loss).
 ``k3serve train qat``: fine-tune a trained checkpoint with MXFP4 fake-quantised routed experts."""
 
 from __future__ import annotations
@@ -48,6 +49,51 @@ def target(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     emit({"out": result.out, **result.summary}, as_json)
+
+
+@app.command("drafter")
+def drafter(
+    target_dir: str = typer.Option(..., "--target", help="Target checkpoint dir (or a trained preset: tiny-trained)."),
+    out: str = typer.Option(..., "--out", help="Output dir: the drafter checkpoint, log, PNG."),
+    loss: str = typer.Option("lk", "--loss", help="lk (-log sum min(p, q)) or kl (KL(p || q), the baseline)."),
+    ttt_steps: int = typer.Option(7, "--ttt-steps", help="Unrolled steps on the drafter's own outputs."),
+    minutes: float = typer.Option(None, "--minutes", help="Budget in training minutes (eval/saving excluded)."),
+    steps: int = typer.Option(None, "--steps", help="Budget in optimizer steps (reproducible)."),
+    seed: int = typer.Option(0, "--seed", help="Initial eh_proj values and batch order."),
+    batch: int = typer.Option(8, "--batch", help="Windows per step."),
+    context: int = typer.Option(256, "--context", help="Tokens per training window."),
+    lr: float = typer.Option(2e-3, "--lr", help="Peak AdamW learning rate (warm-up, then cosine to 10%)."),
+    window: int = typer.Option(32, "--window", help="Drafter attention window (positions of per-request state)."),
+    corpus: str = typer.Option("", "--corpus", help="Directory or text file; default: the stdlib's *.py."),
+    eval_every: float = typer.Option(120.0, "--eval-every", help="Held-out eval every N training seconds."),
+    threads: int = typer.Option(0, "--threads", help="torch threads (0: torch's default)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Train an EAGLE-3 drafter for a frozen target (training-time test, LK or KL loss); eval tokens/verify."""
+    import torch
+
+    from k3serve.model.config import ConfigError
+    from k3serve.train.corpus import CorpusError
+    from k3serve.train.drafter_loop import DrafterTrainConfig, run_drafter_training
+    from k3serve.train.drafter_loss import DrafterLoss
+    from k3serve.train.loop import TrainError
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        kind = DrafterLoss(loss)
+    except ValueError:
+        typer.echo(f"error: --loss must be one of {[k.value for k in DrafterLoss]}, got {loss!r}", err=True)
+        raise typer.Exit(2)
+    try:
+        cfg = DrafterTrainConfig(target_dir, out, kind, ttt_steps, minutes, steps, seed, batch, context, lr,
+                                 window=window, corpus=corpus or None, eval_every_s=eval_every)
+        summary = run_drafter_training(cfg, progress=not quiet)
+    except (TrainError, CorpusError, ConfigError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    emit(summary, as_json)
 
 
 @app.command("qat")

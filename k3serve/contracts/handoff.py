@@ -7,8 +7,9 @@
 ```
 What a request's state holds is described once, here: `InlineState` carries the tensors (in-process and
 Ray object-store planes); `StagedState` names a verified transfer waiting in every decode rank's staging
-(gRPC and Mooncake planes). A feature that adds state (drafter features, quantized pages) adds a field to both
-and to the channels in `k3serve/transfer/` that move it.
+(gRPC and Mooncake planes). A feature that adds state to the decode ranks (quantized pages) adds a field to both
+and to the channels in `k3serve/transfer/` that move it; drafter features (`DraftFeatures`) are consumed beside
+the decode engine, not on its ranks, so they ride on the ticket itself, whichever channel moves the rest.
 """
 
 from __future__ import annotations
@@ -48,6 +49,47 @@ StateRef = InlineState | StagedState
 
 
 @dataclass(frozen=True)
+class DraftCapture:
+    """What a feature-reading drafter (EAGLE-3) asks of prefill: these layers' hidden states (capture keys of
+    ``ForwardBatch.capture_layers``; ``L`` = the final hidden state) for the prompt's last `rows` positions."""
+
+    layers: tuple[int, ...]
+    rows: int
+
+    def __post_init__(self) -> None:
+        if not self.layers or self.rows < 1:
+            raise ValueError(f"DraftCapture needs layers and rows >= 1, got {self.layers}, {self.rows}")
+
+
+@dataclass(frozen=True)
+class DraftFeatures:
+    """The drafter's share of a request's decode state, made by prefill, carried by the Handoff ticket.
+
+    Rows are prompt positions start .. start+m-1 (m <= DraftCapture.rows; fewer when a prefix-cache hit skipped
+    the earlier ones). next_tokens[i]: the token after position start+i (the last one is the first token).
+    features: layer -> `[m, d]` fp32 hidden states of those positions.
+
+    It rides on the ticket, not in the rank-to-rank transfer: the drafter runs beside the decode engine (where
+    tickets are submitted), never on the decode ranks the state channel writes to, and the rows come back to
+    the prefill engine with the last chunk's logits (the same path the first token takes).
+    """
+
+    start: int
+    next_tokens: tuple[int, ...]
+    features: dict[int, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        m = len(self.next_tokens)
+        for layer, t in self.features.items():
+            if t.dim() != 2 or t.shape[0] != m:
+                raise ValueError(f"DraftFeatures.features[{layer}] must be [{m}, d], got {tuple(t.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.features.values()) + 8 * len(self.next_tokens)
+
+
+@dataclass(frozen=True)
 class Handoff:
     """A prefilled request: the ticket decode submits.
 
@@ -67,6 +109,7 @@ class Handoff:
     finish_reason: str = ""
     prefill_started_s: float = 0.0
     first_token_s: float = 0.0
+    draft: DraftFeatures | None = None  # the drafter's start state (PrefillConfig.draft_capture), else None
 
     # convenience views of the state (empty when it is not inline)
     @property

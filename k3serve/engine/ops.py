@@ -80,6 +80,9 @@ class PrefillChunk:
     block_table: the request's pages (page i holds positions i*page_size ..); must cover start+len tokens.
     Returns the last token's logits `[vocab]` when want_logits, every token's `[len, vocab]` when all_logits
     (per-token log-probabilities, e.g. bits per byte through the serving path), else None.
+    capture_layers: with capture_rows > 0, the result is ``(logits, {layer: [r, d] fp32})``: those layers'
+    hidden states (ForwardBatch.capture_layers keys) for the chunk's last r = min(capture_rows, len) tokens
+    (the drafter's start state, contracts/handoff.py DraftFeatures).
     """
 
     slot: int
@@ -88,6 +91,8 @@ class PrefillChunk:
     block_table: tuple[int, ...]
     want_logits: bool
     all_logits: bool = False
+    capture_layers: tuple[int, ...] = ()
+    capture_rows: int = 0
 
 
 @dataclass(frozen=True)

@@ -98,13 +98,18 @@ class ModelWorker:
             bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         return bt.to(self.page_store.device)
 
-    def _PrefillChunk(self, op: PrefillChunk) -> torch.Tensor | None:
+    def _PrefillChunk(self, op: PrefillChunk) -> torch.Tensor | None | tuple:
         # a view of the slot: the forward updates the pool in place
         blocks = [self.kda_store[op.slot: op.slot + 1, layer] for layer in range(self.model.cfg.num_kda_layers)]
         latent = PagedLatentCache(self.page_store, self._block_table((op.block_table,)))
         ids = torch.tensor([op.token_ids], dtype=torch.long, device=self.model.device)
-        logits = self.model.forward(ids, ForwardBatch(blocks, latent, [op.start], decode=False), op.all_logits)
-        return logits[0].cpu() if op.want_logits or op.all_logits else None
+        capture = op.capture_layers if op.capture_rows > 0 else ()
+        batch = ForwardBatch(blocks, latent, [op.start], decode=False, capture_layers=tuple(capture))
+        logits = self.model.forward(ids, batch, op.all_logits)
+        out = logits[0].cpu() if op.want_logits or op.all_logits else None
+        if not capture:
+            return out
+        return out, {layer: h[0, -op.capture_rows:].cpu() for layer, h in batch.captured.items()}
 
     def _DecodeBatch(self, op: DecodeBatch) -> torch.Tensor:
         layers = range(self.model.cfg.num_kda_layers)

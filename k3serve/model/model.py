@@ -97,6 +97,8 @@ class HybridModel:
             raise ValueError("decode forward takes exactly one token per request")
         x = F.embedding(token_ids, self.embed)
         h = self._stack_attn_res(x, batch) if self.cfg.attn_res_block_size else self._stack_plain(x, batch)
+        if self.cfg.num_hidden_layers in batch.capture_layers:  # "layer L": the final hidden state (EAGLE-3's high)
+            batch.captured[self.cfg.num_hidden_layers] = h.float()
         if not all_logits:
             h = h[:, -1]
         return F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()

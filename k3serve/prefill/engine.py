@@ -22,11 +22,13 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.chunk_plan import ChunkCandidate, plan_chunks
 from k3serve.engine.executor import Executor, OpFailed
 from k3serve.contracts.channel import StateChannel, StateTransferError
-from k3serve.contracts.handoff import Handoff
+from k3serve.contracts.handoff import DraftCapture, DraftFeatures, Handoff
 from k3serve.engine.ops import CopySlot, PoolConfig, PrefillChunk, ResetSlots
 from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy
 from k3serve.contracts.errors import ErrorCode
@@ -47,6 +49,7 @@ class PrefillConfig:
     long_min_share: float = 0.25
     long_step_tokens: int | None = None  # most long-prompt tokens per step (None: step_token_budget); see chunk_plan
     enable_prefix_cache: bool = True
+    draft_capture: DraftCapture | None = None  # hand the drafter its start state (Handoff.draft); None: none
 
 
 @dataclass
@@ -60,6 +63,7 @@ class _Running:
     boundaries: list[int]
     checkpoints: dict[int, int] = field(default_factory=dict)
     started_s: float = field(default_factory=time.monotonic)
+    captured: list[tuple[int, dict]] = field(default_factory=list)  # (first position, {layer: [r, d]}) per chunk
 
     @property
     def prompt_len(self) -> int:
@@ -151,9 +155,15 @@ class PrefillEngine:
     def _run_chunk(self, run: _Running, work) -> Handoff | None:
         """One planned chunk of `run`; the handoff when it was the last one (None while more remain)."""
         last = work.end == run.prompt_len
+        cap = self.config.draft_capture
+        rows = min(cap.rows, work.end - max(work.start, run.prompt_len - cap.rows)) if cap else 0
         op = PrefillChunk(run.slot, run.req.prompt_ids[work.start: work.end], work.start,
-                          tuple(run.pages), want_logits=last)
+                          tuple(run.pages), want_logits=last, capture_layers=cap.layers if rows > 0 else (),
+                          capture_rows=max(0, rows))
         logits = self.executor.run(op)[0]
+        if rows > 0:  # this chunk holds some of the prompt's last cap.rows positions
+            logits, feats = logits
+            run.captured.append((work.end - rows, feats))
         run.num_computed = work.end
         self.stats["computed_tokens"] += work.num_tokens
         if work.end in run.boundaries:
@@ -269,7 +279,7 @@ class PrefillEngine:
         self.running.remove(run)
         return Handoff(req.request_id, req.session_id, req.prompt_ids, first, req.params, n, run.cached_tokens,
                        state, finished=bool(reason), finish_reason=reason, prefill_started_s=run.started_s,
-                       first_token_s=time.monotonic())
+                       first_token_s=time.monotonic(), draft=None if reason else _draft_features(run, first))
 
     def _release(self, run: _Running, keep_checkpoints: bool) -> None:
         if keep_checkpoints and self.config.enable_prefix_cache:
@@ -281,3 +291,14 @@ class PrefillEngine:
         run.checkpoints = {}
         self.pages.decref(run.pages)
         self.slots.free(run.slot)
+
+
+def _draft_features(run: _Running, first_token: int) -> DraftFeatures | None:
+    """The captured rows of the prompt's last positions (contiguous, ending at the last prompt token)."""
+    if not run.captured:
+        return None
+    start = run.captured[0][0]
+    layers = run.captured[0][1].keys()
+    feats = {layer: torch.cat([f[layer] for _, f in run.captured]) for layer in layers}
+    toks = tuple(run.req.prompt_ids[start + 1:]) + (first_token,)
+    return DraftFeatures(start, toks, feats)
