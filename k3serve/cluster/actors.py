@@ -86,14 +86,15 @@ class ClusterActor:
                                                bundle_offset=c.prefill_tp)
         channel = self._channel(cfg)
         policy = c.prefix_policy()
-        prefill = PrefillEngine(cfg, self.executors["prefill"],
-                                PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget,
-                                              long_threshold=_long_threshold(d),
-                                              long_step_tokens=c.long_step_tokens or None),
-                                model_fingerprint(cfg.to_hf_dict()), channel)
         decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch,
                                                                           speculative=spec),
                               channel)
+        prefill = PrefillEngine(cfg, self.executors["prefill"],
+                                PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget,
+                                              long_threshold=_long_threshold(d),
+                                              long_step_tokens=c.long_step_tokens or None,
+                                              draft_capture=decode.draft_capture),  # the drafter's warm start
+                                model_fingerprint(cfg.to_hf_dict()), channel)
         front = ClusterFront(self.cluster_id, DisaggLoop(prefill, decode), d.secret, c.prefill_tp, c.decode_tp)
         client = getattr(channel, "client", None)  # the gRPC channel's receivers report their staging
         if client is not None:

@@ -96,6 +96,8 @@ class DecodeEngine:
         if config.speculative is not None and drafter is None:
             drafter = make_drafter(config.speculative, cfg)
         self.drafter = drafter if config.speculative is not None else None
+        # what the prefill group feeding this engine must capture for the drafter's warm start (Handoff.draft)
+        self.draft_capture = self.drafter.capture if self.drafter is not None else None
         self.spec_usage = spec.SpecUsage()  # summed over every request this engine served (Prometheus)
         self.records_in_use = 0  # record buffers held by the verify in flight (they live for one bucket)
 
@@ -149,7 +151,8 @@ class DecodeEngine:
                 code = ErrorCode.UNAVAILABLE if isinstance(e, StateInstallError) else ErrorCode.INTERNAL
                 self.failures.append(RequestFailure(handoff.request_id, code, str(e).splitlines()[0]))
                 continue
-            session = self.drafter.open(handoff.request_id, handoff.prompt_ids) if self.speculates(handoff) else None
+            session = self.drafter.open(handoff.request_id, handoff.prompt_ids, draft=handoff.draft) \
+                if self.speculates(handoff) else None
             self.running[handoff.request_id] = _Decoding(handoff, slot, pages, [handoff.first_token], session=session)
 
     def cancel(self, request_id: str) -> bool:

@@ -7,7 +7,7 @@ them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from k3serve.contracts.requests import PrefillRequest, RequestFailure, StreamEvent
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
@@ -53,9 +53,11 @@ class LocalPipeline:
             self._prefill_exec.close()
             raise
         channel = InProcessChannel()
+        self.decode = DecodeEngine(self.cfg, self._decode_exec, decode, channel, drafter)
+        if prefill.draft_capture is None and self.decode.draft_capture is not None:
+            prefill = replace(prefill, draft_capture=self.decode.draft_capture)  # the drafter's warm start
         self.prefill = PrefillEngine(self.cfg, self._prefill_exec, prefill, model_fingerprint(self.cfg.to_hf_dict()),
                                      channel)
-        self.decode = DecodeEngine(self.cfg, self._decode_exec, decode, channel, drafter)
         self.loop = DisaggLoop(self.prefill, self.decode)
 
     def generate(self, requests: list[PrefillRequest]) -> dict[str, RequestOutput]:

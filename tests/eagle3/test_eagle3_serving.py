@@ -127,3 +127,24 @@ def test_shipped_drafter_serves_tiny_trained_exactly():
         out = pipe.generate([PrefillRequest("r", prompt, params)])["r"]
     assert out.token_ids == reference_generate(model, list(prompt), params).token_ids
     assert out.accepted_tokens > out.drafted_tokens // 3
+
+
+def test_pipeline_wires_the_warm_start(tiny_ckpt, tiny_model, drafter_dir):
+    """LocalPipeline with eagle3: prefill captures what the decode engine's drafter asks for, the ticket carries
+    it, and every session opens warm from it; the tokens stay the reference's."""
+    spec = SpecConfig(method="eagle3", num_draft_tokens=3, drafter_dir=drafter_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    with LocalPipeline(tiny_ckpt, 1, 1, speculative=spec) as pipe:
+        assert pipe.prefill.config.draft_capture == pipe.decode.draft_capture is not None
+        opened = []
+        real_open = pipe.decode.drafter.open
+
+        def spy(request_id, prompt_ids, draft=None):
+            opened.append(draft)
+            return real_open(request_id, prompt_ids, draft)
+
+        pipe.decode.drafter.open = spy
+        out = pipe.generate(_requests(params))
+    assert len(opened) == len(PROMPTS) and all(d is not None and d.next_tokens for d in opened)
+    for i, p in enumerate(PROMPTS):
+        assert out[f"r{i}"].token_ids == reference_generate(tiny_model, list(p), params).token_ids

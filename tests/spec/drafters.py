@@ -32,13 +32,14 @@ class ScriptedSession:
 
 class ScriptedDrafter:
     name = "scripted"
+    capture = None
 
     def __init__(self, scripts: dict[tuple[int, ...], list[int]], wrong_every: int = 3,
                  feature_layers: tuple[int, ...] = ()) -> None:
         self.scripts, self.wrong_every, self.feature_layers = scripts, wrong_every, feature_layers
         self.sessions: list[ScriptedSession] = []
 
-    def open(self, request_id, prompt_ids):
+    def open(self, request_id, prompt_ids, draft=None):
         s = ScriptedSession(len(prompt_ids), self.scripts.get(tuple(prompt_ids), []), self.wrong_every)
         self.sessions.append(s)
         return s

@@ -29,6 +29,8 @@ from typing import Protocol
 
 import torch
 
+from k3serve.contracts.handoff import DraftCapture, DraftFeatures
+
 
 @dataclass(frozen=True)
 class DraftProposal:
@@ -84,10 +86,13 @@ class Drafter(Protocol):
 
     name: the method as the deploy file and the CLI spell it ("ngram", "eagle3").
     feature_layers: target layers whose hidden states the verify forward must return (empty: none).
+    capture: what prefill must capture for a warm start (``PrefillConfig.draft_capture``), None: nothing.
     """
 
     name: str
     feature_layers: tuple[int, ...]
+    capture: DraftCapture | None
 
-    def open(self, request_id: str, prompt_ids: Sequence[int]) -> DraftSession:
-        """Start a request's session (its prompt is already in the target state)."""
+    def open(self, request_id: str, prompt_ids: Sequence[int], draft: DraftFeatures | None = None) -> DraftSession:
+        """Start a request's session (its prompt is already in the target state); ``draft``: what prefill
+        captured for this drafter (``Handoff.draft``), None: start cold."""

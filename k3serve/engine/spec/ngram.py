@@ -74,11 +74,12 @@ class NgramSession:
 class NgramDrafter:
     name = "ngram"
     feature_layers: tuple[int, ...] = ()
+    capture = None  # reads only tokens: prefill captures nothing for it
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
 
-    def open(self, request_id: str, prompt_ids: Sequence[int]) -> NgramSession:
+    def open(self, request_id: str, prompt_ids: Sequence[int], draft=None) -> NgramSession:
         session = NgramSession(self.config)
         session._extend(prompt_ids)
         return session
