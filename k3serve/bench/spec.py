@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
-from k3serve.engine.spec.config import SpecConfig
+from k3serve.engine.spec.config import SpecConfig, make_drafter
 from k3serve.model.checkpoint import load_config
 from k3serve.model.presets import write_preset_checkpoint
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
@@ -92,10 +93,12 @@ def _decode(cfg, ckpt, pools, handoffs, spec: SpecConfig | None, batch: int) -> 
         engine.executor.close()
 
 
-def _prefill(cfg, ckpt, pools, prompts: dict[str, str], params: SamplingParams) -> list:
+def _prefill(cfg, ckpt, pools, prompts: dict[str, str], params: SamplingParams, capture=None) -> list:
+    """Handoffs for `prompts`; `capture`: the EAGLE-3 drafters' warm-start rows (ignored by the others)."""
     tok = ByteTokenizer()
     prefill = PrefillEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools)),
-                            PrefillConfig(pools, enable_prefix_cache=False), model_fingerprint(cfg.to_hf_dict()))
+                            PrefillConfig(pools, enable_prefix_cache=False, draft_capture=capture),
+                            model_fingerprint(cfg.to_hf_dict()))
     try:
         for rid, text in prompts.items():
             prefill.add_request(PrefillRequest(rid, tuple(tok.encode(text)), params))
@@ -104,11 +107,38 @@ def _prefill(cfg, ckpt, pools, prompts: dict[str, str], params: SamplingParams) 
         prefill.executor.close()
 
 
+def method_specs(preset: str, methods: tuple[str, ...]) -> dict[str, Callable[[int], SpecConfig]]:
+    """Row name -> SpecConfig for k. Names: ``ngram``; ``eagle3-lk`` / ``eagle3-kl`` (the drafters shipped for
+    `preset`, k3serve/model/eagle3/assets.py); ``eagle3`` = ``eagle3-lk``; ``eagle3=DIR`` (a drafter checkpoint)."""
+    out: dict[str, Callable[[int], SpecConfig]] = {}
+    for name in methods:
+        if name == "ngram":
+            out[name] = lambda k: SpecConfig(method="ngram", num_draft_tokens=k)
+            continue
+        if name.startswith("eagle3="):
+            path = name.split("=", 1)[1]
+        elif name in ("eagle3", "eagle3-lk", "eagle3-kl"):
+            from k3serve.model.eagle3.assets import shipped_drafters
+
+            path = shipped_drafters(preset)["eagle3-kl" if name == "eagle3-kl" else "eagle3-lk"]
+            name = "eagle3-lk" if name == "eagle3" else name
+        else:
+            raise ValueError(f"method must be ngram, eagle3, eagle3-lk, eagle3-kl or eagle3=DIR, got {name!r}")
+        out[name] = lambda k, path=path: SpecConfig(method="eagle3", num_draft_tokens=k, drafter_dir=path)
+    return out
+
+
 def run_spec_bench(preset: str = "tiny-trained", max_k: int = 7, batches: tuple[int, ...] = (1, 8),
-                   sessions: int = 8, max_tokens: int = 48, chunk_bytes: int = 400, method: str = "ngram") -> dict:
+                   sessions: int = 8, max_tokens: int = 48, chunk_bytes: int = 400,
+                   methods: tuple[str, ...] = ("ngram",)) -> dict:
+    """Each method against plain decode on the agentic trace: k = 1..max_k at each batch size, plain decode
+    measured before and after the speculative runs of each batch (side by side, one run)."""
     tok = ByteTokenizer()
+    specs = method_specs(preset, methods)
     with _checkpoint(preset) as ckpt:
         cfg = load_config(ckpt)
+        eagle = [f for f in specs.values() if f(1).method == "eagle3"]
+        capture = make_drafter(eagle[0](1), cfg).capture if eagle else None
         pools = PoolConfig(kda_slots=sessions * 2 + 2, mla_pages=sessions * 2 * 24 + 8, page_size=64,
                            spec_slots=max(batches), spec_tokens=max_k + 1)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -120,7 +150,7 @@ def run_spec_bench(preset: str = "tiny-trained", max_k: int = 7, batches: tuple[
         second = {f"s{i}t2": turn_two(first[f"s{i}t1"], tok.decode(ans[f"s{i}t1"]), n, chunk_bytes)
                   for i, n in enumerate(names)}
         prompts = {**first, **second}
-        handoffs = {h.request_id: h for h in _prefill(cfg, ckpt, pools, prompts, params)}
+        handoffs = {h.request_id: h for h in _prefill(cfg, ckpt, pools, prompts, params, capture)}
         runs = []
         for batch in batches:
             groups = [list(prompts)[i: i + batch] for i in range(0, len(prompts), batch)]
@@ -135,13 +165,13 @@ def run_spec_bench(preset: str = "tiny-trained", max_k: int = 7, batches: tuple[
                 return outs, secs, usage
 
             plain_out, plain_a, _ = measure(None)
-            spec_runs = [(k, *measure(SpecConfig(method=method, num_draft_tokens=k))) for k in range(1, max_k + 1)]
+            spec_runs = [(name, k, *measure(make(k))) for name, make in specs.items() for k in range(1, max_k + 1)]
             _, plain_b, _ = measure(None)
             decoded = sum(len(v) - 1 for v in plain_out.values())  # the first token comes from prefill
             plain_tps = decoded / ((plain_a + plain_b) / 2)
-            for k, outs, secs, u in spec_runs:
+            for name, k, outs, secs, u in spec_runs:
                 tps = sum(len(v) - 1 for v in outs.values()) / secs
-                runs.append({"method": method, "k": k, "batch": batch,
+                runs.append({"method": name, "k": k, "batch": batch,
                              "tokens_per_verify": (u["accepted"] + u["steps"]) / u["steps"] if u["steps"] else 0.0,
                              "acceptance_rate": u["accepted"] / u["drafted"] if u["drafted"] else 0.0,
                              "verify_steps": u["steps"], "drafted_tokens": u["drafted"],
@@ -149,6 +179,10 @@ def run_spec_bench(preset: str = "tiny-trained", max_k: int = 7, batches: tuple[
                              "plain_tokens_per_s": plain_tps, "plain_runs_s": [plain_a, plain_b],
                              "speedup": tps / plain_tps,
                              "mismatches": sum(outs[r] != plain_out[r] for r in outs)})
+        ngram = {(r["batch"], r["k"]): r["tokens_per_s"] for r in runs if r["method"] == "ngram"}
+        for r in runs:  # the drafters side by side: each row against n-gram at the same batch and k
+            if (r["batch"], r["k"]) in ngram:
+                r["speedup_vs_ngram"] = r["tokens_per_s"] / ngram[(r["batch"], r["k"])]
         geometry = {"kda_layers": cfg.num_kda_layers, "kda_heads": cfg.kda_num_heads,
                     "head_dim": cfg.kda_head_dim, "conv_kernel": cfg.short_conv_kernel_size, "tp": 1}
         sample = tok.decode(plain_out[f"s0t2"][:max_tokens])

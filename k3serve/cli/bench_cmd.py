@@ -54,7 +54,10 @@ def decode(preset: str = typer.Option("bench", "--preset"), context: int = typer
 
 
 @app.command("spec")
-def spec(preset: str = typer.Option("tiny-trained", "--preset"), method: str = typer.Option("ngram", "--method"),
+def spec(preset: str = typer.Option("tiny-trained", "--preset"),
+         method: str = typer.Option("ngram,eagle3-lk,eagle3-kl", "--method",
+                                    help="comma-separated: ngram, eagle3-lk, eagle3-kl (drafters shipped for the "
+                                         "preset), eagle3=DIR"),
          max_k: int = typer.Option(7, "--max-k"), batches: str = typer.Option("1,8", "--batches"),
          sessions: int = typer.Option(8, "--sessions"), max_tokens: int = typer.Option(48, "--max-tokens"),
          threads: int = typer.Option(1, "--threads"), as_json: bool = typer.Option(False, "--json")) -> None:
@@ -64,7 +67,13 @@ def spec(preset: str = typer.Option("tiny-trained", "--preset"), method: str = t
     from k3serve.bench.spec import run_spec_bench
 
     sizes = tuple(int(b) for b in batches.split(","))
-    emit(run_spec_bench(preset, max_k, sizes, sessions, max_tokens, method=method), as_json)
+    try:
+        out = run_spec_bench(preset, max_k, sizes, sessions, max_tokens,
+                             methods=tuple(m.strip() for m in method.split(",") if m.strip()))
+    except ValueError as e:
+        typer.echo(f"error: --method: {e}", err=True)
+        raise typer.Exit(2)
+    emit(out, as_json)
 
 
 @app.command("quant")

@@ -4,9 +4,12 @@ from k3serve.bench.spec import K3_GEOMETRY, memory_report, run_spec_bench
 
 
 def test_bench_spec_reports_runs_and_memory():
-    out = run_spec_bench("tiny-trained", max_k=1, batches=(1, 2), sessions=1, max_tokens=6)
+    out = run_spec_bench("tiny-trained", max_k=1, batches=(1, 2), sessions=1, max_tokens=6,
+                         methods=("ngram", "eagle3-lk"))
     runs = out["runs"]
-    assert [(r["batch"], r["k"]) for r in runs] == [(1, 1), (2, 1)]
+    assert [(r["method"], r["batch"], r["k"]) for r in runs] == [("ngram", 1, 1), ("eagle3-lk", 1, 1),
+                                                                 ("ngram", 2, 1), ("eagle3-lk", 2, 1)]
+    assert all(r["speedup_vs_ngram"] > 0 for r in runs)
     for r in runs:
         assert {"method", "k", "batch", "tokens_per_verify", "tokens_per_s", "plain_tokens_per_s", "speedup"} <= set(r)
         assert r["mismatches"] == 0  # greedy: speculative tokens equal the plain run's
@@ -20,3 +23,10 @@ def test_memory_report_at_k3_geometry():
     assert m["state_bytes"] == 69 * 12 * (128 * 128 + 9 * 128) * 4
     assert m["records_bytes"] == 69 * 12 * 8 * 6 * 128 * 4
     assert m["snapshot_per_draft_bytes"] == 8 * m["state_bytes"]
+
+
+def test_bench_spec_refuses_an_unknown_method():
+    import pytest
+
+    with pytest.raises(ValueError, match="method must be"):
+        run_spec_bench("tiny-trained", max_k=1, batches=(1,), sessions=1, max_tokens=2, methods=("medusa",))
