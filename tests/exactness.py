@@ -141,18 +141,19 @@ def _smallest_router(ref: RefTrace, upto: int) -> str:
 
 
 def compare(ref: RefTrace, got_tokens: list[int], got_logits: list[torch.Tensor] | None = None,
-            label: str = "") -> Verdict:
+            label: str = "", prefix: bool = False) -> Verdict:
     """Check served tokens (and, when given, the logits `[vocab]` per step that chose them) against `ref`.
 
+    prefix: the served stream may stop early (a cancelled request): its tokens are checked as a prefix.
     Raises AssertionError naming the step, position and sizes when the served run is not the reference's up
     to an explained near-tie; returns a :class:`Verdict` otherwise."""
     got = [int(t) for t in got_tokens]
     n, want = len(ref.prompt), list(ref.token_ids)
     tag = f"{label}: " if label else ""
     d = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    if d is None and len(got) != len(want):
+    if d is None and len(got) != len(want) and not (prefix and len(got) < len(want)):
         raise AssertionError(f"{tag}served {len(got)} tokens, the reference {len(want)}; equal up to the shorter")
-    last = len(want) - 1 if d is None else d
+    last = len(got) - 1 if d is None else d
     if got_logits is not None:
         for i in range(min(last + 1, len(got_logits))):
             if _router_tie(ref, n - 1 + i) is not None:
@@ -194,6 +195,6 @@ class References:
         return self._traces[key]
 
     def check(self, prompt: list[int], params: SamplingParams, got_tokens: list[int],
-              got_logits: list[torch.Tensor] | None = None, label: str = "") -> Verdict:
+              got_logits: list[torch.Tensor] | None = None, label: str = "", prefix: bool = False) -> Verdict:
         """:func:`compare` the served tokens of (prompt, params) against the reference's."""
-        return compare(self.trace(prompt, params), got_tokens, got_logits, label)
+        return compare(self.trace(prompt, params), got_tokens, got_logits, label, prefix)
