@@ -51,7 +51,7 @@ class RankActor:
             dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.spec.tp,
                                      timeout=timedelta(seconds=60))
             tp = TPGroup(self.rank, self.spec.tp)
-        model = load_model(self.spec.checkpoint, tp, self.spec.device)
+        model = load_model(self.spec.checkpoint, tp, self.spec.device, self.spec.numerics)
         hooks = self.spec.hooks(model.cfg, self.rank, self.spec.tp) if self.spec.hooks is not None else None
         self.worker = ModelWorker(model, self.spec.pools, hooks)
         return True

@@ -7,8 +7,9 @@ them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.contracts.requests import PrefillRequest, RequestFailure, StreamEvent
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.disagg.loop import DisaggLoop
@@ -31,13 +32,15 @@ class RequestOutput:
 
 class LocalPipeline:
     def __init__(self, checkpoint: str, prefill_tp: int = 1, decode_tp: int = 1,
-                 prefill: PrefillConfig | None = None, decode: DecodeConfig | None = None) -> None:
+                 prefill: PrefillConfig | None = None, decode: DecodeConfig | None = None,
+                 numerics: Numerics = DEFAULT_NUMERICS) -> None:
+        """numerics: the mode of both groups (contracts/numerics.py); it replaces `prefill.numerics`."""
         self.cfg = load_config(checkpoint)
-        prefill = prefill or PrefillConfig(PoolConfig(kda_slots=64, mla_pages=1024))
+        prefill = replace(prefill or PrefillConfig(PoolConfig(kda_slots=64, mla_pages=1024)), numerics=numerics)
         decode = decode or DecodeConfig(PoolConfig(kda_slots=64, mla_pages=1024, page_size=prefill.pools.page_size))
-        self._prefill_exec = make_executor(WorkerSpec(checkpoint, prefill_tp, prefill.pools))
+        self._prefill_exec = make_executor(WorkerSpec(checkpoint, prefill_tp, prefill.pools, numerics=numerics))
         try:
-            self._decode_exec = make_executor(WorkerSpec(checkpoint, decode_tp, decode.pools))
+            self._decode_exec = make_executor(WorkerSpec(checkpoint, decode_tp, decode.pools, numerics=numerics))
         except BaseException:
             self._prefill_exec.close()
             raise

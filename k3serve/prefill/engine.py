@@ -30,6 +30,7 @@ from k3serve.contracts.handoff import Handoff
 from k3serve.engine.ops import CopySlot, PoolConfig, PrefillChunk, ResetSlots
 from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy
 from k3serve.contracts.errors import ErrorCode
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.contracts.requests import PrefillRequest, RequestFailure
 from k3serve.contracts.sampling import SamplingError
 from k3serve.model.sampling import is_stop, sample_token
@@ -47,6 +48,7 @@ class PrefillConfig:
     long_min_share: float = 0.25
     long_step_tokens: int | None = None  # most long-prompt tokens per step (None: step_token_budget); see chunk_plan
     enable_prefix_cache: bool = True
+    numerics: Numerics = DEFAULT_NUMERICS  # deterministic: chunk ends on its grid (the workers get the same value)
 
 
 @dataclass
@@ -74,6 +76,10 @@ class PrefillEngine:
         self.channel: StateChannel = channel or InProcessChannel()
         if config.pools.page_size != config.cache.page_size:
             raise ValueError("pool page_size must equal the prefix cache policy's page_size")
+        grid = config.numerics.chunk_grid
+        if config.cache.block_size % grid:
+            raise ValueError(f"prefix_cache block size {config.cache.block_size} must be a multiple of the chunk "
+                             f"grid {grid} (numerics: deterministic): cache hits resume on that grid")
         self.cfg, self.executor, self.config = cfg, executor, config
         self.slots = SlotAllocator(config.pools.kda_slots)
         self.pages = PageAllocator(config.pools.mla_pages)
@@ -136,7 +142,7 @@ class PrefillEngine:
         cands = [ChunkCandidate(r.req.request_id, r.is_long, r.num_computed, r.prompt_len, tuple(r.boundaries))
                  for r in self.running]
         for work in plan_chunks(cands, self.config.step_token_budget, self.config.long_min_share,
-                                self.config.long_step_tokens):
+                                self.config.long_step_tokens, self.config.numerics.chunk_grid):
             run = by_id[work.request_id]
             if run not in self.running:
                 continue  # failed earlier in this step
