@@ -16,6 +16,7 @@ from dataclasses import replace
 import ray
 import torch
 
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.engine.executor import WorkerDied, WorkerSpec, group_failure
 from k3serve.engine.worker import ModelWorker
 
@@ -137,6 +138,8 @@ class RayExecutor:
             ray.kill(a, no_restart=True)
 
 
-def ray_worker_spec(checkpoint: str, tp: int, pools, torch_threads: int, hooks=None) -> WorkerSpec:
-    """hooks: a HooksFactory joining each rank to the cluster's transfer plane (None: in-process/object store)."""
-    return replace(WorkerSpec(checkpoint, tp, pools), torch_threads=torch_threads, hooks=hooks)
+def ray_worker_spec(checkpoint: str, tp: int, pools, torch_threads: int, hooks=None,
+                    numerics: Numerics = DEFAULT_NUMERICS) -> WorkerSpec:
+    """hooks: a HooksFactory joining each rank to the cluster's transfer plane (None: in-process/object store);
+    numerics: the deployment's numerics mode."""
+    return replace(WorkerSpec(checkpoint, tp, pools), torch_threads=torch_threads, hooks=hooks, numerics=numerics)

@@ -67,6 +67,7 @@ class Handoff:
     finish_reason: str = ""
     prefill_started_s: float = 0.0
     first_token_s: float = 0.0
+    replay: tuple[int, ...] = ()  # PrefillRequest.replay_ids: first_token is replay[0], not a new token
 
     # convenience views of the state (empty when it is not inline)
     @property

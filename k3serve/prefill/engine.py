@@ -94,6 +94,9 @@ class PrefillEngine:
         """Queue a request; invalid ones are refused at once (see :attr:`failures`)."""
         try:
             validate_prompt(list(req.prompt_ids), self.cfg.vocab_size, self.cfg.max_position_embeddings)
+            if req.replay_ids:  # the replayed tokens must fit the vocabulary and the context too
+                validate_prompt(list(req.prompt_ids + req.replay_ids), self.cfg.vocab_size,
+                                self.cfg.max_position_embeddings)
             req.params.validate(self.cfg.vocab_size)
         except (PromptError, SamplingError) as e:
             self.failures.append(RequestFailure(req.request_id, ErrorCode.INVALID_ARGUMENT, str(e)))
@@ -259,9 +262,12 @@ class PrefillEngine:
 
     def _finish(self, run: _Running, logits: object) -> Handoff | None:
         req, n = run.req, run.prompt_len
-        first = sample_token(logits, req.params, n)
-        stop = is_stop(first, req.params, self.cfg.eos_token_id)
-        reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
+        if req.replay_ids:  # a resumed request: its next token is already known; decode replays the rest
+            first, reason = req.replay_ids[0], ""
+        else:
+            first = sample_token(logits, req.params, n)
+            stop = is_stop(first, req.params, self.cfg.eos_token_id)
+            reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
         state = None
         if not reason:  # a first token that ends the request leaves no state to hand over
             try:
@@ -275,7 +281,7 @@ class PrefillEngine:
         self.running.remove(run)
         return Handoff(req.request_id, req.session_id, req.prompt_ids, first, req.params, n, run.cached_tokens,
                        state, finished=bool(reason), finish_reason=reason, prefill_started_s=run.started_s,
-                       first_token_s=time.monotonic())
+                       first_token_s=time.monotonic(), replay=req.replay_ids)
 
     def _release(self, run: _Running, keep_checkpoints: bool) -> None:
         if keep_checkpoints and self.config.enable_prefix_cache:
