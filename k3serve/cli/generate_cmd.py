@@ -30,10 +30,13 @@ def generate(
     prefill_tp: int = typer.Option(1, "--prefill-tp"),
     decode_tp: int = typer.Option(1, "--decode-tp"),
     reference: bool = typer.Option(False, "--reference", help="run the single-process reference generator"),
+    deterministic: bool = typer.Option(False, "--deterministic",
+                                       help="numerics: deterministic (bit-identical on every path; docs/numerics.md)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     import torch
 
+    from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC
     from k3serve.contracts.requests import PrefillRequest
     from k3serve.contracts.sampling import SamplingError, SamplingParams
     from k3serve.model.checkpoint import CheckpointError, load_config
@@ -49,6 +52,7 @@ def generate(
         ids = [int(x) for x in prompt_ids.split(",") if x.strip()] if prompt_ids else tok.encode(prompt)
     except ValueError:
         _fail("--prompt-ids must be comma-separated integers")
+    numerics = DETERMINISTIC if deterministic else DEFAULT_NUMERICS
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             ignore_eos=ignore_eos)
     try:
@@ -57,12 +61,12 @@ def generate(
             from k3serve.model.loader import load_model
             from k3serve.model.reference import reference_generate
 
-            res = reference_generate(load_model(checkpoint), ids, params)
+            res = reference_generate(load_model(checkpoint, numerics=numerics), ids, params)
             out_ids, reason, cached = res.token_ids, res.finish_reason, 0
         else:
             from k3serve.disagg.pipeline import LocalPipeline
 
-            with LocalPipeline(checkpoint, prefill_tp, decode_tp) as pipe:
+            with LocalPipeline(checkpoint, prefill_tp, decode_tp, numerics=numerics) as pipe:
                 res = pipe.generate([PrefillRequest("cli-0", tuple(ids), params)])["cli-0"]
             if res.error:
                 _fail(f"{res.error.code}: {res.error.message}")
@@ -70,7 +74,8 @@ def generate(
     except (CheckpointError, ConfigError, PromptError, SamplingError) as e:
         _fail(str(e))
     result = {"token_ids": out_ids, "finish_reason": reason, "prompt_tokens": len(ids), "cached_tokens": cached,
-              "path": "reference" if reference else f"prefill_tp={prefill_tp},decode_tp={decode_tp}"}
+              "path": "reference" if reference else f"prefill_tp={prefill_tp},decode_tp={decode_tp}",
+              "numerics": numerics.mode.value}
     if cfg.vocab_size == tok.vocab_size:
         result["text"] = tok.decode(out_ids)
     if as_json:

@@ -31,3 +31,15 @@ def test_generate_bad_input_exits_2(tiny_ckpt):
     assert out.returncode == 2 and "99999" in out.stderr
     out = _run("generate", "--checkpoint", tiny_ckpt, "--json")
     assert out.returncode == 2 and "exactly one" in out.stderr
+
+
+def test_generate_deterministic_equals_its_reference_exactly(tiny_ckpt):
+    """--deterministic: the TP 2 -> 1 path gives the deterministic reference's tokens with no tolerance."""
+    args = ("generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "5,6,7,8,9", "--max-tokens", "6",
+            "--temperature", "0.9", "--seed", "3", "--ignore-eos", "--deterministic", "--json")
+    ref = _run(*args, "--reference")
+    got = _run(*args, "--prefill-tp", "2", "--decode-tp", "1")
+    assert ref.returncode == 0 and got.returncode == 0, ref.stderr + got.stderr
+    want, out = json.loads(ref.stdout), json.loads(got.stdout)
+    assert out["numerics"] == want["numerics"] == "deterministic"
+    assert out["token_ids"] == want["token_ids"] and len(want["token_ids"]) == 6

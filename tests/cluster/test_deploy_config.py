@@ -37,3 +37,12 @@ def test_long_step_tokens_defaults_to_the_step_budget(tmp_path):
 def test_short_secret_is_refused(tmp_path):
     with pytest.raises(DeployError, match="secret must be at least 16"):
         load_deploy(_write(tmp_path, "secret: short\n"))
+
+
+def test_numerics_key(tmp_path):
+    from k3serve.contracts.numerics import NumericsMode
+
+    assert load_deploy(_write(tmp_path, "routers: 1\n")).numerics.mode is NumericsMode.DEFAULT
+    assert load_deploy(_write(tmp_path, "numerics: deterministic\n")).numerics.deterministic
+    with pytest.raises(DeployError, match=r"numerics must be one of \['default', 'deterministic'\]"):
+        load_deploy(_write(tmp_path, "numerics: exact\n"))
