@@ -32,3 +32,10 @@ def test_decode_bench_keys_and_byte_model():
     assert set(out["achieved_gbps"]) == {"1", "2"}
     cfg = preset("tiny")
     assert step_bytes(cfg, 8, 100) > step_bytes(cfg, 1, 100)
+
+
+def test_decode_bench_reports_both_numerics_modes_side_by_side():
+    out = run_decode_bench("tiny", batches=(1, 2), context=16, steps=2, deterministic=True)
+    num = out["numerics"]
+    assert set(num["default"]) == set(num["deterministic"]) == set(num["slowdown"]) == {"1", "2"}
+    assert num["max_slowdown"] == max(num["slowdown"].values()) and num["target_max_slowdown"] == 1.5
