@@ -41,3 +41,11 @@ def tiny_linear_model(tiny_linear_ckpt):
     from k3serve.model.loader import load_model
 
     return load_model(tiny_linear_ckpt)
+
+
+@pytest.fixture(scope="session")
+def tiny_refs(tiny_model):
+    """Reference traces of the tiny model (tests/exactness.py), shared by the whole session."""
+    from tests.exactness import References
+
+    return References(tiny_model)

@@ -26,6 +26,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from k3serve.bench.numerics_compare import numerics_side_by_side
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
@@ -87,11 +89,13 @@ def _step_breakdown(decode: DecodeEngine, steps: int, step_s: float) -> dict:
     return {"step_s": step_s, "seconds": {k: f * step_s for k, f in frac.items()}, "fraction": frac}
 
 
-def _decode_rate(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: int) -> tuple[float, dict]:
+def _decode_rate(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: int,
+                 numerics: Numerics = DEFAULT_NUMERICS) -> tuple[float, dict]:
     """(tokens/s over `steps` timed steps, the per-step breakdown)."""
     profiled = 3
     pools = PoolConfig(kda_slots=batch + 2, mla_pages=batch * (-(-(context + steps + profiled + 8) // 64)) + 8)
-    prefill = PrefillEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools)), PrefillConfig(pools, enable_prefix_cache=False),
+    prefill = PrefillEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools, numerics=numerics)),
+                            PrefillConfig(pools, enable_prefix_cache=False, numerics=numerics),
                             model_fingerprint(cfg.to_hf_dict()))
     params = SamplingParams(max_tokens=steps + profiled + 4, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
@@ -100,7 +104,8 @@ def _decode_rate(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: i
                                            params))
     handoffs = prefill.run_to_completion()
     prefill.executor.close()
-    decode = DecodeEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools)), DecodeConfig(pools, max_batch=batch))
+    decode = DecodeEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools, numerics=numerics)),
+                          DecodeConfig(pools, max_batch=batch))
     for h in handoffs:
         decode.submit(h)
     decode.step()  # warm-up
@@ -112,7 +117,9 @@ def _decode_rate(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: i
 
 
 def run_decode_bench(preset_name: str = "bench", batches: tuple[int, ...] = (1, 8, 32), context: int = 256,
-                     steps: int = 8) -> dict:
+                     steps: int = 8, deterministic: bool = False) -> dict:
+    """deterministic: also measure numerics mode deterministic in the same run (``numerics``: tokens/s of
+    both modes by batch size and the slowdown)."""
     with tempfile.TemporaryDirectory(prefix="k3serve-bench-") as d:
         ckpt = str(write_preset_checkpoint(preset_name, d))
         cfg = load_config(ckpt)
@@ -122,7 +129,11 @@ def run_decode_bench(preset_name: str = "bench", batches: tuple[int, ...] = (1, 
             rate, breakdown[str(b)] = _decode_rate(ckpt, cfg, b, context, steps)
             tokens_per_s[str(b)] = rate
             achieved[str(b)] = step_bytes(cfg, b, context) * rate / b / 1e9
-    return {"preset": preset_name, "context_tokens": context, "steps": steps, "threads": torch.get_num_threads(),
+        numerics = None
+        if deterministic:
+            det = {str(b): _decode_rate(ckpt, cfg, b, context, steps, DETERMINISTIC)[0] for b in batches}
+            numerics = numerics_side_by_side(tokens_per_s, det, lower_is_better=False)
+    return {"preset": preset_name, "numerics": numerics, "context_tokens": context, "steps": steps, "threads": torch.get_num_threads(),
             "tokens_per_s": tokens_per_s, "copy_gbps": ceiling, "achieved_gbps": achieved,
             "achieved_fraction": {b: g / ceiling for b, g in achieved.items()},
             "batch_scaling": {b: r / tokens_per_s[str(batches[0])] for b, r in tokens_per_s.items()},

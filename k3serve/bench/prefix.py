@@ -20,6 +20,8 @@ import random
 import tempfile
 import time
 
+from k3serve.bench.numerics_compare import numerics_side_by_side
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
@@ -57,10 +59,11 @@ def agentic_trace(sessions: int, turns: int, system_len: int, increment: tuple[i
     return trace
 
 
-def _engine(ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, pages: int) -> PrefillEngine:
+def _engine(ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, pages: int,
+            numerics: Numerics = DEFAULT_NUMERICS) -> PrefillEngine:
     pools = PoolConfig(kda_slots=64, mla_pages=pages, page_size=policy.page_size)
-    ex = LocalExecutor(WorkerSpec(ckpt, 1, pools))
-    return PrefillEngine(cfg, ex, PrefillConfig(pools, policy, step_token_budget=4096),
+    ex = LocalExecutor(WorkerSpec(ckpt, 1, pools, numerics=numerics))
+    return PrefillEngine(cfg, ex, PrefillConfig(pools, policy, step_token_budget=4096, numerics=numerics),
                          model_fingerprint(cfg.to_hf_dict()))
 
 
@@ -77,8 +80,9 @@ def _held_bytes(engine: PrefillEngine, cfg: ModelConfig) -> dict:
             "checkpoint_to_page_bytes_k3_full_geometry": full_ckpt / full_page if full_page else None}
 
 
-def run_trace(ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, trace: list[tuple[str, list[int]]]) -> dict:
-    engine = _engine(ckpt, cfg, policy, pages=4096)
+def run_trace(ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, trace: list[tuple[str, list[int]]],
+              numerics: Numerics = DEFAULT_NUMERICS) -> dict:
+    engine = _engine(ckpt, cfg, policy, pages=4096, numerics=numerics)
     params = SamplingParams(max_tokens=1)
     reused = ideal = computed = 0
     seen: list[list[int]] = []
@@ -96,11 +100,12 @@ def run_trace(ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, trace: lis
     return out
 
 
-def ttft_hit_vs_cold(ckpt: str, cfg: ModelConfig, prefix_len: int, increment: int) -> dict:
+def ttft_hit_vs_cold(ckpt: str, cfg: ModelConfig, prefix_len: int, increment: int,
+                     numerics: Numerics = DEFAULT_NUMERICS) -> dict:
     rng = random.Random(1)
     prefix = [rng.randrange(256) for _ in range(prefix_len)]
     params = SamplingParams(max_tokens=1)
-    engine = _engine(ckpt, cfg, PrefixCachePolicy(), pages=4096)
+    engine = _engine(ckpt, cfg, PrefixCachePolicy(), pages=4096, numerics=numerics)
 
     def timed(rid: str, prompt: list[int]) -> tuple[float, int]:
         t = time.monotonic()
@@ -120,7 +125,9 @@ def ttft_hit_vs_cold(ckpt: str, cfg: ModelConfig, prefix_len: int, increment: in
 
 def run_prefix_bench(preset_name: str = "tiny", sessions: int = 3, turns: int = 10, system_len: int = 4096,
                      increment: tuple[int, int] = (32, 160), reply: int = 48, ttft_prefix: int = 8192,
-                     ttft_increment: int = 128) -> dict:
+                     ttft_increment: int = 128, deterministic: bool = False) -> dict:
+    """deterministic: also run the K3 trace and the TTFT pair in numerics mode deterministic, reported side by
+    side with the default mode (``numerics``)."""
     with tempfile.TemporaryDirectory(prefix="k3serve-bench-") as d:
         ckpt = str(write_preset_checkpoint(preset_name, d))
         cfg = load_config(ckpt)
@@ -128,7 +135,16 @@ def run_prefix_bench(preset_name: str = "tiny", sessions: int = 3, turns: int = 
         k3 = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace)
         naive = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="naive", naive_chunk=4096), trace)
         ttft = ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment)
-    return {"preset": preset_name,
+        numerics = None
+        if deterministic:
+            k3_det = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace, DETERMINISTIC)
+            ttft_det = ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment, DETERMINISTIC)
+            numerics = numerics_side_by_side(
+                {"trace_wall_s": k3["wall_s"], "cold_ttft_s": ttft["cold_ttft_s"], "hit_ttft_s": ttft["hit_ttft_s"]},
+                {"trace_wall_s": k3_det["wall_s"], "cold_ttft_s": ttft_det["cold_ttft_s"],
+                 "hit_ttft_s": ttft_det["hit_ttft_s"]}, lower_is_better=True)
+            numerics["deterministic_reuse_ratio"] = k3_det["reuse_ratio"]
+    return {"preset": preset_name, "numerics": numerics,
             "trace": {"sessions": sessions, "turns": turns, "system_prompt_tokens": system_len,
                       "increment_tokens": list(increment), "reply_tokens": reply, "requests": len(trace),
                       "prompt_tokens": sum(len(p) for _, p in trace)},

@@ -32,25 +32,31 @@ def kernels(t: int = typer.Option(4096, "--tokens"), heads: int = typer.Option(4
 def prefix(preset: str = typer.Option("tiny", "--preset"), sessions: int = typer.Option(3, "--sessions"),
            turns: int = typer.Option(10, "--turns"), system_len: int = typer.Option(4096, "--system-tokens"),
            ttft_prefix: int = typer.Option(8192, "--ttft-prefix"), ttft_increment: int = typer.Option(128, "--ttft-increment"),
-           threads: int = typer.Option(2, "--threads"), as_json: bool = typer.Option(False, "--json")) -> None:
+           threads: int = typer.Option(2, "--threads"),
+           deterministic: bool = typer.Option(False, "--deterministic",
+                                              help="also run numerics: deterministic, side by side"),
+           as_json: bool = typer.Option(False, "--json")) -> None:
     """K3 hybrid prefix cache vs the naive scheme on a multi-turn agentic trace; TTFT hit vs cold."""
     _threads(threads)
     from k3serve.bench.prefix import run_prefix_bench
 
     emit(run_prefix_bench(preset, sessions, turns, system_len, ttft_prefix=ttft_prefix,
-                           ttft_increment=ttft_increment), as_json)
+                           ttft_increment=ttft_increment, deterministic=deterministic), as_json)
 
 
 @app.command("decode")
 def decode(preset: str = typer.Option("bench", "--preset"), context: int = typer.Option(256, "--context"),
            steps: int = typer.Option(8, "--steps"), batches: str = typer.Option("1,8,32", "--batches"),
-           threads: int = typer.Option(2, "--threads"), as_json: bool = typer.Option(False, "--json")) -> None:
+           threads: int = typer.Option(2, "--threads"),
+           deterministic: bool = typer.Option(False, "--deterministic",
+                                              help="also run numerics: deterministic, side by side"),
+           as_json: bool = typer.Option(False, "--json")) -> None:
     """Decode tokens/s by batch size and achieved memory bandwidth vs this machine's copy bandwidth."""
     _threads(threads)
     from k3serve.bench.decode import run_decode_bench
 
     sizes = tuple(int(b) for b in batches.split(","))
-    emit(run_decode_bench(preset, sizes, context, steps), as_json)
+    emit(run_decode_bench(preset, sizes, context, steps, deterministic=deterministic), as_json)
 
 
 @app.command("spec")

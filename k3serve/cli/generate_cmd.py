@@ -33,10 +33,13 @@ def generate(
     speculative: str = typer.Option("", "--speculative", help="draft with ngram | eagle3 (speculative decoding)"),
     num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", help="drafts per verify step (k)"),
     drafter: str = typer.Option("", "--drafter", help="drafter checkpoint directory (eagle3)"),
+    deterministic: bool = typer.Option(False, "--deterministic",
+                                       help="numerics: deterministic (bit-identical on every path; docs/numerics.md)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     import torch
 
+    from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC
     from k3serve.contracts.requests import PrefillRequest
     from k3serve.contracts.sampling import SamplingError, SamplingParams
     from k3serve.model.checkpoint import CheckpointError, load_config
@@ -52,6 +55,7 @@ def generate(
         ids = [int(x) for x in prompt_ids.split(",") if x.strip()] if prompt_ids else tok.encode(prompt)
     except ValueError:
         _fail("--prompt-ids must be comma-separated integers")
+    numerics = DETERMINISTIC if deterministic else DEFAULT_NUMERICS
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             ignore_eos=ignore_eos)
     spec_cfg = None
@@ -72,12 +76,12 @@ def generate(
             from k3serve.model.loader import load_model
             from k3serve.model.reference import reference_generate
 
-            res = reference_generate(load_model(checkpoint), ids, params)
+            res = reference_generate(load_model(checkpoint, numerics=numerics), ids, params)
             out_ids, reason, cached = res.token_ids, res.finish_reason, 0
         else:
             from k3serve.disagg.pipeline import LocalPipeline
 
-            with LocalPipeline(checkpoint, prefill_tp, decode_tp, speculative=spec_cfg) as pipe:
+            with LocalPipeline(checkpoint, prefill_tp, decode_tp, speculative=spec_cfg, numerics=numerics) as pipe:
                 res = pipe.generate([PrefillRequest("cli-0", tuple(ids), params)])["cli-0"]
             if res.error:
                 _fail(f"{res.error.code}: {res.error.message}")
@@ -85,7 +89,8 @@ def generate(
     except (CheckpointError, ConfigError, PromptError, SamplingError) as e:
         _fail(str(e))
     result = {"token_ids": out_ids, "finish_reason": reason, "prompt_tokens": len(ids), "cached_tokens": cached,
-              "path": "reference" if reference else f"prefill_tp={prefill_tp},decode_tp={decode_tp}"}
+              "path": "reference" if reference else f"prefill_tp={prefill_tp},decode_tp={decode_tp}",
+              "numerics": numerics.mode.value}
     if spec_cfg is not None:
         result.update(speculative=spec_cfg.method, num_draft_tokens=spec_cfg.num_draft_tokens,
                       drafted_tokens=res.drafted_tokens, accepted_tokens=res.accepted_tokens,

@@ -79,10 +79,10 @@ class ClusterActor:
                                             spec_tokens=spec.num_draft_tokens + 1)
         send_hooks, receive_hooks = self._transfer_hooks()
         self.executors["prefill"] = RayExecutor(ray_worker_spec(self.checkpoint, c.prefill_tp, pre_pools,
-                                                                d.torch_threads, send_hooks), pg)
+                                                                d.torch_threads, send_hooks, d.numerics), pg)
         # decode ranks take the bundles after the prefill ranks
         self.executors["decode"] = RayExecutor(ray_worker_spec(self.checkpoint, c.decode_tp, dec_pools,
-                                                               d.torch_threads, receive_hooks), pg,
+                                                               d.torch_threads, receive_hooks, d.numerics), pg,
                                                bundle_offset=c.prefill_tp)
         channel = self._channel(cfg)
         policy = c.prefix_policy()
@@ -92,10 +92,11 @@ class ClusterActor:
         prefill = PrefillEngine(cfg, self.executors["prefill"],
                                 PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget,
                                               long_threshold=_long_threshold(d),
-                                              long_step_tokens=c.long_step_tokens or None,
+                                              long_step_tokens=c.long_step_tokens or None, numerics=d.numerics,
                                               draft_capture=decode.draft_capture),  # the drafter's warm start
                                 model_fingerprint(cfg.to_hf_dict()), channel)
-        front = ClusterFront(self.cluster_id, DisaggLoop(prefill, decode), d.secret, c.prefill_tp, c.decode_tp)
+        front = ClusterFront(self.cluster_id, DisaggLoop(prefill, decode), d.secret, c.prefill_tp, c.decode_tp,
+                             d.numerics)
         client = getattr(channel, "client", None)  # the gRPC channel's receivers report their staging
         if client is not None:
             front.staging = lambda: _staging(client)

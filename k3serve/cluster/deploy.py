@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics, NumericsError
+
 
 TRANSFER_PLANES = ("grpc", "mooncake", "object_store")
 
@@ -191,6 +193,9 @@ class DeployConfig:
     torch_threads: int = 1
     # on SIGTERM/SIGINT routers stop taking requests and in-flight streams get this long to finish
     drain_timeout_s: float = 60.0
+    # "default" | "deterministic" (docs/numerics.md): the deploy file's one numerics switch, parsed to a
+    # frozen contracts.numerics.Numerics that every cluster passes to its workers, prefill engine and front
+    numerics: Numerics = DEFAULT_NUMERICS
 
     def with_secret(self) -> "DeployConfig":
         return self if self.secret else dataclasses.replace(self, secret=secrets.token_hex(16))
@@ -243,6 +248,11 @@ def _build(cls: type, raw: Any, where: str) -> Any:
             value = tuple(_build(RequestClassSpec, v, f"{where}.request_classes[{i}]") for i, v in enumerate(value))
         elif key in ("ids", "api_keys", "classes"):
             value = tuple(str(v) for v in value)
+        elif key == "numerics":
+            try:
+                value = Numerics.parse(value)
+            except NumericsError as e:
+                raise DeployError(f"{where}.{e}") from None
         kwargs[key] = value
     try:
         return cls(**kwargs)

@@ -173,13 +173,14 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
     return records, fault_at[0] if fault else t0
 
 
-def check_against_reference(checkpoint: str, records: list[RequestRecord]) -> int:
-    """Number of completed requests whose tokens differ from the single-process reference."""
+def check_against_reference(checkpoint: str, records: list[RequestRecord], numerics=None) -> int:
+    """Number of completed requests whose tokens differ from the single-process reference (built with the
+    deployment's numerics: in mode deterministic the served tokens must be its tokens exactly)."""
     from k3serve.contracts.sampling import SamplingParams
     from k3serve.model.loader import load_model
     from k3serve.model.reference import reference_generate
 
-    model = load_model(checkpoint)
+    model = load_model(checkpoint, numerics=numerics)
     bad = 0
     for r in records:
         if r.error:
@@ -260,7 +261,7 @@ def run_drill(dep: Deployment, fault: Fault | None, at_s: float, sessions: int, 
     records, fault_abs = run_workload(dep, sessions, turns, max_tokens, fault, at_s, seed)
     fault_s = fault_abs - t0
     rejoined = wait_rejoined(dep, fault, before, fault_abs, rejoin_timeout_s) if rebuilds else None
-    mismatches = check_against_reference(dep.checkpoint, records)
+    mismatches = check_against_reference(dep.checkpoint, records, dep.deploy.numerics)
     out = report(dep, records, fault, fault_s, t0, mismatches)
     out["rejoined_s"] = rejoined
     out["wall_s"] = time.monotonic() - t0

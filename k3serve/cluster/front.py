@@ -32,6 +32,7 @@ import grpc
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
 from k3serve.engine.executor import WorkerDied
 from k3serve.contracts.errors import ErrorCode
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.contracts.requests import PrefillRequest, RequestFailure, StreamEvent
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
@@ -41,10 +42,21 @@ from k3serve.disagg.loop import DisaggLoop
 log = logging.getLogger(__name__)
 
 
+def split_resumed(ids: tuple[int, ...], offset: int, numerics: Numerics) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A router's resubmission after a failover is prompt + the `offset` tokens already streamed. Default
+    numerics prefill all of it; deterministic numerics prefill the prompt and replay the streamed tokens
+    through decode steps, as the interrupted run computed them. Returns (prompt, replayed tokens)."""
+    if not numerics.deterministic or offset <= 0 or offset >= len(ids):
+        return ids, ()
+    return ids[: len(ids) - offset], ids[len(ids) - offset:]
+
+
 class ClusterFront(cluster_pb2_grpc.ClusterServicer):
-    def __init__(self, cluster_id: str, loop: DisaggLoop, secret: str, prefill_tp: int, decode_tp: int) -> None:
-        """loop: the cluster's prefill/decode pair (its engines share one StateChannel)."""
-        self.cluster_id, self.loop = cluster_id, loop
+    def __init__(self, cluster_id: str, loop: DisaggLoop, secret: str, prefill_tp: int, decode_tp: int,
+                 numerics: Numerics = DEFAULT_NUMERICS) -> None:
+        """loop: the cluster's prefill/decode pair (its engines share one StateChannel); numerics: the
+        deployment's mode (deterministic: a resumed request replays its streamed tokens through decode)."""
+        self.cluster_id, self.loop, self.numerics = cluster_id, loop, numerics
         self.prefill, self.decode = loop.prefill, loop.decode
         self.secret, self.prefill_tp, self.decode_tp = secret, prefill_tp, decode_tp
         self._inbox: queue.Queue = queue.Queue()
@@ -122,9 +134,10 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
             self._calls[rid] = call
             self._outs[call.engine_id] = call.out
         self._count("requests")
-        self._inbox.put(("add", PrefillRequest(call.engine_id, tuple(req.prompt_token_ids),
-                                               SamplingParams.from_proto(req.sampling), req.session_id,
-                                               cache_salt=request.cache_salt)))
+        prompt, replay = split_resumed(tuple(req.prompt_token_ids), request.absolute_offset, self.numerics)
+        self._inbox.put(("add", PrefillRequest(call.engine_id, prompt, SamplingParams.from_proto(req.sampling),
+                                               req.session_id, cache_salt=request.cache_salt,
+                                               replay_ids=replay)))
 
         def ended() -> None:  # any end of the call: cancel in the engine (a no-op if it finished), wake the handler
             self._inbox.put(("cancel", call.engine_id))

@@ -16,6 +16,7 @@ from dataclasses import replace
 import ray
 import torch
 
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.engine.executor import WorkerDied, WorkerSpec, group_failure
 from k3serve.engine.worker import ModelWorker
 
@@ -51,7 +52,7 @@ class RankActor:
             dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.spec.tp,
                                      timeout=timedelta(seconds=60))
             tp = TPGroup(self.rank, self.spec.tp)
-        model = load_model(self.spec.checkpoint, tp, self.spec.device)
+        model = load_model(self.spec.checkpoint, tp, self.spec.device, self.spec.numerics)
         hooks = self.spec.hooks(model.cfg, self.rank, self.spec.tp) if self.spec.hooks is not None else None
         self.worker = ModelWorker(model, self.spec.pools, hooks)
         return True
@@ -137,6 +138,8 @@ class RayExecutor:
             ray.kill(a, no_restart=True)
 
 
-def ray_worker_spec(checkpoint: str, tp: int, pools, torch_threads: int, hooks=None) -> WorkerSpec:
-    """hooks: a HooksFactory joining each rank to the cluster's transfer plane (None: in-process/object store)."""
-    return replace(WorkerSpec(checkpoint, tp, pools), torch_threads=torch_threads, hooks=hooks)
+def ray_worker_spec(checkpoint: str, tp: int, pools, torch_threads: int, hooks=None,
+                    numerics: Numerics = DEFAULT_NUMERICS) -> WorkerSpec:
+    """hooks: a HooksFactory joining each rank to the cluster's transfer plane (None: in-process/object store);
+    numerics: the deployment's numerics mode."""
+    return replace(WorkerSpec(checkpoint, tp, pools), torch_threads=torch_threads, hooks=hooks, numerics=numerics)

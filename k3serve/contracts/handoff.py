@@ -110,6 +110,7 @@ class Handoff:
     prefill_started_s: float = 0.0
     first_token_s: float = 0.0
     draft: DraftFeatures | None = None  # the drafter's start state (PrefillConfig.draft_capture), else None
+    replay: tuple[int, ...] = ()  # PrefillRequest.replay_ids: first_token is replay[0], not a new token
 
     # convenience views of the state (empty when it is not inline)
     @property

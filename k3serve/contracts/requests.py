@@ -15,6 +15,11 @@ class PrefillRequest:
     params: SamplingParams
     session_id: str = ""  # the cache identity: checkpoints are budgeted per session (the router's routing key)
     cache_salt: str = ""  # the tenant's prefix-cache salt: prefixes are shared only under the same salt
+    # Tokens this request already generated (streamed before a failover), at positions len(prompt_ids) ..:
+    # prefill computes the prompt only, decode steps replay these (not emitted again), then sampling goes on
+    # with params.max_tokens new tokens. Numerics mode deterministic resumes this way (the interrupted run's
+    # state came from decode steps, so a re-prefill would round differently).
+    replay_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

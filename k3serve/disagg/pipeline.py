@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.contracts.requests import PrefillRequest, RequestFailure, StreamEvent
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.disagg.loop import DisaggLoop
@@ -37,18 +38,20 @@ class RequestOutput:
 class LocalPipeline:
     def __init__(self, checkpoint: str, prefill_tp: int = 1, decode_tp: int = 1,
                  prefill: PrefillConfig | None = None, decode: DecodeConfig | None = None,
-                 speculative: SpecConfig | None = None, drafter: Drafter | None = None) -> None:
+                 speculative: SpecConfig | None = None, drafter: Drafter | None = None,
+                 numerics: Numerics = DEFAULT_NUMERICS) -> None:
         """speculative: decode with drafts (ignored when `decode` is given: that config says it);
-        drafter: the drafting method (default: the one the config names)."""
+        drafter: the drafting method (default: the one the config names);
+        numerics: the mode of both groups (contracts/numerics.py); it replaces `prefill.numerics`."""
         self.cfg = load_config(checkpoint)
-        prefill = prefill or PrefillConfig(PoolConfig(kda_slots=64, mla_pages=1024))
+        prefill = replace(prefill or PrefillConfig(PoolConfig(kda_slots=64, mla_pages=1024)), numerics=numerics)
         if decode is None:
             k1 = speculative.num_draft_tokens + 1 if speculative is not None else 0
             decode = DecodeConfig(PoolConfig(kda_slots=64, mla_pages=1024, page_size=prefill.pools.page_size,
                                              spec_slots=64 if k1 else 0, spec_tokens=k1), speculative=speculative)
-        self._prefill_exec = make_executor(WorkerSpec(checkpoint, prefill_tp, prefill.pools))
+        self._prefill_exec = make_executor(WorkerSpec(checkpoint, prefill_tp, prefill.pools, numerics=numerics))
         try:
-            self._decode_exec = make_executor(WorkerSpec(checkpoint, decode_tp, decode.pools))
+            self._decode_exec = make_executor(WorkerSpec(checkpoint, decode_tp, decode.pools, numerics=numerics))
         except BaseException:
             self._prefill_exec.close()
             raise

@@ -11,7 +11,9 @@ A pure function so the scheduling rules are unit-tested without a model:
   bounds the extra time to first token a burst of long prompts can cause (the cost of a long chunk grows with
   its context, so the cap is what keeps late chunks of a 1M prompt from stalling everyone);
 * a chunk never crosses a KDA checkpoint boundary: the state at the boundary must exist between two chunks to
-  be copied into the prefix cache.
+  be copied into the prefix cache;
+* with ``grid > 1`` (numerics mode ``deterministic``) a chunk that does not finish its prompt ends on a multiple
+  of ``grid`` absolute positions, so the chunked KDA kernel sees the chunks of a one-shot prefill.
 """
 
 from __future__ import annotations
@@ -39,13 +41,17 @@ class ChunkWork:
         return self.end - self.start
 
 
-def _chunks_for(c: ChunkCandidate, budget: int) -> tuple[list[ChunkWork], int]:
+def _chunks_for(c: ChunkCandidate, budget: int, grid: int = 1) -> tuple[list[ChunkWork], int]:
     work, pos = [], c.num_computed
     while budget > 0 and pos < c.prompt_len:
         end = min(c.prompt_len, pos + budget)
         nxt = next((b for b in c.boundaries if b > pos), None)
         if nxt is not None:
             end = min(end, nxt)
+        if end < c.prompt_len:
+            end -= end % grid
+            if end <= pos:
+                break  # not enough budget left to reach the next grid point
         work.append(ChunkWork(c.request_id, pos, end))
         budget -= end - pos
         pos = end
@@ -53,15 +59,18 @@ def _chunks_for(c: ChunkCandidate, budget: int) -> tuple[list[ChunkWork], int]:
 
 
 def plan_chunks(candidates: list[ChunkCandidate], token_budget: int, long_min_share: float = 0.25,
-                long_step_tokens: int | None = None) -> list[ChunkWork]:
+                long_step_tokens: int | None = None, grid: int = 1) -> list[ChunkWork]:
     """Chunks for one step, shorts first (candidates keep their arrival order within a class).
 
     token_budget: tokens per step; long_step_tokens: the most tokens long requests get in one step
-    (None: the whole budget)."""
+    (None: the whole budget); grid: unfinished chunks end on multiples of it (1: anywhere)."""
     if token_budget <= 0:
         raise ValueError("token_budget must be positive")
     if long_step_tokens is not None and long_step_tokens <= 0:
         raise ValueError("long_step_tokens must be positive")
+    if token_budget < grid or (long_step_tokens is not None and long_step_tokens < grid):
+        raise ValueError(f"step_token_budget and long_step_tokens must be >= the chunk grid {grid} "
+                         f"(numerics: deterministic), got {token_budget} and {long_step_tokens}")
     shorts = [c for c in candidates if not c.is_long]
     longs = [c for c in candidates if c.is_long]
     long_cap = token_budget if long_step_tokens is None else min(token_budget, long_step_tokens)
@@ -69,10 +78,10 @@ def plan_chunks(candidates: list[ChunkCandidate], token_budget: int, long_min_sh
     budget = token_budget - reserve
     plan: list[ChunkWork] = []
     for c in shorts:
-        work, budget = _chunks_for(c, budget)
+        work, budget = _chunks_for(c, budget, grid)
         plan += work
     budget = reserve if plan else min(long_cap, budget + reserve)
     for c in longs:
-        work, budget = _chunks_for(c, budget)
+        work, budget = _chunks_for(c, budget, grid)
         plan += work
     return plan

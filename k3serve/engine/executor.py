@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.engine.ops import PoolConfig
 from k3serve.engine.worker import HooksFactory, ModelWorker
 
@@ -34,6 +35,7 @@ class WorkerSpec:
     device: str = "cpu"
     torch_threads: int = 1  # several ranks share few cores: oversubscription makes every rank crawl
     hooks: HooksFactory | None = None  # joins each rank to a transfer plane (engine/worker.py WorkerHooks)
+    numerics: Numerics = DEFAULT_NUMERICS  # the numerics mode (contracts/numerics.py)
 
 
 class Executor(Protocol):
@@ -53,7 +55,7 @@ def build_worker(spec: WorkerSpec, rank: int, init_file: str | None) -> ModelWor
     from k3serve.model.tp import SINGLE, init_tp_group
 
     tp = SINGLE if spec.tp == 1 else init_tp_group(rank, spec.tp, init_file)
-    model = load_model(spec.checkpoint, tp, spec.device)
+    model = load_model(spec.checkpoint, tp, spec.device, spec.numerics)
     hooks = spec.hooks(model.cfg, rank, spec.tp) if spec.hooks is not None else None
     return ModelWorker(model, spec.pools, hooks)
 

@@ -151,8 +151,19 @@ def _intra_chunk(q, k, v, g, beta, sub: int):
         Akk[:, sub:, :C - sub] = off[:, :, sub:].reshape(n, C - sub, C - sub)
         del off
     dm = (Gs - Gs[:, :, sub // 2:sub // 2 + 1]).to(torch.float32)
-    half_span = dm.abs().max().item() if n else 0.0
-    own = _own_centred(qs, ks, dm) if half_span <= _MAX_HALF_SPAN else _own_pairwise(qs, ks, Gs)
+    # The centred / pairwise choice is made per chunk, so a chunk's bits never depend on the other chunks of
+    # the call (a long prompt's one-shot prefill and its grid-chunked prefill agree: numerics deterministic).
+    centred = dm.abs().amax(dim=(1, 2, 3)) <= _MAX_HALF_SPAN if n else torch.ones(0, dtype=torch.bool)
+    if bool(centred.all()):
+        own = _own_centred(qs, ks, dm)
+    elif not bool(centred.any()):
+        own = _own_pairwise(qs, ks, Gs)
+    else:
+        c_idx, p_idx = centred.nonzero().squeeze(1), (~centred).nonzero().squeeze(1)
+        oc = _own_centred(qs[c_idx], ks[c_idx], dm[c_idx])
+        own = oc.new_empty((n, *oc.shape[1:]))
+        own[c_idx] = oc
+        own[p_idx] = _own_pairwise(qs[p_idx], ks[p_idx], Gs[p_idx])
     del dm
     # diagonal(dim1=1, dim2=3) of [n, NS, sub, NS, sub] is [n, sub, sub, NS].
     Aqk.view(n, NS, sub, NS, sub).diagonal(dim1=1, dim2=3).copy_(own[:, :, :sub].permute(0, 2, 3, 1))

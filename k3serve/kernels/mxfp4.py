@@ -32,6 +32,8 @@ scale code 0; a block holding a NaN or inf gets scale 0xFF (NaN).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -201,6 +203,20 @@ def mxfp4_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
         r1 = min(o, r0 + rows)
         out[..., r0:r1] = F.linear(xf, dequantize_mxfp4(packed[r0:r1], scales[r0:r1], torch.float32))
     return out
+
+
+def mxfp4_linear_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                        linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """:func:`mxfp4_linear_torch` with the matmul supplied: ``linear(x_fp32, W_block_fp32)`` per block of
+    weight rows (the same blocks). Numerics mode deterministic passes its fixed-row-tile GEMM here.
+    x `[N, K]` -> `[N, O]` in x's dtype."""
+    k = check_packed(packed, scales)
+    o = packed.shape[0]
+    rows = max(1, SCRATCH_ELEMS // k)
+    xf = x.float()
+    parts = [linear(xf, dequantize_mxfp4(packed[r0:min(o, r0 + rows)], scales[r0:min(o, r0 + rows)], torch.float32))
+             for r0 in range(0, o, rows)]
+    return torch.cat(parts, dim=-1).to(x.dtype)
 
 
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, act_mxfp8: bool = False,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from k3serve.contracts.numerics import Numerics
 from k3serve.model.checkpoint import CheckpointError, CheckpointReader, load_config
 from k3serve.model.model import HybridModel
 from k3serve.model.names import checkpoint_specs
@@ -29,5 +30,7 @@ def load_weights(path: str | Path, tp: TPGroup = SINGLE, device: str | torch.dev
     return weights
 
 
-def load_model(path: str | Path, tp: TPGroup = SINGLE, device: str | torch.device = "cpu") -> HybridModel:
-    return HybridModel(load_config(path), load_weights(path, tp, device), tp)
+def load_model(path: str | Path, tp: TPGroup = SINGLE, device: str | torch.device = "cpu",
+               numerics: Numerics | None = None) -> HybridModel:
+    """numerics: the mode (contracts/numerics.py); None is the default mode."""
+    return HybridModel(load_config(path), load_weights(path, tp, device), tp, numerics)

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from k3serve.contracts.numerics import Numerics
 from k3serve.model.config import ModelConfig
+from k3serve.model.deterministic import DefaultOps, make_ops
 from k3serve.model.layers.attn_res import attn_res_mix
 from k3serve.model.layers.ffn import MoE, DenseFFN
 from k3serve.model.layers.kda import KDAAttention
@@ -28,17 +30,18 @@ PROFILE_LABELS = {"kda": "k3serve.attention.kda", "mla": "k3serve.attention.mla"
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int, tp: TPGroup,
+                 ops: DefaultOps) -> None:
         p = f"{cfg.name_prefix}layers.{layer}."
         self.layer, self.is_kda = layer, cfg.is_kda_layer(layer)
         self.kda_idx = cfg.kda_index(layer) if self.is_kda else -1
         self.input_norm = weights[p + "input_layernorm.weight"]
         self.post_norm = weights[p + "post_attention_layernorm.weight"]
         if self.is_kda:
-            self.attn = KDAAttention(cfg, weights, p + "self_attn.", tp)
+            self.attn = KDAAttention(cfg, weights, p + "self_attn.", tp, ops)
         else:
-            self.attn = MLAAttention(cfg, weights, p + "self_attn.", tp, cfg.mla_index(layer))
-        self.ffn = MoE(cfg, weights, p, tp) if cfg.is_moe_layer(layer) else DenseFFN(cfg, weights, p, tp)
+            self.attn = MLAAttention(cfg, weights, p + "self_attn.", tp, cfg.mla_index(layer), ops)
+        self.ffn = MoE(cfg, weights, p, tp, ops) if cfg.is_moe_layer(layer) else DenseFFN(cfg, weights, p, tp, ops)
         self.attn_label = PROFILE_LABELS["kda" if self.is_kda else "mla"]
         self.ffn_label = PROFILE_LABELS["moe" if cfg.is_moe_layer(layer) else "dense"]
         if cfg.attn_res_block_size:
@@ -60,12 +63,15 @@ class DecoderLayer:
 
 
 class HybridModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], tp: TPGroup = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], tp: TPGroup = SINGLE,
+                 numerics: Numerics | None = None) -> None:
+        """numerics: the mode (contracts/numerics.py); None is the default mode."""
         cfg.check_tp(tp.world)
         self.cfg, self.tp = cfg, tp
+        self.ops = make_ops(cfg, tp, numerics)
         p = cfg.name_prefix
         self.embed = weights[p + "embed_tokens.weight"]
-        self.layers = [DecoderLayer(cfg, weights, i, tp) for i in range(cfg.num_hidden_layers)]
+        self.layers = [DecoderLayer(cfg, weights, i, tp, self.ops) for i in range(cfg.num_hidden_layers)]
         self.norm = weights[p + "norm.weight"]
         self.lm_head = weights[cfg.lm_head_name]
         if cfg.attn_res_block_size:
@@ -95,13 +101,14 @@ class HybridModel:
         """:meth:`forward` without inference mode: differentiable when the weights require grad (training)."""
         if batch.decode and token_ids.shape[1] != 1:
             raise ValueError("decode forward takes exactly one token per request")
-        x = F.embedding(token_ids, self.embed)
-        h = self._stack_attn_res(x, batch) if self.cfg.attn_res_block_size else self._stack_plain(x, batch)
-        if self.cfg.num_hidden_layers in batch.capture_layers:  # "layer L": the final hidden state (EAGLE-3's high)
-            batch.captured[self.cfg.num_hidden_layers] = h.float()
-        if not all_logits:
-            h = h[:, -1]
-        return F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        with self.ops.threads():  # deterministic numerics: a fixed intra-op thread count
+            x = F.embedding(token_ids, self.embed)
+            h = self._stack_attn_res(x, batch) if self.cfg.attn_res_block_size else self._stack_plain(x, batch)
+            if self.cfg.num_hidden_layers in batch.capture_layers:  # "layer L": the final hidden state (EAGLE-3's high)
+                batch.captured[self.cfg.num_hidden_layers] = h.float()
+            if not all_logits:
+                h = h[:, -1]
+            return self.ops.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
     def _stack_plain(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
@@ -123,17 +130,18 @@ class HybridModel:
         ```
         """
         eps, size = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
+        sm = self.ops.softmax0 if self.ops.deterministic else None
         done: list[torch.Tensor] = []
         partial: torch.Tensor | None = emb
         for layer in self.layers:
-            x = attn_res_mix(done + [partial], *layer.attn_res, eps) if done else partial
+            x = attn_res_mix(done + [partial], *layer.attn_res, eps, sm) if done else partial
             if layer.layer % size == 0:
                 done.append(partial)
                 partial = None
             a = layer.attention(x, batch, eps)
             partial = a if partial is None else partial + a
-            x = attn_res_mix(done + [partial], *layer.mlp_res, eps)
+            x = attn_res_mix(done + [partial], *layer.mlp_res, eps, sm)
             partial = partial + layer.feed_forward(x, eps)
             if layer.layer in batch.capture_layers:
                 batch.captured[layer.layer] = partial.float()
-        return attn_res_mix(done + [partial], *self.output_res, eps)
+        return attn_res_mix(done + [partial], *self.output_res, eps, sm)

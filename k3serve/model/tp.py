@@ -31,6 +31,14 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` stacked in rank order: `[world, *t.shape]` (deterministic numerics' ordered sums)."""
+        if self.world == 1:
+            return t.unsqueeze(0)
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        return torch.stack(out)
+
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s tensor on every rank (used to keep sampled tokens identical across ranks)."""
         if self.world == 1:

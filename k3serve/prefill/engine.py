@@ -32,6 +32,7 @@ from k3serve.contracts.handoff import DraftCapture, DraftFeatures, Handoff
 from k3serve.engine.ops import CopySlot, PoolConfig, PrefillChunk, ResetSlots
 from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy
 from k3serve.contracts.errors import ErrorCode
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.contracts.requests import PrefillRequest, RequestFailure
 from k3serve.contracts.sampling import SamplingError
 from k3serve.model.sampling import is_stop, sample_token
@@ -50,6 +51,7 @@ class PrefillConfig:
     long_step_tokens: int | None = None  # most long-prompt tokens per step (None: step_token_budget); see chunk_plan
     enable_prefix_cache: bool = True
     draft_capture: DraftCapture | None = None  # hand the drafter its start state (Handoff.draft); None: none
+    numerics: Numerics = DEFAULT_NUMERICS  # deterministic: chunk ends on its grid (the workers get the same value)
 
 
 @dataclass
@@ -78,6 +80,10 @@ class PrefillEngine:
         self.channel: StateChannel = channel or InProcessChannel()
         if config.pools.page_size != config.cache.page_size:
             raise ValueError("pool page_size must equal the prefix cache policy's page_size")
+        grid = config.numerics.chunk_grid
+        if config.cache.block_size % grid:
+            raise ValueError(f"prefix_cache block size {config.cache.block_size} must be a multiple of the chunk "
+                             f"grid {grid} (numerics: deterministic): cache hits resume on that grid")
         self.cfg, self.executor, self.config = cfg, executor, config
         self.slots = SlotAllocator(config.pools.kda_slots)
         self.pages = PageAllocator(config.pools.mla_pages)
@@ -92,6 +98,9 @@ class PrefillEngine:
         """Queue a request; invalid ones are refused at once (see :attr:`failures`)."""
         try:
             validate_prompt(list(req.prompt_ids), self.cfg.vocab_size, self.cfg.max_position_embeddings)
+            if req.replay_ids:  # the replayed tokens must fit the vocabulary and the context too
+                validate_prompt(list(req.prompt_ids + req.replay_ids), self.cfg.vocab_size,
+                                self.cfg.max_position_embeddings)
             req.params.validate(self.cfg.vocab_size)
         except (PromptError, SamplingError) as e:
             self.failures.append(RequestFailure(req.request_id, ErrorCode.INVALID_ARGUMENT, str(e)))
@@ -140,7 +149,7 @@ class PrefillEngine:
         cands = [ChunkCandidate(r.req.request_id, r.is_long, r.num_computed, r.prompt_len, tuple(r.boundaries))
                  for r in self.running]
         for work in plan_chunks(cands, self.config.step_token_budget, self.config.long_min_share,
-                                self.config.long_step_tokens):
+                                self.config.long_step_tokens, self.config.numerics.chunk_grid):
             run = by_id[work.request_id]
             if run not in self.running:
                 continue  # failed earlier in this step
@@ -263,9 +272,12 @@ class PrefillEngine:
 
     def _finish(self, run: _Running, logits: object) -> Handoff | None:
         req, n = run.req, run.prompt_len
-        first = sample_token(logits, req.params, n)
-        stop = is_stop(first, req.params, self.cfg.eos_token_id)
-        reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
+        if req.replay_ids:  # a resumed request: its next token is already known; decode replays the rest
+            first, reason = req.replay_ids[0], ""
+        else:
+            first = sample_token(logits, req.params, n)
+            stop = is_stop(first, req.params, self.cfg.eos_token_id)
+            reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
         state = None
         if not reason:  # a first token that ends the request leaves no state to hand over
             try:
@@ -279,7 +291,8 @@ class PrefillEngine:
         self.running.remove(run)
         return Handoff(req.request_id, req.session_id, req.prompt_ids, first, req.params, n, run.cached_tokens,
                        state, finished=bool(reason), finish_reason=reason, prefill_started_s=run.started_s,
-                       first_token_s=time.monotonic(), draft=None if reason else _draft_features(run, first))
+                       first_token_s=time.monotonic(), draft=None if reason else _draft_features(run, first),
+                       replay=req.replay_ids)
 
     def _release(self, run: _Running, keep_checkpoints: bool) -> None:
         if keep_checkpoints and self.config.enable_prefix_cache:

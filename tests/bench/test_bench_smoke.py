@@ -59,3 +59,10 @@ def test_quant_bench_keys_side_by_side(tmp_path):
     assert mx["mxfp4"]["1"] < mx["bf16"]["1"]
     cfg = preset("tiny-trained")
     assert weight_bytes_per_token(cfg, 1) > weight_bytes_per_token(cfg, 8)
+
+
+def test_decode_bench_reports_both_numerics_modes_side_by_side():
+    out = run_decode_bench("tiny", batches=(1, 2), context=16, steps=2, deterministic=True)
+    num = out["numerics"]
+    assert set(num["default"]) == set(num["deterministic"]) == set(num["slowdown"]) == {"1", "2"}
+    assert num["max_slowdown"] == max(num["slowdown"].values()) and num["target_max_slowdown"] == 1.5

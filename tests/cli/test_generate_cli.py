@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from k3serve.contracts.sampling import SamplingParams
+
 
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "k3serve.cli.main", *args], capture_output=True, text=True,
@@ -11,7 +13,7 @@ def _run(*args):
 
 
 @pytest.mark.parametrize("extra", [[], ["--prefill-tp", "2", "--decode-tp", "1"]])
-def test_generate_matches_reference(tiny_ckpt, extra):
+def test_generate_matches_reference(tiny_ckpt, tiny_refs, extra):
     ref = _run("generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "1,2,3", "--max-tokens", "6", "--reference",
                "--json")
     assert ref.returncode == 0, ref.stderr
@@ -19,7 +21,9 @@ def test_generate_matches_reference(tiny_ckpt, extra):
     assert len(want["token_ids"]) == 6 or want["finish_reason"] == "stop"
     got = _run("generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "1,2,3", "--max-tokens", "6", "--json", *extra)
     assert got.returncode == 0, got.stderr
-    assert json.loads(got.stdout)["token_ids"] == want["token_ids"]
+    params = SamplingParams(max_tokens=6)  # what generate sends for these flags
+    tiny_refs.check([1, 2, 3], params, want["token_ids"], label="generate --reference")  # another process
+    tiny_refs.check([1, 2, 3], params, json.loads(got.stdout)["token_ids"], label=f"generate {extra}")
 
 
 def test_generate_bad_input_exits_2(tiny_ckpt):
@@ -51,3 +55,15 @@ def test_generate_speculative_matches_reference_and_reports_drafts(tiny_ckpt):
 def test_generate_bad_speculative_flags_exit_2(tiny_ckpt, args, needle):
     out = _run("generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "1,2", "--json", *args)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def test_generate_deterministic_equals_its_reference_exactly(tiny_ckpt):
+    """--deterministic: the TP 2 -> 1 path gives the deterministic reference's tokens with no tolerance."""
+    args = ("generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "5,6,7,8,9", "--max-tokens", "6",
+            "--temperature", "0.9", "--seed", "3", "--ignore-eos", "--deterministic", "--json")
+    ref = _run(*args, "--reference")
+    got = _run(*args, "--prefill-tp", "2", "--decode-tp", "1")
+    assert ref.returncode == 0 and got.returncode == 0, ref.stderr + got.stderr
+    want, out = json.loads(ref.stdout), json.loads(got.stdout)
+    assert out["numerics"] == want["numerics"] == "deterministic"
+    assert out["token_ids"] == want["token_ids"] and len(want["token_ids"]) == 6

@@ -21,3 +21,11 @@ def reference_model(deployment):
     from k3serve.model.loader import load_model
 
     return load_model(deployment.checkpoint)
+
+
+@pytest.fixture(scope="package")
+def reference_refs(reference_model):
+    """Reference traces of the deployment's model (tests/exactness.py)."""
+    from tests.exactness import References
+
+    return References(reference_model)

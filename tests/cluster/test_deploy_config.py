@@ -70,3 +70,12 @@ def test_transfer_planes_and_the_mooncake_section(tmp_path):
         load_deploy(_write(tmp_path, "clusters: {transfer: mooncake, mooncake: {protocol: udp}}\n"))
     with pytest.raises(DeployError, match=r"unknown key deploy\.clusters\.mooncake\.region"):
         load_deploy(_write(tmp_path, "clusters: {mooncake: {region: 5}}\n"))
+
+
+def test_numerics_key(tmp_path):
+    from k3serve.contracts.numerics import NumericsMode
+
+    assert load_deploy(_write(tmp_path, "routers: 1\n")).numerics.mode is NumericsMode.DEFAULT
+    assert load_deploy(_write(tmp_path, "numerics: deterministic\n")).numerics.deterministic
+    with pytest.raises(DeployError, match=r"numerics must be one of \['default', 'deterministic'\]"):
+        load_deploy(_write(tmp_path, "numerics: exact\n"))

@@ -20,7 +20,7 @@ import pytest
 
 from live_clients import check_refused_while_draining, prompt, start_streams, wait_for_file, write_deploy
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.model.reference import reference_generate
+from tests.exactness import References
 
 MAX_TOKENS = 48
 BIN = Path(sys.executable).parent
@@ -40,26 +40,25 @@ def _streams(address: str, tag: str):
     return prompts, streams
 
 
-_REFERENCE: dict[tuple[int, ...], list[int]] = {}  # both tests send the same prompts: compute once
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def _reference(model, prompts):
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    for p in prompts:
-        if tuple(p) not in _REFERENCE:
-            _REFERENCE[tuple(p)] = reference_generate(model, p, params).token_ids
-    return [_REFERENCE[tuple(p)] for p in prompts]
+@pytest.fixture(scope="module")
+def refs(tiny_model):
+    """Both tests send the same prompts: reference traces computed once (tests/exactness.py)."""
+    return References(tiny_model)
 
 
-def _check_complete(streams, want) -> None:
+def _check_complete(streams, prompts, refs) -> None:
     for s in streams:
         assert s.done.wait(120)
-    for s, w in zip(streams, want):
+    for s, p in zip(streams, prompts):
         assert s.error is None, (s.error, s.details)
-        assert s.finish_reason == "length" and s.tokens == w
+        assert s.finish_reason == "length"
+        refs.check(p, PARAMS, s.tokens, label=f"stream of {len(p)} tokens")
 
 
-def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path, tiny_ckpt, tiny_model):
+def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path, tiny_ckpt, refs):
     deploy = write_deploy(tmp_path / "deploy.yaml", tiny_ckpt)
     ep = tmp_path / "endpoints.json"
     out = open(tmp_path / "serve.log", "w+")
@@ -71,7 +70,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path, tiny_ckpt, tiny_
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert check_refused_while_draining(info["routers"][0], streams)
-        _check_complete(streams, _reference(tiny_model, prompts))
+        _check_complete(streams, prompts, refs)
         rc = proc.wait(timeout=120)
         took = time.monotonic() - t0
     finally:
@@ -118,7 +117,7 @@ def _kill_ray_session(temp_dir: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("ray", path=str(BIN)) is None, reason="no ray CLI in this environment")
-def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, tiny_model):
+def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, refs):
     # short temp dir: Ray's socket paths must fit in 107 bytes
     temp_dir = Path(f"/tmp/k3t-{os.getpid()}-{time.monotonic_ns() % 10**6}")
     dash = f"http://127.0.0.1:{(port := _free_port())}"
@@ -146,7 +145,7 @@ def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, tiny_m
         stop = subprocess.Popen([ray, "job", "stop", job], env=cli_env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         assert check_refused_while_draining(info["routers"][0], streams)
-        _check_complete(streams, _reference(tiny_model, prompts))
+        _check_complete(streams, prompts, refs)
         stop_out, _ = stop.communicate(timeout=180)
         took = time.monotonic() - t0
         assert stop.returncode == 0, stop_out

@@ -88,9 +88,9 @@ def _new_session_served_exactly_on(dep, target: str, prefix: str) -> None:
 
     from k3serve.contracts.sampling import SamplingParams
     from k3serve.model.loader import load_model
-    from k3serve.model.reference import reference_generate
     from k3serve.v1 import router_pb2 as pb
     from k3serve.v1 import router_pb2_grpc
+    from tests.exactness import SEEDS, References
 
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(dep.router_addresses[0]))
 
@@ -100,13 +100,15 @@ def _new_session_served_exactly_on(dep, target: str, prefix: str) -> None:
 
     _wait_until(lambda: target in routable(), 30, f"the router does not route to {target}")
     session = _primary_session(prefix, target, routable())
-    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(11)).tolist()
-    msgs = list(stub.Generate(pb.GenerateRequest(session_id=session, prompt_token_ids=prompt,
-                                                 sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)),
-                              timeout=120))
-    assert msgs[-1].usage.cluster_id == target
-    assert [t for m in msgs for t in m.token_ids] == reference_generate(
-        load_model(dep.checkpoint), prompt, SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
+    refs = References(load_model(dep.checkpoint))
+    for seed in SEEDS:  # tests/exactness.py: 3 prompt seeds
+        prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(11 + 1000 * seed)).tolist()
+        msgs = list(stub.Generate(pb.GenerateRequest(session_id=session, prompt_token_ids=prompt,
+                                                     sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)),
+                                  timeout=120))
+        assert msgs[-1].usage.cluster_id == target
+        refs.check(prompt, SamplingParams(max_tokens=8, ignore_eos=True), [t for m in msgs for t in m.token_ids],
+                   label=f"{prefix} on {target}, seed {seed}")
 
 
 def test_killed_cluster_actor_is_replaced_and_serves_again(four_clusters):

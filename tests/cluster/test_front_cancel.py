@@ -14,7 +14,6 @@ from k3serve.cluster.front import ClusterFront
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.disagg.pipeline import LocalPipeline
 from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
-from k3serve.model.reference import reference_generate
 from k3serve.v1 import router_pb2 as pb
 
 SECRET = "front-cancel-test-secret-0123456789"
@@ -51,7 +50,7 @@ def _wait_idle(f: ClusterFront, timeout_s: float = 60) -> None:
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
-def test_call_ended_before_first_token_leaves_nothing(front, tiny_model, how):
+def test_call_ended_before_first_token_leaves_nothing(front, tiny_refs, how):
     f, stub = front
     rid = f"early-{how}"
     got = []
@@ -71,7 +70,7 @@ def test_call_ended_before_first_token_leaves_nothing(front, tiny_model, how):
     assert f.metrics["cancelled"] >= 1
     ids = prompt(20, 9)
     again = [t for m in _call(stub, rid, ids, 4, timeout=120) for t in m.token_ids]  # no ALREADY_EXISTS
-    assert again == reference_generate(tiny_model, ids, SamplingParams(max_tokens=4, ignore_eos=True)).token_ids
+    tiny_refs.check(ids, SamplingParams(max_tokens=4, ignore_eos=True), again, label=rid)  # tests/exactness.py
     _wait_idle(f)
 
 

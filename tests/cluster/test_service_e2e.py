@@ -8,9 +8,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.model.reference import reference_generate
 from k3serve.v1 import router_pb2 as pb
 from k3serve.v1 import router_pb2_grpc
+from tests.exactness import SEEDS
 
 
 def _stub(addr: str) -> router_pb2_grpc.RouterStub:
@@ -26,33 +26,34 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_outputs_equal_reference_greedy_and_seeded(deployment, reference_model):
+def test_outputs_equal_reference_greedy_and_seeded(deployment, reference_refs):
     stub = _stub(deployment.router_addresses[0])
-    cases = [(_ids(50, 1), pb.SamplingParams(max_tokens=10, ignore_eos=True), "e2e-a"),
-             (_ids(700, 2), pb.SamplingParams(max_tokens=8, ignore_eos=True), "e2e-b"),
-             (_ids(30, 3), pb.SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=5, max_tokens=12,
-                                             ignore_eos=True), "e2e-c")]
+    cases = []
+    for s in SEEDS:  # each case over 3 seeds: prompts from 1000 * s + the case's offset, sampling seed 5 + s
+        cases += [(_ids(50, 1 + 1000 * s), pb.SamplingParams(max_tokens=10, ignore_eos=True), f"e2e-a{s}"),
+                  (_ids(700, 2 + 1000 * s), pb.SamplingParams(max_tokens=8, ignore_eos=True), f"e2e-b{s}"),
+                  (_ids(30, 3 + 1000 * s), pb.SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=5 + s,
+                                                             max_tokens=12, ignore_eos=True), f"e2e-c{s}")]
     for prompt, sp, session in cases:
         tokens, last = _collect(stub, pb.GenerateRequest(session_id=session, prompt_token_ids=prompt, sampling=sp))
-        want = reference_generate(reference_model, prompt, SamplingParams.from_proto(sp)).token_ids
-        assert tokens == want
-        assert last.finish_reason == "length" and last.usage.completion_tokens == len(want)
+        reference_refs.check(prompt, SamplingParams.from_proto(sp), tokens, label=session)
+        assert last.finish_reason == "length" and last.usage.completion_tokens == sp.max_tokens
         assert last.usage.prompt_tokens == len(prompt) and last.usage.cluster_id
 
 
-def test_multi_turn_session_hits_the_prefix_cache_on_its_cluster(deployment, reference_model):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_multi_turn_session_hits_the_prefix_cache_on_its_cluster(deployment, reference_refs, seed):
     stub = _stub(deployment.router_addresses[0])
-    history = _ids(1100, 9)
+    history = _ids(1100, 9 + 1000 * seed)
     seen_clusters = set()
     for turn in range(3):
-        tokens, last = _collect(stub, pb.GenerateRequest(session_id="e2e-multi", prompt_token_ids=history,
+        tokens, last = _collect(stub, pb.GenerateRequest(session_id=f"e2e-multi-{seed}", prompt_token_ids=history,
                                                          sampling=pb.SamplingParams(max_tokens=6, ignore_eos=True)))
-        assert tokens == reference_generate(reference_model, history, SamplingParams(max_tokens=6,
-                                                                                     ignore_eos=True)).token_ids
+        reference_refs.check(history, SamplingParams(max_tokens=6, ignore_eos=True), tokens, label=f"turn {turn}")
         seen_clusters.add(last.usage.cluster_id)
         if turn:
             assert last.usage.cached_tokens >= 1024  # the session stayed where its cache is
-        history = history + tokens + _ids(40, 100 + turn)
+        history = history + tokens + _ids(40, 100 + turn + 1000 * seed)
     assert len(seen_clusters) == 1
 
 

@@ -1,3 +1,5 @@
+import pytest
+
 from k3serve.engine.chunk_plan import ChunkCandidate, ChunkWork, plan_chunks
 
 
@@ -53,3 +55,13 @@ def test_long_step_tokens_must_be_positive():
 
     with pytest.raises(ValueError, match="long_step_tokens"):
         plan_chunks([ChunkCandidate("long", True, 0, 10, ())], token_budget=16, long_step_tokens=0)
+
+
+def test_grid_puts_every_unfinished_chunk_end_on_it():
+    """numerics: deterministic: chunk ends on multiples of the grid, except where the prompt ends."""
+    c = ChunkCandidate("a", False, 0, 300, ())
+    assert [(w.start, w.end) for w in plan_chunks([c], 100, grid=64)] == [(0, 64)]
+    c = ChunkCandidate("a", False, 256, 300, ())
+    assert [(w.start, w.end) for w in plan_chunks([c], 100, grid=64)] == [(256, 300)]
+    with pytest.raises(ValueError, match="grid"):
+        plan_chunks([c], 32, grid=64)

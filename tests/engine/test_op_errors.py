@@ -16,7 +16,6 @@ from k3serve.contracts.sampling import SamplingParams
 from k3serve.engine.executor import MultiprocExecutor, OpFailed, WorkerDied, WorkerSpec
 from k3serve.engine.ops import DecodeBatch, PoolConfig, PrefillChunk, ResetSlots
 from k3serve.disagg.pipeline import LocalPipeline
-from k3serve.model.reference import reference_generate
 
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
 
@@ -44,7 +43,7 @@ class _Faulty:
         self.inner.close()
 
 
-def test_decode_op_that_raised_fails_its_batch_only(tiny_ckpt, tiny_model):
+def test_decode_op_that_raised_fails_its_batch_only(tiny_ckpt, tiny_refs):
     bad, good = PrefillRequest("bad", _prompt(40, 1), PARAMS), PrefillRequest("good", _prompt(50, 2), PARAMS)
     with LocalPipeline(tiny_ckpt) as pipe:
         calls = {"n": 0}
@@ -62,11 +61,11 @@ def test_decode_op_that_raised_fails_its_batch_only(tiny_ckpt, tiny_model):
         assert pipe.decode.slots.num_used == 0 and pipe.decode.pages.num_used == 0 and not pipe.decode.running
         out = pipe.generate([good])  # the group is intact: the next request is served
     assert out["good"].error is None
-    assert out["good"].token_ids == reference_generate(tiny_model, list(good.prompt_ids), PARAMS).token_ids
+    tiny_refs.check(list(good.prompt_ids), PARAMS, out["good"].token_ids, label="good")
     assert ErrorCode.INTERNAL.grpc_status.name == "INTERNAL"
 
 
-def test_prefill_op_that_raised_fails_that_request_only(tiny_ckpt, tiny_model):
+def test_prefill_op_that_raised_fails_that_request_only(tiny_ckpt, tiny_refs):
     reqs = [PrefillRequest(f"r{i}", _prompt(30 + 20 * i, 10 + i), PARAMS) for i in range(3)]
     victim = reqs[1].prompt_ids
     with LocalPipeline(tiny_ckpt) as pipe:
@@ -78,7 +77,7 @@ def test_prefill_op_that_raised_fails_that_request_only(tiny_ckpt, tiny_model):
     assert out["r1"].error.code is ErrorCode.INTERNAL and out["r1"].token_ids == []
     for r in (reqs[0], reqs[2]):
         assert out[r.request_id].error is None
-        assert out[r.request_id].token_ids == reference_generate(tiny_model, list(r.prompt_ids), PARAMS).token_ids
+        tiny_refs.check(list(r.prompt_ids), PARAMS, out[r.request_id].token_ids, label=r.request_id)
 
 
 def test_multiproc_op_failed_vs_worker_died(tiny_ckpt):

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from k3serve.disagg.pipeline import LocalPipeline
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.model.reference import reference_generate
+from tests.exactness import SEEDS
 
-LENGTHS = (1, 511, 512, 513, 3000)
+LENGTHS = (1, 511, 512, 513, 2100)  # 2100: over the 2048-token step budget (two chunks)
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=77, max_tokens=6, ignore_eos=True)
 
@@ -20,30 +22,34 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cases(tiny_model):
+def cases(tiny_refs):
+    """Every length x {greedy, seeded} x SEEDS (prompt seed; the sampling seed moves with it)."""
     out = []
-    for i, n in enumerate(LENGTHS):
-        p = _prompt(n, seed=1000 + i)
-        for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
-            out.append((f"{name}-{n}", p, params, reference_generate(tiny_model, p, params).token_ids))
+    for seed in SEEDS:
+        for i, n in enumerate(LENGTHS):
+            p = _prompt(n, seed=1000 + i + 10_000 * seed)
+            for name, params in (("greedy", GREEDY), ("seeded", replace(SEEDED, seed=SEEDED.seed + seed))):
+                tiny_refs.trace(p, params)
+                out.append((f"{name}-{n}-s{seed}", p, params))
     return out
 
 
 @pytest.mark.parametrize("p,d", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)])
-def test_disaggregated_equals_reference(tiny_ckpt, cases, p, d):
+def test_disaggregated_equals_reference(tiny_ckpt, tiny_refs, cases, p, d):
     with LocalPipeline(tiny_ckpt, prefill_tp=p, decode_tp=d) as pipe:
-        outs = pipe.generate([PrefillRequest(rid, tuple(prompt), params) for rid, prompt, params, _ in cases])
+        outs = pipe.generate([PrefillRequest(rid, tuple(prompt), params) for rid, prompt, params in cases])
         assert pipe.decode.slots.num_used == 0 and pipe.decode.pages.num_used == 0
-    for rid, _, _, want in cases:
+    for rid, prompt, params in cases:
         assert outs[rid].error is None, outs[rid].error
-        assert outs[rid].token_ids == want, rid
+        tiny_refs.check(prompt, params, outs[rid].token_ids, label=f"{rid} P={p} D={d}")
 
 
-def test_thirty_two_concurrent_requests_equal_single_runs(tiny_ckpt, tiny_model):
-    g = torch.Generator().manual_seed(5)
-    lens = torch.randint(1, 400, (32,), generator=g).tolist()
-    reqs = [PrefillRequest(f"r{i}", tuple(_prompt(n, seed=i)), SamplingParams(max_tokens=5, ignore_eos=True,
-                                                                              temperature=0.7 * (i % 2), seed=i))
+@pytest.mark.parametrize("seed", SEEDS)
+def test_thirty_two_concurrent_requests_equal_single_runs(tiny_ckpt, tiny_refs, seed):
+    g = torch.Generator().manual_seed(5 + 1000 * seed)
+    lens = torch.randint(1, 200, (32,), generator=g).tolist()
+    reqs = [PrefillRequest(f"r{i}", tuple(_prompt(n, seed=i + 1000 * seed)),
+                           SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.7 * (i % 2), seed=i))
             for i, n in enumerate(lens)]
     with LocalPipeline(tiny_ckpt) as pipe:
         # all 32 prefill before decode starts, so every decode step batches all of them
@@ -59,7 +65,7 @@ def test_thirty_two_concurrent_requests_equal_single_runs(tiny_ckpt, tiny_model)
                 got[ev.request_id] += list(ev.token_ids)
         assert pipe.decode.slots.num_used == 0 and pipe.decode.pages.num_used == 0
     for r in reqs:
-        assert got[r.request_id] == reference_generate(tiny_model, list(r.prompt_ids), r.params).token_ids
+        tiny_refs.check(list(r.prompt_ids), r.params, got[r.request_id], label=f"{r.request_id} seed {seed}")
 
 
 def test_cancel_mid_stream_frees_slots_and_pages(tiny_ckpt):

@@ -15,7 +15,6 @@ from k3serve.engine.ops import PoolConfig, PrefillChunk
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.checkpoint import load_config
-from k3serve.model.reference import reference_generate
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 
 PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -38,7 +37,7 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_short_handoff_is_yielded_before_the_long_share_runs(tiny_ckpt, tiny_model):
+def test_short_handoff_is_yielded_before_the_long_share_runs(tiny_ckpt, tiny_refs):
     cfg = load_config(tiny_ckpt)
     pools = PoolConfig(kda_slots=8, mla_pages=64, page_size=64)
     ex = RecordingExecutor(WorkerSpec(tiny_ckpt, 1, pools))
@@ -62,8 +61,7 @@ def test_short_handoff_is_yielded_before_the_long_share_runs(tiny_ckpt, tiny_mod
         assert list(step) == []
         assert ex.chunks[-1] == (long_slot, 128, 64)  # then the long's share of the same step
 
-        want = reference_generate(tiny_model, short_prompt, PARAMS).token_ids[0]
-        assert first.first_token == want
+        tiny_refs.check(short_prompt, PARAMS, [first.first_token], label="short")  # tests/exactness.py
     finally:
         ex.close()
 

@@ -8,9 +8,17 @@ import torch
 from k3serve.disagg.pipeline import LocalPipeline
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.model.reference import reference_generate
+from tests.exactness import SEEDS
 
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(params=SEEDS)
+def seed(request, pipe) -> int:
+    """Each case runs over SEEDS (prompts drawn from seed * 1000 + the case's own offsets), each from an empty
+    prefix cache."""
+    pipe.prefill.cache.clear()
+    return request.param
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -33,58 +41,59 @@ def _checkpoint_depths(pipe):
     return {c.num_tokens for c in pipe.prefill.cache.checkpoints()}
 
 
-def test_second_turn_and_shared_system_prompt(pipe, tiny_model):
-    system = _tokens(1100, seed=1)
-    turn1 = system + _tokens(60, seed=2)
+def test_second_turn_and_shared_system_prompt(pipe, tiny_refs, seed):
+    system = _tokens(1100, seed=1 + 1000 * seed)
+    turn1 = system + _tokens(60, seed=2 + 1000 * seed)
     out1 = _run(pipe, "a1", turn1, "A")
     assert out1.cached_tokens == 0
-    assert out1.token_ids == reference_generate(tiny_model, turn1, PARAMS).token_ids
+    tiny_refs.check(turn1, PARAMS, out1.token_ids, label='out1')
     assert 1024 in _checkpoint_depths(pipe)
 
-    turn2 = turn1 + out1.token_ids + _tokens(30, seed=3)
+    turn2 = turn1 + out1.token_ids + _tokens(30, seed=3 + 1000 * seed)
     out2 = _run(pipe, "a2", turn2, "A")
     assert out2.cached_tokens == 1024
-    assert out2.token_ids == reference_generate(tiny_model, turn2, PARAMS).token_ids
+    tiny_refs.check(turn2, PARAMS, out2.token_ids, label='out2')
 
-    other = system + _tokens(40, seed=4)  # another session sharing the system prompt
+    other = system + _tokens(40, seed=4 + 1000 * seed)  # another session sharing the system prompt
     out3 = _run(pipe, "b1", other, "B")
     assert out3.cached_tokens == 1024
-    assert out3.token_ids == reference_generate(tiny_model, other, PARAMS).token_ids
+    tiny_refs.check(other, PARAMS, out3.token_ids, label='out3')
 
 
-def test_prompt_ending_on_a_block_boundary(pipe, tiny_model):
-    prompt = _tokens(1024, seed=10)
+def test_prompt_ending_on_a_block_boundary(pipe, tiny_refs, seed):
+    prompt = _tokens(1024, seed=10 + 1000 * seed)
     cold = _run(pipe, "e1", prompt, "E")
     again = _run(pipe, "e2", prompt, "E")
     # the whole prompt is cached, but the engine needs the last token's logits: resume strictly below the end
     assert again.cached_tokens < 1024 and again.cached_tokens % 512 == 0
-    assert again.token_ids == cold.token_ids == reference_generate(tiny_model, prompt, PARAMS).token_ids
-    longer = prompt + _tokens(7, seed=11)
+    assert again.token_ids == cold.token_ids  # the same engine path (a hit at 512 is on both runs' chunk grid)
+    tiny_refs.check(prompt, PARAMS, cold.token_ids, label='cold')
+    longer = prompt + _tokens(7, seed=11 + 1000 * seed)
     hit = _run(pipe, "e3", longer, "E")
     assert hit.cached_tokens == 1024
-    assert hit.token_ids == reference_generate(tiny_model, longer, PARAMS).token_ids
+    tiny_refs.check(longer, PARAMS, hit.token_ids, label='hit')
 
 
-def test_prompt_shorter_than_a_block_never_hits(pipe, tiny_model):
-    prompt = _tokens(300, seed=20)
+def test_prompt_shorter_than_a_block_never_hits(pipe, tiny_refs, seed):
+    prompt = _tokens(300, seed=20 + 1000 * seed)
     assert _run(pipe, "s1", prompt, "S").cached_tokens == 0
     out = _run(pipe, "s2", prompt, "S")
     assert out.cached_tokens == 0
-    assert out.token_ids == reference_generate(tiny_model, prompt, PARAMS).token_ids
+    tiny_refs.check(prompt, PARAMS, out.token_ids, label='out')
 
 
-def test_hit_is_clamped_to_the_deepest_checkpoint(pipe, tiny_model):
+def test_hit_is_clamped_to_the_deepest_checkpoint(pipe, tiny_refs, seed):
     # a 2600-token prompt caches blocks 0..4 (2560 tokens) but checkpoints only its turn boundary (2560);
     # a prompt sharing only its first 1600 tokens matches 3 blocks, and no checkpoint lies inside them
-    base = _tokens(2600, seed=30)
+    base = _tokens(2600, seed=30 + 1000 * seed)
     _run(pipe, "k1", base, "K")
     assert 2560 in _checkpoint_depths(pipe) and 1536 not in _checkpoint_depths(pipe)
-    fork = base[:1600] + _tokens(100, seed=31)
+    fork = base[:1600] + _tokens(100, seed=31 + 1000 * seed)
     out = _run(pipe, "k2", fork, "K2")
     assert out.cached_tokens == 0
-    assert out.token_ids == reference_generate(tiny_model, fork, PARAMS).token_ids
+    tiny_refs.check(fork, PARAMS, out.token_ids, label='out')
     # the fork's own turn boundary (1536) is now a checkpoint: a continuation of the fork hits there
-    cont = fork + _tokens(10, seed=32)
+    cont = fork + _tokens(10, seed=32 + 1000 * seed)
     out = _run(pipe, "k3", cont, "K2")
     assert out.cached_tokens == 1536
-    assert out.token_ids == reference_generate(tiny_model, cont, PARAMS).token_ids
+    tiny_refs.check(cont, PARAMS, out.token_ids, label='out')

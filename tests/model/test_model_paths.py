@@ -8,13 +8,13 @@ import torch
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.reference import reference_generate
 from k3serve.model.state import DenseLatentCache, ForwardBatch, PagedLatentCache
+from tests.exactness import SEEDS, random_prompt, reference_trace, compare
 
 PAGE = 16
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist()
+    return random_prompt(n, seed)
 
 
 class PagedRun:
@@ -44,23 +44,26 @@ class PagedRun:
         return out[0]
 
 
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("model_name", ["tiny_model", "tiny_linear_model"])
 @pytest.mark.parametrize("prompt_len", [1, 70, 300])
-def test_prefill_then_decode_equals_reference(request, model_name, prompt_len):
+def test_prefill_then_decode_equals_reference(request, model_name, prompt_len, seed):
     model = request.getfixturevalue(model_name)
-    prompt = _prompt(prompt_len, seed=prompt_len)
+    prompt = _prompt(prompt_len, seed=prompt_len + 1000 * seed)
     n = 8
-    ref = reference_generate(model, prompt, SamplingParams(max_tokens=n, ignore_eos=True), keep_logits=True)
+    ref = reference_trace(model, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
     run = PagedRun(model, prompt_len + n)
     logits = run.prefill(prompt)
-    got = []
+    got, got_logits = [], []
     for i in range(n):
-        torch.testing.assert_close(logits, ref.logits[i], atol=1e-4, rtol=0)
+        got_logits.append(logits)
         tok = int(logits.argmax())
         got.append(tok)
+        if tok != ref.token_ids[i]:
+            break  # compare() decides whether this divergence is a near-tie of the reference
         if i + 1 < n:
             logits = run.decode(tok)
-    assert got == ref.token_ids
+    compare(ref, got, got_logits, label=f"{model_name} len {prompt_len} seed {seed}")
 
 
 @pytest.mark.parametrize("chunks", [[1, 1, 1, 200], [64, 64, 64, 11], [100, 103], [5, 198]])
@@ -80,33 +83,38 @@ def test_chunked_prefill_equals_one_shot(tiny_model, chunks):
     torch.testing.assert_close(many.decode(5), one.decode(5), atol=1e-4, rtol=0)
 
 
-def test_batched_decode_with_mixed_lengths_equals_single_runs(tiny_model):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_batched_decode_with_mixed_lengths_equals_single_runs(tiny_model, seed):
     model, cfg = tiny_model, tiny_model.cfg
     lens = [3, 40, 17, 129]
     steps = 4
-    prompts = [_prompt(n, seed=100 + n) for n in lens]
-    singles = []
-    for p in prompts:
-        ref = reference_generate(model, p, SamplingParams(max_tokens=steps, ignore_eos=True), keep_logits=True)
-        singles.append(ref)
-    # batched: prefill each request into one shared page pool, then decode all together
+    prompts = [_prompt(n, seed=100 + n + 1000 * seed) for n in lens]
+    params = SamplingParams(max_tokens=steps, ignore_eos=True)
+    singles = [reference_trace(model, p, params) for p in prompts]
+    # batched: prefill each request into one shared page pool, then decode all together (teacher-forced with
+    # the reference's tokens, so one request's near-tie does not change the others' batch)
     max_pages = -(-(max(lens) + steps) // PAGE)
     pool = torch.zeros(len(lens) * max_pages, cfg.num_mla_layers, PAGE, cfg.mla_latent_dim)
     tables = torch.arange(len(lens) * max_pages).view(len(lens), max_pages).flip(0)
     kda = model.new_kda_state(len(lens))
-    toks = []
+    got_logits: list[list[torch.Tensor]] = [[] for _ in lens]
     for b, p in enumerate(prompts):
         blocks = [layer[b: b + 1] for layer in kda]
         out = model.forward(torch.tensor([p]), ForwardBatch(blocks, PagedLatentCache(pool, tables[b: b + 1]), [0]))
-        toks.append(int(out[0].argmax()))
+        got_logits[b].append(out[0])
     positions = list(lens)
     for step in range(1, steps):
         latent = PagedLatentCache(pool, tables)
+        toks = [s.token_ids[step - 1] for s in singles]
         logits = model.forward(torch.tensor(toks).unsqueeze(1), ForwardBatch(kda, latent, positions, decode=True))
         for b in range(len(lens)):
-            torch.testing.assert_close(logits[b], singles[b].logits[step], atol=1e-4, rtol=0)
-        toks = [int(x) for x in logits.argmax(-1)]
+            got_logits[b].append(logits[b])
         positions = [p + 1 for p in positions]
+    for b, ref in enumerate(singles):
+        got = [int(lg.argmax()) for lg in got_logits[b]]
+        d = next((i for i, (x, y) in enumerate(zip(got, ref.token_ids)) if x != y), len(got))
+        compare(ref, got[: d + 1], got_logits[b][: d + 1] if d < len(got) else got_logits[b],
+                label=f"batch row {b} (len {lens[b]}) seed {seed}")
 
 
 def test_dense_and_paged_caches_agree_on_decode_paths(tiny_model):
@@ -123,17 +131,17 @@ def test_dense_and_paged_caches_agree_on_decode_paths(tiny_model):
     torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
-def test_seeded_sampling_is_keyed_by_position(tiny_model):
-    prompt = _prompt(20, seed=11)
-    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
-    a = reference_generate(tiny_model, prompt, params)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_seeded_sampling_is_keyed_by_position(tiny_model, seed):
+    prompt = _prompt(20, seed=11 + 1000 * seed)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234 + seed, max_tokens=12, ignore_eos=True)
+    a = reference_trace(tiny_model, prompt, params)
     b = reference_generate(tiny_model, prompt, params)
-    assert a.token_ids == b.token_ids
-    # resuming from prompt + the first 5 tokens draws the same continuation (randomness keyed by position)
-    resumed = reference_generate(tiny_model, prompt + a.token_ids[:5],
-                                 SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=7,
-                                                ignore_eos=True))
-    assert resumed.token_ids == a.token_ids[5:]
+    assert b.token_ids == list(a.token_ids)  # the same path twice: bitwise the same run
+    # resuming from prompt + the first 5 tokens draws the same continuation (randomness keyed by position);
+    # the resumed run prefills what `a` decoded, another rounding path: compared through the helper
+    resumed = reference_generate(tiny_model, prompt + list(a.token_ids[:5]), params.with_max_tokens(7))
+    compare(a, list(a.token_ids[:5]) + resumed.token_ids, label=f"resumed seed {seed}")
     other = reference_generate(tiny_model, prompt, SamplingParams(temperature=0.8, seed=99, max_tokens=12,
                                                                   ignore_eos=True))
-    assert other.token_ids != a.token_ids
+    assert other.token_ids != list(a.token_ids)

@@ -20,7 +20,6 @@ from k3serve.contracts.handoff import StagedState
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.checkpoint import load_config
-from k3serve.model.reference import reference_generate
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.client import ReceiverClient
@@ -139,7 +138,7 @@ def test_abandoned_transfer_expires(receivers, fast_sender):
     _assert_empty(rxs)
 
 
-def test_retried_transfer_installs_and_decodes_like_the_reference(tiny_ckpt, tiny_model, auth, fast_sender):
+def test_retried_transfer_installs_and_decodes_like_the_reference(tiny_ckpt, tiny_refs, auth, fast_sender):
     """Drop + corrupt on the first attempt; the retried state goes into the pools via InstallStaged."""
     cfg, pools = load_config(tiny_ckpt), PoolConfig(kda_slots=2, mla_pages=16)
     prompt, params = list(range(40, 240)), SamplingParams(max_tokens=4, ignore_eos=True)
@@ -165,7 +164,7 @@ def test_retried_transfer_installs_and_decodes_like_the_reference(tiny_ckpt, tin
             for ev in engine.step():
                 out += ev.token_ids
         assert first.token_ids == (h.first_token,)
-        assert out == reference_generate(tiny_model, prompt, params).token_ids
+        tiny_refs.check(prompt, params, out, label="retried transfer")  # tests/exactness.py
         assert engine.slots.num_used == 0 and engine.pages.num_used == 0
         # installing a transfer that is not verified fails this request only, leaving nothing behind
         engine.submit(replace(h, state=StagedState("never-sent")))

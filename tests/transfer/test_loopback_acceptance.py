@@ -19,7 +19,6 @@ from k3serve.contracts.handoff import StagedState
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.checkpoint import load_config
-from k3serve.model.reference import reference_generate
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 from k3serve.transfer.client import ReceiverClient
 from k3serve.transfer.handoff_send import GrpcChannel
@@ -29,6 +28,7 @@ from k3serve.bench.transfer_procs import SenderProc, SendJob
 from k3serve.transfer.receiver import ReceiverConfig
 from k3serve.transfer.sender import SendResult
 from k3serve.transfer.spec import StateGeometry, TransferSpec
+from tests.exactness import compare
 
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2), (4, 1)]
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -52,8 +52,9 @@ def handoffs(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
-    return reference_generate(tiny_model, PROMPT, PARAMS).token_ids
+def reference(tiny_refs):
+    """The reference trace of PROMPT (tests/exactness.py)."""
+    return tiny_refs.trace(PROMPT, PARAMS)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def test_grpc_transfer_is_byte_identical_and_decodes_like_the_reference(
         while engine.has_work:
             for ev in engine.step():
                 tokens += ev.token_ids
-        assert tokens == reference
+        compare(reference, tokens, label=f"P={p} D={d}")
         assert engine.slots.num_used == 0 and engine.pages.num_used == 0
         assert all(s.staged_transfers == 0 and s.staged_bytes == 0 and s.state == "installed"
                    for s in client.status(tid))

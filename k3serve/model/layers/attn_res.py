@@ -13,8 +13,11 @@ from k3serve.model.layers.norm import rms_norm
 
 
 def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+                 eps: float, softmax0=None) -> torch.Tensor:
     """sources: n tensors `[..., d]`; query `[1, d]`; norm_weight `[d]` -> `[..., d]` in the sources' dtype.
+
+    softmax0: the softmax over the sources (dim 0 of `[n, ...]`); None is ``Tensor.softmax(0)``
+    (deterministic numerics pass one whose bits do not depend on the token count, model/deterministic.py).
 
     out = sum_i softmax_i(<query, RMSNorm(v_i)>) * v_i
 
@@ -24,7 +27,7 @@ def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: 
     q = query.float().view(-1)
     vals = [s.float() for s in sources]
     logits = torch.stack([(rms_norm(v, norm_weight, eps) * q).sum(-1) for v in vals])  # [n, ...]
-    weights = logits.softmax(0).unsqueeze(-1)  # [n, ..., 1]
+    weights = (logits.softmax(0) if softmax0 is None else softmax0(logits)).unsqueeze(-1)  # [n, ..., 1]
     out = vals[0] * weights[0]
     for v, w in zip(vals[1:], weights[1:]):
         out = out + v * w

@@ -11,13 +11,14 @@ full-precision and MXFP4 experts run the same routing, grouping and summation co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from k3serve.kernels._dispatch import resolve_backend
-from k3serve.kernels.mxfp4 import check_packed, mxfp4_linear
+from k3serve.kernels.mxfp4 import check_packed, mxfp4_linear, mxfp4_linear_blocks
 from k3serve.model.names import mxfp4_names
 
 
@@ -28,6 +29,10 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[N, in]` -> `[N, out]`."""
         return F.linear(x, self.weight)
+
+    def tiled(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x `[N, in]` -> `[N, out]` through ``linear(x, W)`` (numerics mode deterministic: fixed row tiles)."""
+        return linear(x, self.weight)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,12 @@ class MXFP4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[N, in]` -> `[N, out]` in x's dtype."""
         return mxfp4_linear(x, self.packed, self.scale, backend=self.backend)
+
+    def tiled(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x `[N, in]` -> `[N, out]` through ``linear(x, W_block)`` over fixed blocks of dequantised weight rows
+        (numerics mode deterministic: every call has a shape independent of N, so bits do not depend on how many
+        tokens share the expert). fp32 math, like the torch path."""
+        return mxfp4_linear_blocks(x, self.packed, self.scale, linear)
 
 
 def expert_linear(weights: dict[str, torch.Tensor], name: str) -> DenseLinear | MXFP4Linear:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.model.config import ModelConfig
+from k3serve.model.deterministic import DefaultOps
 from k3serve.model.layers.expert_weights import expert_linear
 from k3serve.model.layers.norm import glu, rms_norm
 from k3serve.model.tp import TPGroup
@@ -20,8 +21,9 @@ from k3serve.model.tp import TPGroup
 class GatedMLP:
     """`down(act(gate x) * up x)`; partial over TP ranks (caller reduces)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
+                 ops: DefaultOps | None = None) -> None:
+        self.cfg, self.ops = cfg, ops
         self.w_gate = weights[prefix + "gate_proj.weight"]
         self.w_up = weights[prefix + "up_proj.weight"]
         self.w_down = weights[prefix + "down_proj.weight"]
@@ -33,19 +35,32 @@ class GatedMLP:
                 c.activation_situ_beta, c.activation_situ_linear_beta)
         return F.linear(h, self.w_down)
 
+    def reduced(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[N, d]` -> the TP-reduced output `[N, d]` through the numerics mode's operators."""
+        c, ops = self.cfg, self.ops
+        h = glu(ops.linear(x, self.w_gate, ops.col_units), ops.linear(x, self.w_up, ops.col_units), c.hidden_act,
+                c.activation_situ_beta, c.activation_situ_linear_beta)
+        return ops.row_linear(h, self.w_down)
+
 
 class DenseFFN:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup) -> None:
-        self.mlp, self.tp = GatedMLP(cfg, weights, prefix + "mlp."), tp
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup,
+                 ops: DefaultOps | None = None) -> None:
+        self.ops = ops or DefaultOps(tp)
+        self.mlp, self.tp = GatedMLP(cfg, weights, prefix + "mlp.", self.ops), tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[B, T, d]` -> `[B, T, d]`."""
+        if self.ops.deterministic:
+            return self.mlp.reduced(x)
         return self.tp.all_reduce(self.mlp.partial(x))
 
 
 class MoE:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup,
+                 ops: DefaultOps | None = None) -> None:
         self.cfg, self.tp = cfg, tp
+        self.ops = ops or DefaultOps(tp)
         m = prefix + "block_sparse_moe."
         self.w_router = weights[m + "gate.weight"].float()
         self.score_bias = weights[m + "gate.e_score_correction_bias"].float()
@@ -54,7 +69,7 @@ class MoE:
         # (w1, w3, w2) per expert, each an object that multiplies in its stored form (full precision or MXFP4)
         self.experts = {e: tuple(expert_linear(weights, f"{m}experts.{e}.{w}.weight") for w in ("w1", "w3", "w2"))
                         for e in self.expert_ids}
-        self.shared = GatedMLP(cfg, weights, m + "shared_experts.") if cfg.num_shared_experts else None
+        self.shared = GatedMLP(cfg, weights, m + "shared_experts.", self.ops) if cfg.num_shared_experts else None
         if cfg.uses_latent_moe:
             self.w_down = weights[m + "routed_expert_down_proj.weight"]
             self.latent_norm = weights[m + "routed_expert_norm.weight"]
@@ -113,6 +128,8 @@ class MoE:
         """x `[B, T, d]` -> `[B, T, d]`."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if self.ops.deterministic:
+            return moe_deterministic(self, flat).reshape(shape)
         ids, w = self.route(flat)
         if self.cfg.uses_latent_moe:
             u = self.tp.all_reduce(self._routed_partial(F.linear(flat, self.w_down), ids, w))
@@ -125,3 +142,41 @@ class MoE:
                 partial = partial + self.shared.partial(flat)
             out = self.tp.all_reduce(partial)
         return out.reshape(shape)
+
+
+def moe_deterministic(moe: MoE, flat: torch.Tensor) -> torch.Tensor:
+    """:meth:`MoE.forward` in numerics mode ``deterministic``: flat `[N, d]` -> `[N, d]`.
+
+    Every token's expert outputs are kept per slot (``[N, k, e_in]``, zero where another rank owns the slot's
+    expert), made whole by a gather (one non-zero per element: exact), then added in slot order; the expert
+    GEMMs run in fixed row tiles, so neither the tokens sharing an expert nor the TP degree moves a bit::
+
+        y[n, s] = w[n, s] * expert_{ids[n, s]}(z[n])      (on the rank that owns that expert)
+        u[n]    = ((y[n, 0] + y[n, 1]) + ...) + y[n, k-1]
+    """
+    c, ops = moe.cfg, moe.ops
+    scores = ops.unary(torch.sigmoid, ops.linear(flat.float(), moe.w_router))
+    ids = torch.topk(scores + moe.score_bias, c.num_experts_per_token, dim=-1).indices
+    w = scores.gather(-1, ids)
+    w = w / w.sum(-1, keepdim=True) * c.routed_scaling_factor
+    z = ops.linear(flat, moe.w_down) if c.uses_latent_moe else flat
+    y = torch.zeros(*ids.shape, z.shape[-1], dtype=torch.float32, device=z.device)  # [N, k, e_in]
+    for e in moe.expert_ids:
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        w1, w3, w2 = moe.experts[e]
+        zi = z[rows]
+        out = w2.tiled(glu(w1.tiled(zi, ops.linear), w3.tiled(zi, ops.linear), c.hidden_act,
+                           c.activation_situ_beta, c.activation_situ_linear_beta), ops.linear)
+        y[rows, slot] = out.float() * w[rows, slot].unsqueeze(-1)
+    y = ops.reduce(y)
+    u = y[:, 0].clone()
+    for s in range(1, y.shape[1]):
+        u += y[:, s]
+    shared = moe.shared.reduced(flat) if moe.shared is not None else None
+    if c.uses_latent_moe:
+        routed = ops.linear(rms_norm(u.to(flat.dtype), moe.latent_norm, c.rms_norm_eps), moe.w_up)
+    else:
+        routed = u.to(flat.dtype)
+    return routed if shared is None else routed + shared

@@ -7,13 +7,13 @@ all-reduced); a rank sees only its local heads' blocks.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from k3serve.kernels.gate import kda_gate
 from k3serve.kernels.kda import chunk_kda, recurrent_kda
 from k3serve.kernels.kda_spec import kda_verify, record_offsets
 from k3serve.kernels.short_conv import short_conv, short_conv_step
 from k3serve.model.config import ModelConfig
+from k3serve.model.deterministic import DefaultOps
 from k3serve.model.layers.norm import rms_norm
 from k3serve.model.state import conv_window_channels, kda_conv_view, kda_recurrent_view, store_conv_window
 from k3serve.model.tp import TPGroup
@@ -26,8 +26,10 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class KDAAttention:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup,
+                 ops: DefaultOps | None = None) -> None:
         self.cfg, self.tp = cfg, tp
+        self.ops = ops or DefaultOps(tp)  # model/deterministic.py: the numerics mode's matmuls and TP sums
         self.heads = cfg.kda_num_heads // tp.world
         self.k = cfg.kda_head_dim
         w = lambda n: weights[prefix + n]  # noqa: E731
@@ -52,12 +54,13 @@ class KDAAttention:
         records: speculative verify: `[B, H_local, T, record_floats(K)]` fp32, filled with this call's per-token
         records (kernels/kda_spec.py layout); blocks are then only read (the commit replays the records)."""
         cfg, h, k = self.cfg, self.heads, self.k
+        lin, cu = self.ops.linear, self.ops.col_units  # cu: column-parallel weights' units on this rank
         bsz, t, _ = x.shape
         conv = kda_conv_view(blocks, k, cfg.conv_window)
         off = record_offsets(k)
         qkv = []
         for i, w_proj in enumerate((self.w_q, self.w_k, self.w_v)):
-            raw = F.linear(x, w_proj)  # [B, T, H*K]
+            raw = lin(x, w_proj, cu)  # [B, T, H*K]
             window = conv_window_channels(conv, i)
             if records is not None:  # verify: the window is read, never stored; raw inputs go to the records
                 y, _ = short_conv(raw.float(), self.conv_w[i], window)
@@ -72,9 +75,9 @@ class KDAAttention:
             store_conv_window(conv, i, new_window)
             qkv.append(y.view(bsz, t, h, k))
         q, kk, v = l2_normalize(qkv[0]), l2_normalize(qkv[1]), qkv[2].float()
-        z = F.linear(F.linear(x, self.w_f_a), self.w_f_b)  # [B, T, H*K]
+        z = lin(lin(x, self.w_f_a), self.w_f_b, cu)  # [B, T, H*K]
         g = kda_gate(z.float(), self.a_log, self.dt_bias, cfg.gate_lower_bound)  # [B, T, H, K] fp32
-        beta = torch.sigmoid(F.linear(x, self.w_b).float())  # [B, T, H]
+        beta = self.ops.unary(torch.sigmoid, lin(x, self.w_b, cu).float())  # [B, T, H]
         state = kda_recurrent_view(blocks, k)
         if records is not None:
             o, u = kda_verify(q, kk, v, g.view(bsz, t, h, k), beta, state)
@@ -88,7 +91,6 @@ class KDAAttention:
             o, final = kernel(q, kk, v, g.view(bsz, t, h, k), beta, initial_state=state, output_final_state=True)
             state.copy_(final)
         o = rms_norm(o.float(), self.o_norm, cfg.rms_norm_eps)  # [B, T, H, K]
-        gate = F.linear(x, self.w_g) if self.w_g is not None else F.linear(F.linear(x, self.w_g_a), self.w_g_b)
+        gate = lin(x, self.w_g, cu) if self.w_g is not None else lin(lin(x, self.w_g_a), self.w_g_b, cu)
         o = o * torch.sigmoid(gate.float().view(bsz, t, h, k))
-        out = F.linear(o.flatten(2).to(x.dtype), self.w_o)
-        return self.tp.all_reduce(out)
+        return self.ops.row_linear(o.flatten(2).to(x.dtype), self.w_o)

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from k3serve.kernels.mla_decode import mla_decode
 from k3serve.model.config import ModelConfig
+from k3serve.model.deterministic import DefaultOps
+from k3serve.model.layers.mla_blocked import blocked_attention
 from k3serve.model.layers.norm import rms_norm
 from k3serve.model.state import ForwardBatch
 from k3serve.model.tp import TPGroup
@@ -27,8 +29,9 @@ _MIN_QUERY_BLOCK = 16
 
 class MLAAttention:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, tp: TPGroup,
-                 mla_idx: int) -> None:
+                 mla_idx: int, ops: DefaultOps | None = None) -> None:
         self.cfg, self.tp, self.mla_idx = cfg, tp, mla_idx
+        self.ops = ops or DefaultOps(tp)  # model/deterministic.py
         self.heads = cfg.num_attention_heads // tp.world
         w = lambda n: weights[prefix + n]  # noqa: E731
         if cfg.q_lora_rank:
@@ -45,16 +48,17 @@ class MLAAttention:
 
     def latent_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x `[B, T, d]` -> cached rows `[B, T, rank + rope]` = [RMSNorm(c_kv) | k_pe]."""
-        kv = F.linear(x, self.w_kv_a)
+        kv = self.ops.linear(x, self.w_kv_a)
         c = rms_norm(kv[..., : self.cfg.kv_lora_rank], self.kv_a_norm, self.cfg.rms_norm_eps)
         return torch.cat([c, kv[..., self.cfg.kv_lora_rank:]], dim=-1)
 
     def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[B, T, d]` -> (q_nope `[B, T, H, nope]`, q_pe `[B, T, H, rope]`)."""
+        lin, cu = self.ops.linear, self.ops.col_units
         if self.w_q_a is not None:
-            q = F.linear(rms_norm(F.linear(x, self.w_q_a), self.q_a_norm, self.cfg.rms_norm_eps), self.w_q)
+            q = lin(rms_norm(lin(x, self.w_q_a), self.q_a_norm, self.cfg.rms_norm_eps), self.w_q, cu)
         else:
-            q = F.linear(x, self.w_q)
+            q = lin(x, self.w_q, cu)
         q = q.view(*x.shape[:2], self.heads, self.cfg.qk_head_dim)
         return q[..., : self.cfg.qk_nope_head_dim], q[..., self.cfg.qk_nope_head_dim:]
 
@@ -64,6 +68,8 @@ class MLAAttention:
         bsz, t, _ = x.shape
         batch.latent.write(self.mla_idx, self.latent_rows(x), batch.start_positions)
         q_nope, q_pe = self.queries(x)
+        if self.ops.deterministic:
+            return self._forward_blocked(x, q_nope, q_pe, batch)
         if batch.decode and batch.latent.paged:
             attn = self._decode_absorbed(q_nope[:, 0], q_pe[:, 0], batch).unsqueeze(1)
         elif batch.kda_records is not None and batch.latent.paged:
@@ -75,6 +81,19 @@ class MLAAttention:
             attn = attn * torch.sigmoid(F.linear(x, self.w_gate).float())
         out = F.linear(attn.to(x.dtype), self.w_o)
         return self.tp.all_reduce(out)
+
+    def _forward_blocked(self, x: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                         batch: ForwardBatch) -> torch.Tensor:
+        """Numerics mode ``deterministic`` (mla_blocked.py): the same fixed-block form for prefill and decode."""
+        ops, bsz, t = self.ops, x.shape[0], x.shape[1]
+        q = torch.cat([q_nope, q_pe], dim=-1).float() * self.scale  # [B, T, H, Dq]
+        rows = [batch.latent.read(self.mla_idx, b, batch.start_positions[b] + t).float() for b in range(bsz)]
+        outs = blocked_attention(list(q.unbind(0)), rows, list(batch.start_positions), self.w_uk.float(),
+                                 self.w_uv.float(), ops.numerics.key_block, ops.numerics.row_tile)
+        attn = torch.stack(outs).flatten(2)  # [B, T, H_local * v]
+        if self.w_gate is not None:
+            attn = attn * torch.sigmoid(ops.linear(x, self.w_gate, ops.col_units).float())
+        return ops.row_linear(attn.to(x.dtype), self.w_o)
 
     def _decompressed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, b: int) -> torch.Tensor:
         """One request: q_nope `[T, H, nope]`, q_pe `[T, H, rope]` -> attention output `[T, H, v]` fp32.

@@ -1,0 +1,77 @@
+"""The numerics mode: one frozen value, read from the deploy file (`numerics:`) or `--deterministic`, passed down.
+
+``default``: every path computes the reference's maths in its own rounding order (GEMM shapes that follow the
+batch, chunk boundaries, TP sums, the absorbed MLA decode): logits agree with the reference to ~1e-5 and tokens
+are equal except at near-ties (tests/exactness.py states the rule).
+
+``deterministic``: logits and tokens are bit-identical to the reference generator's on every path at any
+divisible (prefill TP, decode TP), because every operation is computed in shapes and orders that do not depend
+on batching, chunking, cache hits or TP (docs/numerics.md):
+
+* linear layers and expert matmuls in fixed ``row_tile``-row tiles (the last padded), split into the
+  ``shard_units`` column / reduction units of the largest supported TP; partial sums of row-parallel layers are
+  gathered and added in unit order on every TP (including 1);
+* MLA attention over fixed ``key_block``-key blocks at absolute positions, one online-softmax order for prefill
+  and decode (the decompressed form on both);
+* prefill chunk ends (budgets, cache checkpoints) on the ``grid`` of absolute positions, a multiple of the KDA
+  chunk size, so the chunked KDA kernel sees the same chunks as one-shot prefill;
+* ``threads`` intra-op threads during every forward (a GEMM of a fixed shape still rounds by thread count);
+* generated tokens are replayed through decode steps on any resume (failover), never re-prefilled.
+
+This module is plain data: the operators live in ``model/deterministic.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class NumericsError(ValueError):
+    """A bad numerics setting; the message names the field."""
+
+
+class NumericsMode(str, Enum):
+    DEFAULT = "default"
+    DETERMINISTIC = "deterministic"
+
+
+@dataclass(frozen=True)
+class Numerics:
+    mode: NumericsMode = NumericsMode.DEFAULT
+    row_tile: int = 16  # rows per GEMM call in deterministic mode (the last tile zero-padded)
+    key_block: int = 64  # MLA keys per attention block, at absolute positions 0, key_block, ...
+    grid: int = 64  # prefill chunk ends lie on multiples of this (a multiple of the KDA chunk size, 32)
+    threads: int = 1  # torch intra-op threads during a deterministic forward
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, NumericsMode):
+            raise NumericsError(f"numerics: mode must be one of {[m.value for m in NumericsMode]}, "
+                                f"got {self.mode!r}")
+        for name in ("row_tile", "key_block", "grid", "threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise NumericsError(f"numerics.{name} must be a positive integer, got {v!r}")
+        if self.grid % 32:
+            raise NumericsError(f"numerics.grid must be a multiple of the KDA chunk size 32, got {self.grid}")
+
+    @property
+    def deterministic(self) -> bool:
+        return self.mode is NumericsMode.DETERMINISTIC
+
+    @property
+    def chunk_grid(self) -> int:
+        """Prefill chunk ends must be multiples of this (1: anywhere)."""
+        return self.grid if self.deterministic else 1
+
+    @classmethod
+    def parse(cls, value: object) -> "Numerics":
+        """From the deploy file's `numerics:` value: "default" | "deterministic"."""
+        try:
+            return cls(NumericsMode(value))
+        except ValueError:
+            raise NumericsError(f"numerics must be one of {[m.value for m in NumericsMode]}, got {value!r}") from None
+
+
+DEFAULT_NUMERICS = Numerics()
+DETERMINISTIC = Numerics(NumericsMode.DETERMINISTIC)

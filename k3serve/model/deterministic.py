@@ -1,0 +1,179 @@
+"""The model's matmul and reduction operators per numerics mode (contracts/numerics.py, docs/numerics.md).
+
+Layers call ``ops.linear`` (replicated or column-parallel weights), ``ops.row_linear`` (row-parallel: the
+TP-reduced result) and ``ops.reduce`` (a rank's partial sum of whole-row outputs); :class:`DefaultOps` is the
+former code (``F.linear`` and one all-reduce), :class:`DeterministicOps` computes the same values in shapes
+and orders that do not depend on how many rows share the call or on the TP degree:
+
+```
+ rows     x [N, K] ──pad to a multiple of R──▶ [N/R, R, K] ──bmm with W^T──▶ one fixed-shape [R, K] x [K, n] GEMM
+                                                                              per tile (R = numerics.row_tile)
+ columns  W [n_local, K] = units_local x [n/U, K]: one GEMM per unit (U = shard units: the largest TP)
+ reduce   row-parallel W [N, K_local], K_local = units_local x K/U:
+          partial_u = x[:, K_u] W[:, K_u]^T     (u = this rank's units)
+          all-gather the partials of all U units (in rank order = unit order), then
+          out = ((p_0 + p_1) + p_2) + ... + p_{U-1}     on every TP, including 1
+```
+Measured on this CPU (tests/model/test_numerics_invariants.py): a row of a fixed-shape GEMM does not depend on
+the other rows of its tile nor on its place in it, and a batch of tiles equals separate calls; a GEMM with
+fewer than 4 rows takes another kernel (a ~1e-5 different result), and 1 vs 2 threads differ; that is why the
+tiles are fixed and the thread count is fixed during a forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from k3serve.contracts.numerics import Numerics
+from k3serve.model.tp import TPGroup
+
+# Elements per padded elementwise call: a multiple of 2 x the widest vector (AVX-512: 16 floats).
+_VEC = 64
+# Output widths from which the row tiles of one linear run as one bmm (narrower: one mm per tile).
+_BMM_MIN_OUT = 16
+
+
+def shard_units(cfg) -> int:
+    """The largest TP degree the model supports: the fixed shard unit count of deterministic reductions."""
+    return math.gcd(cfg.kda_num_heads, cfg.num_attention_heads, cfg.num_experts, cfg.intermediate_size,
+                    cfg.shared_expert_intermediate_size or cfg.num_experts)
+
+
+class DefaultOps:
+    """The default mode: whatever shapes the batch gives, one all-reduce per row-parallel output."""
+
+    deterministic = False
+    col_units = 1  # units of a column-parallel weight on this rank (pass to linear)
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, units: int = 1) -> torch.Tensor:
+        """x `[..., K]`, w `[n, K]` (replicated, or this rank's column slice of `units` units) -> `[..., n]`."""
+        return F.linear(x, w)
+
+    def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x `[..., K_local]`, w `[n, K_local]` (this rank's input columns) -> the TP-reduced `[..., n]`."""
+        return self.tp.all_reduce(F.linear(x, w))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a per-rank partial `[...]` over the TP group."""
+        return self.tp.all_reduce(partial)
+
+    def unary(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """An elementwise op `fn` (sigmoid, ...) on `x` of any shape."""
+        return fn(x)
+
+    def softmax0(self, x: torch.Tensor) -> torch.Tensor:
+        """Softmax over dim 0 of `[n, ...]`."""
+        return x.softmax(0)
+
+    def threads(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class DeterministicOps(DefaultOps):
+    """Fixed row tiles, fixed shard units, unit-ordered TP sums, a fixed thread count (numerics mode
+    ``deterministic``)."""
+
+    deterministic = True
+
+    def __init__(self, tp: TPGroup, numerics: Numerics, units: int) -> None:
+        super().__init__(tp)
+        if units % tp.world:
+            raise ValueError(f"shard units {units} are not divisible by TP {tp.world}")
+        self.numerics, self.units, self.units_local = numerics, units, units // tp.world
+        self.col_units = self.units_local
+        self.tile = numerics.row_tile
+
+    # ------------------------------------------------------------------------------------------- tiles
+    def _tiled(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x `[N, K]` (any N), w `[n, K]` -> `[N, n]`: one [R, K] x [K, n] GEMM per row tile.
+
+        Weights with at least _BMM_MIN_OUT rows run all tiles in one bmm (measured equal, bit for bit, to
+        separate calls whatever the tile count); narrower ones (a 1-head unit of b_proj) call mm per tile,
+        because a bmm with n = 1 takes another kernel when it has more than one tile."""
+        rows, k = x.shape
+        tiles = -(-rows // self.tile)
+        if tiles * self.tile != rows:
+            x = torch.cat([x, x.new_zeros(tiles * self.tile - rows, k)])
+        if w.shape[0] < _BMM_MIN_OUT:
+            wt = w.t()
+            out = torch.cat([torch.mm(x[i * self.tile: (i + 1) * self.tile], wt) for i in range(tiles)])
+            return out[:rows]
+        out = torch.bmm(x.view(tiles, self.tile, k), w.t().unsqueeze(0).expand(tiles, k, w.shape[0]))
+        return out.view(tiles * self.tile, -1)[:rows]
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, units: int = 1) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, k)
+        if units == 1:
+            out = self._tiled(flat, w)
+        else:
+            out = torch.cat([self._tiled(flat, wu) for wu in w.chunk(units)], dim=-1)
+        return out.view(*lead, w.shape[0])
+
+    def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, k)
+        width = k // self.units_local
+        parts = torch.stack([self._tiled(flat[:, u * width: (u + 1) * width].contiguous(),
+                                         w[:, u * width: (u + 1) * width].contiguous())
+                             for u in range(self.units_local)])  # [units_local, N, n]
+        return self._sum_units(self._gather(parts)).view(*lead, w.shape[0])
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A partial that is non-zero on exactly one rank per element (expert-parallel slots): the gathered
+        sum adds exact zeros, so it is the owning rank's value on every TP."""
+        if self.tp.world == 1:
+            return partial
+        return self.tp.all_gather(partial).sum(0)
+
+    def unary(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """fn over a flat copy padded to a multiple of _VEC elements: torch's CPU kernels compute the last
+        (numel mod 2 x vector width) elements with scalar code, whose exp-based results (sigmoid, ...) differ
+        from the vector code's by an ulp, so an element's bits would depend on how many share the tensor."""
+        flat = x.reshape(-1)
+        n = flat.numel()
+        pad = -n % _VEC
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return fn(flat)[:n].view(x.shape)
+
+    def softmax0(self, x: torch.Tensor) -> torch.Tensor:
+        """Softmax over dim 0, computed as a last-dim softmax of `[..., n]` rows: one row at a time, the same
+        code for a row whatever the number of rows (dim-0 softmax vectorises across the rows instead)."""
+        return x.movedim(0, -1).contiguous().softmax(-1).movedim(-1, 0)
+
+    def _gather(self, parts: torch.Tensor) -> torch.Tensor:
+        """[units_local, ...] per rank -> [units, ...] in unit order (rank r holds units r*ul .. r*ul+ul-1)."""
+        if self.tp.world == 1:
+            return parts
+        return self.tp.all_gather(parts).flatten(0, 1)
+
+    @staticmethod
+    def _sum_units(parts: torch.Tensor) -> torch.Tensor:
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
+
+    @contextlib.contextmanager
+    def threads(self):
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.numerics.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+
+def make_ops(cfg, tp: TPGroup, numerics: Numerics | None) -> DefaultOps:
+    """The operators for `numerics` (None: default)."""
+    if numerics is None or not numerics.deterministic:
+        return DefaultOps(tp)
+    return DeterministicOps(tp, numerics, shard_units(cfg))
