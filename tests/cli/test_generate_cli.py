@@ -51,6 +51,7 @@ def test_generate_speculative_matches_reference_and_reports_drafts(tiny_ckpt):
     (["--speculative", "medusa"], "--speculative"),
     (["--speculative", "eagle3"], "eagle3"),
     (["--speculative", "ngram", "--reference"], "--reference"),
+    (["--speculative", "ngram", "--deterministic"], "--deterministic with --speculative"),
 ])
 def test_generate_bad_speculative_flags_exit_2(tiny_ckpt, args, needle):
     out = _run("generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "1,2", "--json", *args)

@@ -79,3 +79,8 @@ def test_numerics_key(tmp_path):
     assert load_deploy(_write(tmp_path, "numerics: deterministic\n")).numerics.deterministic
     with pytest.raises(DeployError, match=r"numerics must be one of \['default', 'deterministic'\]"):
         load_deploy(_write(tmp_path, "numerics: exact\n"))
+
+
+def test_deterministic_numerics_with_speculative_decoding_is_refused(tmp_path):
+    with pytest.raises(DeployError, match="numerics and clusters.speculative: speculative decoding under numerics"):
+        load_deploy(_write(tmp_path, "numerics: deterministic\nclusters: {speculative: {method: ngram}}\n"))
