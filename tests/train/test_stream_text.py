@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 from k3serve.auth import AuthConfig
 from k3serve.contracts.sampling import SamplingParams
+from k3serve.internal.v1 import cluster_pb2
 from k3serve.router import relay
 from k3serve.router.validate import ValidRequest
 from k3serve.tokenizer import ByteTokenizer
@@ -33,8 +34,9 @@ class _FakeCall:
 
     def __iter__(self):
         for i, p in enumerate(self.pieces):
-            yield SimpleNamespace(token_ids=p, finish_reason="length" if i == len(self.pieces) - 1 else "",
-                                  cached_tokens=0)
+            # the real message type, so the relay reads exactly the fields a cluster sends
+            yield cluster_pb2.ClusterGenerateResponse(token_ids=p, cached_tokens=0,
+                                                      finish_reason="length" if i == len(self.pieces) - 1 else "")
 
     def cancel(self):
         pass
