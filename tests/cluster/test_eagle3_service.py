@@ -11,7 +11,7 @@ import pytest
 
 from k3serve.cluster.deploy import SpeculativeSpec, load_deploy
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.model.reference import reference_generate
+from tests.exactness import References
 from k3serve.tokenizer import ByteTokenizer
 from k3serve.v1 import router_pb2 as pb
 from k3serve.v1 import router_pb2_grpc
@@ -39,7 +39,7 @@ def test_eagle3_greedy_through_the_service_equals_reference(eagle_deployment):
     prompt = ByteTokenizer().encode("def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.")
     sp = pb.SamplingParams(max_tokens=24, ignore_eos=True)
     msgs = list(stub.Generate(pb.GenerateRequest(session_id="eagle", prompt_token_ids=prompt, sampling=sp), timeout=180))
-    assert [t for m in msgs for t in m.token_ids] == reference_generate(model, prompt, SamplingParams.from_proto(sp)).token_ids
+    References(model).check(list(prompt), SamplingParams.from_proto(sp), [t for m in msgs for t in m.token_ids])
     u = msgs[-1].usage
     assert u.verify_steps > 0 and u.accepted_tokens > 0
 

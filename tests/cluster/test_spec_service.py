@@ -12,7 +12,7 @@ import pytest
 
 from k3serve.cluster.deploy import SpeculativeSpec, load_deploy
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.model.reference import reference_generate
+from tests.exactness import References
 from k3serve.tokenizer import ByteTokenizer
 from k3serve.v1 import router_pb2 as pb
 from k3serve.v1 import router_pb2_grpc
@@ -33,7 +33,7 @@ def spec_deployment():
 def test_speculative_outputs_equal_reference_and_status_counts_drafts(spec_deployment):
     from k3serve.model.loader import load_model
 
-    model = load_model(spec_deployment.checkpoint)
+    refs = References(load_model(spec_deployment.checkpoint))
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(spec_deployment.router_addresses[0]))
     prompt = ByteTokenizer().encode("def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.")
     for i, sp in enumerate([pb.SamplingParams(max_tokens=24, ignore_eos=True),
@@ -41,7 +41,7 @@ def test_speculative_outputs_equal_reference_and_status_counts_drafts(spec_deplo
         msgs = list(stub.Generate(pb.GenerateRequest(session_id=f"spec-{i}", prompt_token_ids=prompt, sampling=sp),
                                   timeout=120))
         tokens = [t for m in msgs for t in m.token_ids]
-        assert tokens == reference_generate(model, prompt, SamplingParams.from_proto(sp)).token_ids
+        refs.check(list(prompt), SamplingParams.from_proto(sp), tokens, label=f"spec-{i}")
         u = msgs[-1].usage  # usage reports the drafts
         assert u.verify_steps > 0 and u.drafted_tokens >= u.accepted_tokens and u.drafted_tokens >= u.verify_steps
     status = stub.ClusterStatus(pb.ClusterStatusRequest())

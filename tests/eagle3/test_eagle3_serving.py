@@ -14,7 +14,7 @@ from k3serve.engine.spec.drafter import VerifyOutcome
 from k3serve.model.eagle3.config import DrafterConfig
 from k3serve.model.eagle3.weights import init_drafter_weights, save_drafter
 from k3serve.model.loader import load_weights
-from k3serve.model.reference import reference_generate
+from tests.exactness import References
 
 PROMPTS = [tuple(b"def add(a, b):\n    return a + b\n\ndef add(a, b):\n"), tuple(range(40, 52)), (7,)]
 
@@ -32,24 +32,24 @@ def _requests(params):
 
 
 @pytest.mark.parametrize("tp", [(1, 1), (2, 1)])
-def test_greedy_eagle3_equals_reference(tiny_ckpt, tiny_model, drafter_dir, tp):
+def test_greedy_eagle3_equals_reference(tiny_ckpt, tiny_refs, drafter_dir, tp):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     spec = SpecConfig(method="eagle3", num_draft_tokens=3, drafter_dir=drafter_dir)
     with LocalPipeline(tiny_ckpt, *tp, speculative=spec) as pipe:
         outs = pipe.generate(_requests(params))
     for i, p in enumerate(PROMPTS):
         assert outs[f"r{i}"].error is None
-        assert outs[f"r{i}"].token_ids == reference_generate(tiny_model, list(p), params).token_ids
+        tiny_refs.check(list(p), params, outs[f"r{i}"].token_ids, label=f"r{i}")
     assert sum(o.verify_steps for o in outs.values()) > 0 and sum(o.drafted_tokens for o in outs.values()) > 0
 
 
-def test_sampled_eagle3_equals_plain_sampling(tiny_ckpt, tiny_model, drafter_dir):
+def test_sampled_eagle3_equals_plain_sampling(tiny_ckpt, tiny_refs, drafter_dir):
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
     spec = SpecConfig(method="eagle3", num_draft_tokens=2, drafter_dir=drafter_dir)
     with LocalPipeline(tiny_ckpt, speculative=spec) as pipe:
         outs = pipe.generate(_requests(params))
     for i, p in enumerate(PROMPTS):
-        assert outs[f"r{i}"].token_ids == reference_generate(tiny_model, list(p), params).token_ids
+        tiny_refs.check(list(p), params, outs[f"r{i}"].token_ids, label=f"r{i}")
 
 
 def test_session_window_follows_verified_rows(tiny_ckpt, drafter_dir):
@@ -125,11 +125,11 @@ def test_shipped_drafter_serves_tiny_trained_exactly():
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     with LocalPipeline(tdir, speculative=SpecConfig(method="eagle3", num_draft_tokens=3, drafter_dir=ddir)) as pipe:
         out = pipe.generate([PrefillRequest("r", prompt, params)])["r"]
-    assert out.token_ids == reference_generate(model, list(prompt), params).token_ids
+    References(model).check(list(prompt), params, out.token_ids)
     assert out.accepted_tokens > out.drafted_tokens // 3
 
 
-def test_pipeline_wires_the_warm_start(tiny_ckpt, tiny_model, drafter_dir):
+def test_pipeline_wires_the_warm_start(tiny_ckpt, tiny_refs, drafter_dir):
     """LocalPipeline with eagle3: prefill captures what the decode engine's drafter asks for, the ticket carries
     it, and every session opens warm from it; the tokens stay the reference's."""
     spec = SpecConfig(method="eagle3", num_draft_tokens=3, drafter_dir=drafter_dir)
@@ -147,4 +147,4 @@ def test_pipeline_wires_the_warm_start(tiny_ckpt, tiny_model, drafter_dir):
         out = pipe.generate(_requests(params))
     assert len(opened) == len(PROMPTS) and all(d is not None and d.next_tokens for d in opened)
     for i, p in enumerate(PROMPTS):
-        assert out[f"r{i}"].token_ids == reference_generate(tiny_model, list(p), params).token_ids
+        tiny_refs.check(list(p), params, out[f"r{i}"].token_ids, label=f"r{i}")

@@ -11,6 +11,7 @@ from k3serve.model.loader import load_model
 from k3serve.model.presets import write_preset_checkpoint
 from k3serve.model.quantize import quantize_checkpoint
 from k3serve.model.reference import reference_generate
+from tests.exactness import References
 
 PROMPTS = ("def parse_args(", "class Stack:\n    def push(self, x):\n")
 
@@ -25,13 +26,14 @@ def mxfp4_ckpt(tmp_path_factory):
 def cases(mxfp4_ckpt):
     model = load_model(mxfp4_ckpt)
     assert model.layers[1].ffn.experts[0][0].__class__.__name__ == "MXFP4Linear"
+    refs = References(model)
     out = []
     for i, text in enumerate(PROMPTS):
         for name, params in (("greedy", SamplingParams(max_tokens=12, ignore_eos=True)),
                              ("seeded", SamplingParams(temperature=0.8, top_p=0.95, seed=3 + i, max_tokens=12,
                                                        ignore_eos=True))):
             ids = list(text.encode())
-            out.append((f"{name}-{i}", ids, params, reference_generate(model, ids, params).token_ids))
+            out.append((f"{name}-{i}", ids, params, refs))
     return out
 
 
@@ -40,9 +42,9 @@ def test_mxfp4_disaggregated_equals_reference(mxfp4_ckpt, cases, p, d):
     with LocalPipeline(mxfp4_ckpt, prefill_tp=p, decode_tp=d) as pipe:
         outs = pipe.generate([PrefillRequest(rid, tuple(ids), params) for rid, ids, params, _ in cases])
         assert pipe.decode.slots.num_used == 0 and pipe.decode.pages.num_used == 0
-    for rid, _, _, want in cases:
+    for rid, ids, params, refs in cases:  # equal, or an explained near-tie (tests/exactness.py)
         assert outs[rid].error is None, outs[rid].error
-        assert outs[rid].token_ids == want, rid
+        refs.check(ids, params, outs[rid].token_ids, label=rid)
 
 
 def test_mxfp4_deterministic_mode_equals_its_reference_bit_for_bit(mxfp4_ckpt):
