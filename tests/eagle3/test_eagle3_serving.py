@@ -31,10 +31,10 @@ def _requests(params):
     return [PrefillRequest(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
 
 
-@pytest.mark.parametrize("tp", [(1, 1), (2, 1)])
-def test_greedy_eagle3_equals_reference(tiny_ckpt, tiny_refs, drafter_dir, tp):
+@pytest.mark.parametrize("tp,k", [(tp, k) for tp in [(1, 1), (2, 1), (1, 2)] for k in (1, 3, 7)])
+def test_greedy_eagle3_equals_reference(tiny_ckpt, tiny_refs, drafter_dir, tp, k):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    spec = SpecConfig(method="eagle3", num_draft_tokens=3, drafter_dir=drafter_dir)
+    spec = SpecConfig(method="eagle3", num_draft_tokens=k, drafter_dir=drafter_dir)
     with LocalPipeline(tiny_ckpt, *tp, speculative=spec) as pipe:
         outs = pipe.generate(_requests(params))
     for i, p in enumerate(PROMPTS):

@@ -45,11 +45,16 @@ def _check(pipe, cases, refs):
     return outs
 
 
-@pytest.mark.parametrize("k", [1, 3, 7])
-def test_scripted_drafts_equal_reference(tiny_ckpt, tiny_refs, cases, k):
+# every drafter at every k through every (P, D) of the issue (#12 acceptance 2)
+PDK = [(p, d, k) for p, d in [(1, 1), (2, 1), (1, 2)] for k in (1, 3, 7)]
+
+
+@pytest.mark.parametrize("p,d,k", PDK)
+def test_scripted_drafts_equal_reference(tiny_ckpt, tiny_refs, cases, p, d, k):
     scripts = {prompt: want[1:] for _, prompt, _, want in cases}  # want[0] comes from prefill
     drafter = ScriptedDrafter(scripts, wrong_every=4)
-    with LocalPipeline(tiny_ckpt, speculative=SpecConfig(num_draft_tokens=k), drafter=drafter) as pipe:
+    with LocalPipeline(tiny_ckpt, prefill_tp=p, decode_tp=d, speculative=SpecConfig(num_draft_tokens=k),
+                       drafter=drafter) as pipe:
         outs = _check(pipe, cases, tiny_refs)
         usage = pipe.decode.spec_usage
     assert usage.verify_steps > 0 and 0 < usage.accepted_tokens < usage.drafted_tokens
@@ -60,7 +65,7 @@ def test_scripted_drafts_equal_reference(tiny_ckpt, tiny_refs, cases, k):
             assert b.start_position == a.start_position + len(a.committed)
 
 
-@pytest.mark.parametrize("p,d,k", [(1, 1, 3), (2, 1, 7), (1, 2, 3)])
+@pytest.mark.parametrize("p,d,k", PDK)
 def test_ngram_equals_reference(tiny_ckpt, tiny_refs, cases, p, d, k):
     # min_n = 1: the random tiny model rarely repeats a 2-gram of its prompt; single-token matches still draft
     spec = SpecConfig(num_draft_tokens=k, ngram=NgramConfig(min_n=1, max_n=3))
