@@ -275,6 +275,17 @@ class SendSession:
             crc = self._crcs[key] = crc32c(payload)
         return crc
 
+    def _next_ready(self, dst: int, i: int):
+        """Wait until stream `dst` has chunks past its first `i` (or every chunk is marked): (the new chunks,
+        whether they end the stream); None when the session was aborted. Shared by every plane's stream."""
+        with self._cond:
+            while len(self._ready[dst]) == i and not self._all_marked and not self._aborted.is_set():
+                self._cond.wait()
+            if self._aborted.is_set():
+                return None
+            batch = self._ready[dst][i:]
+            return batch, self._all_marked and i + len(batch) == len(self._ready[dst])
+
     def _messages(self, dst: int, attempt: int, holder: dict, started: threading.Event):
         """Open, then every ready chunk in the order layers became ready, then the manifest."""
         spec, faults, stats = self.spec, self.sender.faults, self._stats[dst]
@@ -283,13 +294,10 @@ class SendSession:
                                                        attempt=attempt)))
         sent, i, nbytes = [], 0, 0
         while True:
-            with self._cond:
-                while len(self._ready[dst]) == i and not self._all_marked and not self._aborted.is_set():
-                    self._cond.wait()
-                if self._aborted.is_set():
-                    return
-                batch = self._ready[dst][i:]
-                last = self._all_marked and i + len(batch) == len(self._ready[dst])
+            ready = self._next_ready(dst, i)
+            if ready is None:
+                return
+            batch, last = ready
             for c in batch:
                 t0 = time.thread_time()
                 payload = self._views[c.kind][c.src_byte: c.src_byte + c.length]

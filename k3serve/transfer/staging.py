@@ -183,14 +183,10 @@ class StagingStore:
                                f"max_chunk_bytes {lim}")
         if n != h.length:
             raise self._reject("INVALID_ARGUMENT", f"payload: {n} bytes but chunk.length says {h.length}")
-        with self._lock:
-            t = self._live_transfer(spec.transfer_id)
-            if t.verified:
-                self.counters.duplicates += 1
-                return False
-            plan = t.plans[src]
-        self._check_header(spec, plan, h)
-        c = plan[h.seq]
+        found = self._chunk_plan(spec, src, h)
+        if found is None:
+            return False
+        t, c = found
         t0 = time.thread_time()
         got = crc32c(payload)
         t1 = time.thread_time()
@@ -221,20 +217,28 @@ class StagingStore:
             k.chunks, k.bytes, k.crc_s, k.place_s = k.chunks + 1, k.bytes + n, k.crc_s + t1 - t0, k.place_s + t2 - t1
         return True
 
+    def _chunk_plan(self, spec: TransferSpec, src: int, h: pb.ChunkHeader):
+        """(the live transfer, the planned chunk `h` names) after checking the header against the plan; None when
+        the transfer is already verified (a duplicate, counted). Shared by `write` and `land`."""
+        with self._lock:
+            t = self._live_transfer(spec.transfer_id)
+            if t.verified:
+                self.counters.duplicates += 1
+                return None
+            plan = t.plans[src]
+        self._check_header(spec, plan, h)
+        return t, plan[h.seq]
+
     def land(self, spec: TransferSpec, src: int, h: pb.ChunkHeader) -> bool:
         """A chunk a data plane already wrote at its planned offset: check its header against the plan and its
         CRC32C over the bytes that landed in staging; False if the transfer is already verified."""
         if h.length > self.limits.max_chunk_bytes:
             raise self._reject("INVALID_ARGUMENT", f"chunk.length: {h.length} bytes exceeds max_chunk_bytes "
                                f"{self.limits.max_chunk_bytes}")
-        with self._lock:
-            t = self._live_transfer(spec.transfer_id)
-            if t.verified:
-                self.counters.duplicates += 1
-                return False
-            plan = t.plans[src]
-        self._check_header(spec, plan, h)
-        c = plan[h.seq]
+        found = self._chunk_plan(spec, src, h)
+        if found is None:
+            return False
+        t, c = found
         t0 = time.thread_time()
         dst = t.kda if c.kind == KDA else t.mla
         got = crc32c(dst.reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length])

@@ -178,13 +178,10 @@ class LandingSession(SendSession):
                                                        attempt=attempt, landed=True)))
         i, nbytes = 0, 0
         while True:
-            with self._cond:
-                while len(self._ready[dst]) == i and not self._all_marked and not self._aborted.is_set():
-                    self._cond.wait()
-                if self._aborted.is_set():
-                    return
-                batch = self._ready[dst][i:]
-                last = self._all_marked and i + len(batch) == len(self._ready[dst])
+            ready = self._next_ready(dst, i)
+            if ready is None:
+                return
+            batch, last = ready
             for group in self._batches(batch, faulty):
                 ops = [(self._src[c.kind] + c.src_byte, dst_base[c.kind] + c.dst_byte, c.length) for c in group]
                 try:
