@@ -39,7 +39,7 @@ def generate(
 ) -> None:
     import torch
 
-    from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, SPECULATIVE_UNSUPPORTED
+    from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC
     from k3serve.contracts.requests import PrefillRequest
     from k3serve.contracts.sampling import SamplingError, SamplingParams
     from k3serve.model.checkpoint import CheckpointError, load_config
@@ -62,8 +62,6 @@ def generate(
     if speculative:
         if reference:
             _fail("--speculative runs the serving path; it cannot be combined with --reference")
-        if deterministic:
-            _fail(f"--deterministic with --speculative: {SPECULATIVE_UNSUPPORTED}")
         from k3serve.engine.spec.config import SpecConfig, make_drafter
 
         try:

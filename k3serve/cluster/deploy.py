@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from k3serve.contracts.numerics import DEFAULT_NUMERICS, SPECULATIVE_UNSUPPORTED, Numerics, NumericsError
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics, NumericsError
 
 
 TRANSFER_PLANES = ("grpc", "mooncake", "object_store")
@@ -208,8 +208,6 @@ class DeployConfig:
             raise DeployError("clusters.prefill_tp and clusters.decode_tp must be >= 1")
         if self.routers < 1:
             raise DeployError("routers must be >= 1")
-        if self.numerics.deterministic and c.speculative.method:
-            raise DeployError(f"numerics and clusters.speculative: {SPECULATIVE_UNSUPPORTED}")
         if c.prefill_pools.page_size != c.decode_pools.page_size:
             raise DeployError("prefill_pools.page_size must equal decode_pools.page_size")
         if self.secret and len(self.secret) < 16:

@@ -76,6 +76,3 @@ class Numerics:
 DEFAULT_NUMERICS = Numerics()
 DETERMINISTIC = Numerics(NumericsMode.DETERMINISTIC)
 
-
-# The one wording of a combination the deterministic mode does not cover yet (deploy file, LocalPipeline, CLI).
-SPECULATIVE_UNSUPPORTED = ("speculative decoding under numerics: deterministic is not supported yet (the verify forward does not run the deterministic operators, so drafts would never be accepted; docs/numerics.md)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from k3serve.contracts.numerics import DEFAULT_NUMERICS, SPECULATIVE_UNSUPPORTED, Numerics
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.contracts.requests import PrefillRequest, RequestFailure, StreamEvent
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.disagg.loop import DisaggLoop
@@ -43,8 +43,6 @@ class LocalPipeline:
         """speculative: decode with drafts (ignored when `decode` is given: that config says it);
         drafter: the drafting method (default: the one the config names);
         numerics: the mode of both groups (contracts/numerics.py); it replaces `prefill.numerics`."""
-        if numerics.deterministic and (speculative is not None or (decode is not None and decode.speculative)):
-            raise ValueError(SPECULATIVE_UNSUPPORTED)
         self.cfg = load_config(checkpoint)
         prefill = replace(prefill or PrefillConfig(PoolConfig(kda_slots=64, mla_pages=1024)), numerics=numerics)
         if decode is None:

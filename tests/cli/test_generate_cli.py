@@ -51,11 +51,23 @@ def test_generate_speculative_matches_reference_and_reports_drafts(tiny_ckpt):
     (["--speculative", "medusa"], "--speculative"),
     (["--speculative", "eagle3"], "eagle3"),
     (["--speculative", "ngram", "--reference"], "--reference"),
-    (["--speculative", "ngram", "--deterministic"], "--deterministic with --speculative"),
 ])
 def test_generate_bad_speculative_flags_exit_2(tiny_ckpt, args, needle):
     out = _run("generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "1,2", "--json", *args)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def test_generate_deterministic_speculative_equals_its_reference_exactly(tiny_ckpt):
+    """--deterministic --speculative: drafts verified with the deterministic operators; the deterministic
+    reference's tokens with no tolerance (tests/spec/test_deterministic_spec.py checks the bits)."""
+    args = ("generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "5,6,7,5,6,7,5,6", "--max-tokens", "6",
+            "--ignore-eos", "--deterministic", "--json")
+    ref = _run(*args, "--reference")
+    got = _run(*args, "--speculative", "ngram", "--num-draft-tokens", "3")
+    assert ref.returncode == 0 and got.returncode == 0, ref.stderr + got.stderr
+    want, out = json.loads(ref.stdout), json.loads(got.stdout)
+    assert out["numerics"] == "deterministic" and out["speculative"] == "ngram"
+    assert out["token_ids"] == want["token_ids"] and len(want["token_ids"]) == 6
 
 
 def test_generate_deterministic_equals_its_reference_exactly(tiny_ckpt):

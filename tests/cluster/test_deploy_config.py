@@ -81,6 +81,6 @@ def test_numerics_key(tmp_path):
         load_deploy(_write(tmp_path, "numerics: exact\n"))
 
 
-def test_deterministic_numerics_with_speculative_decoding_is_refused(tmp_path):
-    with pytest.raises(DeployError, match="numerics and clusters.speculative: speculative decoding under numerics"):
-        load_deploy(_write(tmp_path, "numerics: deterministic\nclusters: {speculative: {method: ngram}}\n"))
+def test_deterministic_numerics_with_speculative_decoding_is_accepted(tmp_path):
+    cfg = load_deploy(_write(tmp_path, "numerics: deterministic\nclusters: {speculative: {method: ngram}}\n"))
+    assert cfg.numerics.deterministic and cfg.clusters.speculative.method == "ngram"
