@@ -180,3 +180,35 @@ def test_eagle3_drafts_are_bitwise(tiny_ckpt, cases, drafter_dir, p, d, k):
         compared, _ = _serve_and_check(pipe, cases)
         usage = pipe.decode.spec_usage
     assert usage.verify_steps > 0 and usage.drafted_tokens > 0 and compared >= usage.verify_steps, usage
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_commit_state_is_plain_deterministic_decode_bit_for_bit(tiny_ckpt, k):
+    """Model level (as tests/spec/test_verify_state.py, without its tolerances): from one prefilled state, n
+    plain deterministic decode steps and one verify of x_0..x_k + a commit of n give equal KDA blocks (state
+    and conv windows), equal MLA latent rows and equal logits, bit for bit, for every n in 0..k+1."""
+    from k3serve.engine.ops import CommitBatch, CopySlot, PoolConfig, PrefillChunk
+    from k3serve.engine.worker import ModelWorker
+
+    worker = ModelWorker(load_model(tiny_ckpt, numerics=DETERMINISTIC),
+                         PoolConfig(kda_slots=4, mla_pages=8, page_size=16, spec_slots=2, spec_tokens=8))
+    g = torch.Generator().manual_seed(k)
+    n_prompt = 37
+    prompt = torch.randint(0, 256, (n_prompt,), generator=g).tolist()
+    window = torch.randint(0, 256, (k + 1,), generator=g).tolist()
+    table = (0, 1, 2, 3)
+    worker.execute(PrefillChunk(0, tuple(prompt), 0, table, want_logits=False))
+    worker.execute(CopySlot(0, 2))  # pristine committed state
+    snaps, plain = [worker.kda_store[0].clone()], []
+    for t, tok in enumerate(window):
+        plain.append(worker.execute(DecodeBatch((0,), (tok,), (n_prompt + t,), (table,)))[0])
+        snaps.append(worker.kda_store[0].clone())
+    latent_plain = worker.page_store.clone()
+    worker.execute(CopySlot(2, 1))
+    logits, _ = worker.execute(VerifyBatch((1,), (0,), (tuple(window),), (n_prompt,), (table,)))
+    assert torch.equal(logits[0], torch.stack(plain))
+    assert torch.equal(worker.page_store, latent_plain)  # the verify rewrote the same rows with the same bits
+    for n in range(k + 2):
+        worker.execute(CopySlot(2, 1))
+        worker.execute(CommitBatch((1,), (0,), (n,), k + 1))
+        assert torch.equal(worker.kda_store[1], snaps[n]), f"k={k} n={n}"
