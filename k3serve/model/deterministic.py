@@ -6,8 +6,8 @@ former code (``F.linear`` and one all-reduce), :class:`DeterministicOps` compute
 and orders that do not depend on how many rows share the call or on the TP degree:
 
 ```
- rows     x [N, K] ──pad to a multiple of R──▶ [N/R, R, K] ──bmm with W^T──▶ one fixed-shape [R, K] x [K, n] GEMM
-                                                                              per tile (R = numerics.row_tile)
+ rows     x [N, K] ──pad to a multiple of R──▶ [N/R, R, K] ──bmm with W^T──▶ one [R, K] x [K, n] GEMM per tile
+          (R = 4, 8 or 16 = numerics.row_tile: the smallest that holds N; a row's bits are the same for all three)
  columns  W [n_local, K] = units_local x [n/U, K]: one GEMM per unit (U = shard units: the largest TP)
  reduce   row-parallel W [N, K_local], K_local = units_local x K/U:
           partial_u = x[:, K_u] W[:, K_u]^T     (u = this rank's units)
@@ -35,6 +35,18 @@ from k3serve.model.tp import TPGroup
 _VEC = 64
 # Output widths from which the row tiles of one linear run as one bmm (narrower: one mm per tile).
 _BMM_MIN_OUT = 16
+# The smallest row tile: from 4 rows on, a row of a GEMM gets the same bits whether its tile has 4, 8 or 16
+# rows (one kernel; fewer than 4 rows take another: tests/model/test_numerics_invariants.py).
+MIN_TILE = 4
+
+
+def tile_rows(rows: int, tile: int) -> int:
+    """Rows per tile for a call of `rows` rows: the smallest of MIN_TILE, 2 MIN_TILE, ... up to `tile` that
+    holds them (a decode step of 1 row pads to 4, not 16). Every choice gives a row the same bits (MIN_TILE)."""
+    t = MIN_TILE
+    while t < rows and t < tile:
+        t *= 2
+    return min(t, tile) if tile >= MIN_TILE else tile
 
 
 def shard_units(cfg) -> int:
@@ -98,15 +110,16 @@ class DeterministicOps(DefaultOps):
         separate calls whatever the tile count); narrower ones (a 1-head unit of b_proj) call mm per tile,
         because a bmm with n = 1 takes another kernel when it has more than one tile."""
         rows, k = x.shape
-        tiles = -(-rows // self.tile)
-        if tiles * self.tile != rows:
-            x = torch.cat([x, x.new_zeros(tiles * self.tile - rows, k)])
+        size = tile_rows(rows, self.tile)
+        tiles = -(-rows // size)
+        if tiles * size != rows:
+            x = torch.cat([x, x.new_zeros(tiles * size - rows, k)])
         if w.shape[0] < _BMM_MIN_OUT:
             wt = w.t()
-            out = torch.cat([torch.mm(x[i * self.tile: (i + 1) * self.tile], wt) for i in range(tiles)])
+            out = torch.cat([torch.mm(x[i * size: (i + 1) * size], wt) for i in range(tiles)])
             return out[:rows]
-        out = torch.bmm(x.view(tiles, self.tile, k), w.t().unsqueeze(0).expand(tiles, k, w.shape[0]))
-        return out.view(tiles * self.tile, -1)[:rows]
+        out = torch.bmm(x.view(tiles, size, k), w.t().unsqueeze(0).expand(tiles, k, w.shape[0]))
+        return out.view(tiles * size, -1)[:rows]
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, units: int = 1) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]

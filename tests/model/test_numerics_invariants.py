@@ -48,6 +48,28 @@ def test_fewer_rows_take_another_kernel(one_thread):
     assert not torch.equal(F.linear(x[:1], w)[0], F.linear(x, w)[0])
 
 
+# (K, n) of the model's GEMMs: tiny and bench presets' projections, expert matrices, attention blocks
+GEMM_SHAPES = [(256, 384), (96, 256), (256, 64), (64, 256), (48, 64), (64, 32), (1024, 128), (192, 64), (512, 1)]
+
+
+@pytest.mark.parametrize("k,n", GEMM_SHAPES)
+def test_from_min_tile_rows_a_row_has_the_same_bits_in_every_tile_size(one_thread, k, n):
+    """Why a decode step may pad to 4 rows, not 16 (deterministic.tile_rows): a row of a [R, K] x [K, n] GEMM
+    (mm, and bmm over any tile count, B transposed as the ops pass it) has the same bits for R = 4, 8, 16."""
+    from k3serve.model.deterministic import MIN_TILE
+
+    g = torch.Generator().manual_seed(k + n)
+    x, w = torch.randn(20, 16, k, generator=g), torch.randn(n, k, generator=g)
+    want = torch.bmm(x, w.t().unsqueeze(0).expand(20, k, n))
+    for r in (MIN_TILE, 2 * MIN_TILE):
+        assert torch.equal(torch.mm(x[0, :r].contiguous(), w.t()), torch.mm(x[0], w.t())[:r])
+        if n < 16:  # narrow weights run one mm per tile (deterministic._BMM_MIN_OUT)
+            continue
+        for tiles in (1, 3, 20):
+            got = torch.bmm(x[:tiles, :r].contiguous(), w.t().unsqueeze(0).expand(tiles, k, n))
+            assert torch.equal(got, want[:tiles, :r])
+
+
 @pytest.mark.parametrize("out", [1, 4, 16, 128, 259])
 def test_tiled_linear_is_independent_of_the_row_count(one_thread, out):
     ops = DeterministicOps(SINGLE, DETERMINISTIC, units=4)
