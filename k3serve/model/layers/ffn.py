@@ -161,10 +161,21 @@ def moe_deterministic(moe: MoE, flat: torch.Tensor) -> torch.Tensor:
     w = w / w.sum(-1, keepdim=True) * c.routed_scaling_factor
     z = ops.linear(flat, moe.w_down) if c.uses_latent_moe else flat
     y = torch.zeros(*ids.shape, z.shape[-1], dtype=torch.float32, device=z.device)  # [N, k, e_in]
+    # group the N*k assignments by expert with one stable sort (as MoE._routed_partial): expert e's run of
+    # `order` holds its (row, slot) pairs in the ascending order the former (ids == e).nonzero() gave, and
+    # only experts with tokens run (no 2 small ops per idle expert)
+    k = ids.shape[1]
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=c.num_experts).tolist()
+    rows_all, slot_all = order // k, order % k
+    off = sum(counts[: moe.expert_ids.start])
     for e in moe.expert_ids:
-        rows, slot = (ids == e).nonzero(as_tuple=True)
-        if rows.numel() == 0:
+        n = counts[e]
+        if n == 0:
             continue
+        rows, slot = rows_all[off: off + n], slot_all[off: off + n]
+        off += n
         w1, w3, w2 = moe.experts[e]
         zi = z[rows]
         out = w2.tiled(glu(w1.tiled(zi, ops.linear), w3.tiled(zi, ops.linear), c.hidden_act,
