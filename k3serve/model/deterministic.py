@@ -121,11 +121,25 @@ class DeterministicOps(DefaultOps):
         out = torch.bmm(x.view(tiles, size, k), w.t().unsqueeze(0).expand(tiles, k, w.shape[0]))
         return out.view(tiles * size, -1)[:rows]
 
+    def _one_tile(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x `[N, K]` padded to its single tile `[R, K]`, or None when N needs more than one tile."""
+        rows, k = x.shape
+        size = tile_rows(rows, self.tile)
+        if rows > size:
+            return None
+        return torch.cat([x, x.new_zeros(size - rows, k)]) if size > rows else x
+
     def linear(self, x: torch.Tensor, w: torch.Tensor, units: int = 1) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k)
+        n_u = w.shape[0] // units
         if units == 1:
             out = self._tiled(flat, w)
+        elif n_u >= _BMM_MIN_OUT and (tile := self._one_tile(flat)) is not None:
+            # one tile (a decode step): the units' GEMMs as one bmm, each batch entry the same [R, K] x [K, n/U]
+            # GEMM (B transposed) that the per-unit path runs: [U, R, n/U] -> [R, U n/U]
+            out = torch.bmm(tile.unsqueeze(0).expand(units, -1, -1), w.view(units, n_u, k).transpose(1, 2))
+            out = out.transpose(0, 1).reshape(tile.shape[0], -1)[: flat.shape[0]]
         else:
             out = torch.cat([self._tiled(flat, wu) for wu in w.chunk(units)], dim=-1)
         return out.view(*lead, w.shape[0])
@@ -133,11 +147,19 @@ class DeterministicOps(DefaultOps):
     def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k)
-        width = k // self.units_local
-        parts = torch.stack([self._tiled(flat[:, u * width: (u + 1) * width].contiguous(),
-                                         w[:, u * width: (u + 1) * width].contiguous())
-                             for u in range(self.units_local)])  # [units_local, N, n]
-        return self._sum_units(self._gather(parts)).view(*lead, w.shape[0])
+        ul, n = self.units_local, w.shape[0]
+        width = k // ul
+        tile = self._one_tile(flat) if n >= _BMM_MIN_OUT else None
+        if tile is not None:
+            # one tile: the units' partial GEMMs [R, K/U] x [K/U, n] as one bmm over contiguous unit slices
+            xs = tile.view(tile.shape[0], ul, width).transpose(0, 1).contiguous()  # [U_local, R, K/U]
+            ws = w.view(n, ul, width).transpose(0, 1).contiguous()  # [U_local, n, K/U]
+            parts = torch.bmm(xs, ws.transpose(1, 2))[:, : flat.shape[0]]  # [U_local, N, n]
+        else:
+            parts = torch.stack([self._tiled(flat[:, u * width: (u + 1) * width].contiguous(),
+                                             w[:, u * width: (u + 1) * width].contiguous())
+                                 for u in range(ul)])  # [units_local, N, n]
+        return self._sum_units(self._gather(parts)).view(*lead, n)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """A partial that is non-zero on exactly one rank per element (expert-parallel slots): the gathered

@@ -80,6 +80,19 @@ def test_tiled_linear_is_independent_of_the_row_count(one_thread, out):
         assert torch.equal(ops.linear(x[-rows:], w), full[-rows:])
 
 
+@pytest.mark.parametrize("out", [16, 64, 128, 384])
+def test_unit_split_linears_are_independent_of_the_row_count(one_thread, out):
+    """Column-parallel (4 units) and row-parallel linears: one tile (one bmm over the units) and many tiles
+    (one GEMM loop per unit) give a row the same bits."""
+    ops = DeterministicOps(SINGLE, DETERMINISTIC, units=4)
+    g = torch.Generator().manual_seed(out)
+    w, x = torch.randn(out, 256, generator=g), torch.randn(70, 256, generator=g)
+    col, row = ops.linear(x, w, 4), ops.row_linear(x, w)
+    for rows in (1, 3, 9, 16, 17, 33):
+        assert torch.equal(ops.linear(x[-rows:], w, 4), col[-rows:]), rows
+        assert torch.equal(ops.row_linear(x[-rows:], w), row[-rows:]), rows
+
+
 def test_padded_elementwise_calls_are_independent_of_the_element_count():
     """A sigmoid over 4 elements (scalar code) differs from the same values inside a long tensor (vector
     code); through ops.unary they agree."""

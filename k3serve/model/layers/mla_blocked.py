@@ -52,10 +52,10 @@ class KeyBlockCache:
         fp = blocks[:, [0, -1]].flatten(1).cpu().numpy()  # [n, 2 (rank + rope)]
         return [row.tobytes() for row in fp]
 
-    def lookup(self, blocks: torch.Tensor, full: list[bool]) -> tuple[list[int], torch.Tensor | None,
-                                                                      torch.Tensor | None, list[bytes]]:
+    def lookup(self, blocks: torch.Tensor, full: list[bool]) -> tuple[list[int], list[torch.Tensor],
+                                                                      list[torch.Tensor], list[bytes]]:
         """blocks `[n, KB, rank + rope]`; full[i]: block i is cacheable. Returns (indices of the hits, their
-        keys `[h, H, KB, Dq]`, values `[h, H, KB, v]`, every block's fingerprint for :meth:`insert`)."""
+        keys `[H, KB, Dq]` each, values `[H, KB, v]` each, every block's fingerprint for :meth:`insert`)."""
         fps = self._keys(blocks)
         cand = [i for i in range(len(fps)) if full[i] and fps[i] in self._entries]
         hits: list[int] = []
@@ -66,11 +66,9 @@ class KeyBlockCache:
             entries = [e for e, ok in zip(entries, same) if ok]
         self.hits += len(hits)
         self.misses += sum(full) - len(hits)
-        if not hits:
-            return [], None, None, fps
         for i in hits:
             self._entries.move_to_end(fps[i])
-        return hits, torch.stack([e[1] for e in entries]), torch.stack([e[2] for e in entries]), fps
+        return hits, [e[1] for e in entries] if hits else [], [e[2] for e in entries] if hits else [], fps
 
     def insert(self, fp: bytes, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep one full block's rows `[KB, rank + rope]`, keys `[H, KB, Dq]`, values `[H, KB, v]` (cloned)."""
