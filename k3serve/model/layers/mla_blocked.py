@@ -139,9 +139,12 @@ def blocked_attention(queries: list[torch.Tensor], rows: list[torch.Tensor], sta
     tile = tile_rows(max(q.shape[0] for q in queries), tile)  # decode: 4-row tiles (same row bits as 16)
     # key blocks of every request, decompressed in one batch: [sum nb_b, H, KB, *]
     nbs = [-(-r.shape[0] // key_block) for r in rows]
-    padded = [torch.cat([r, r.new_zeros(nb * key_block - r.shape[0], r.shape[1])]).view(nb, key_block, -1)
-              if nb * key_block > r.shape[0] else r.view(nb, key_block, -1) for r, nb in zip(rows, nbs)]
-    blocks = torch.cat(padded)  # [sum nb, KB, rank + rope]
+    blocks = rows[0].new_empty(sum(nbs), key_block, rows[0].shape[1])  # [sum nb, KB, rank + rope]
+    flat, at = blocks.view(-1, rows[0].shape[1]), 0
+    for r, nb in zip(rows, nbs):  # each request's rows, then zeros to its last block's end (one copy each)
+        flat[at: at + r.shape[0]] = r
+        flat[at + r.shape[0]: at + nb * key_block] = 0
+        at += nb * key_block
     if cache is None:
         k_all, v_all = _key_blocks(blocks, w_uk, w_uv)  # [sum nb, H, KB, Dq], [sum nb, H, KB, v]
         keys, values = list(k_all.unbind(0)), list(v_all.unbind(0))
