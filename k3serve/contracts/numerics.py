@@ -8,7 +8,7 @@ are equal except at near-ties (tests/exactness.py states the rule).
 divisible (prefill TP, decode TP), because every operation is computed in shapes and orders that do not depend
 on batching, chunking, cache hits or TP (docs/numerics.md):
 
-* linear layers and expert matmuls in fixed ``row_tile``-row tiles (the last padded), split into the
+* linear layers and expert matmuls in row tiles of 4, 8 .. ``row_tile`` rows (the last padded), split into the
   ``shard_units`` column / reduction units of the largest supported TP; partial sums of row-parallel layers are
   gathered and added in unit order on every TP (including 1);
 * MLA attention over fixed ``key_block``-key blocks at absolute positions, one online-softmax order for prefill
@@ -16,7 +16,8 @@ on batching, chunking, cache hits or TP (docs/numerics.md):
 * prefill chunk ends (budgets, cache checkpoints) on the ``grid`` of absolute positions, a multiple of the KDA
   chunk size, so the chunked KDA kernel sees the same chunks as one-shot prefill;
 * ``threads`` intra-op threads during every forward (a GEMM of a fixed shape still rounds by thread count);
-* generated tokens are replayed through decode steps on any resume (failover), never re-prefilled.
+* generated tokens are replayed through decode steps on any resume (failover), never re-prefilled;
+* a speculative verify runs the same operators, so its rows and the committed state are plain decode's bits.
 
 This module is plain data: the operators live in ``model/deterministic.py``.
 """
@@ -39,7 +40,7 @@ class NumericsMode(str, Enum):
 @dataclass(frozen=True)
 class Numerics:
     mode: NumericsMode = NumericsMode.DEFAULT
-    row_tile: int = 16  # rows per GEMM call in deterministic mode (the last tile zero-padded)
+    row_tile: int = 16  # most rows per GEMM tile in deterministic mode (4, 8 .. row_tile; the last zero-padded)
     key_block: int = 64  # MLA keys per attention block, at absolute positions 0, key_block, ...
     grid: int = 64  # prefill chunk ends lie on multiples of this (a multiple of the KDA chunk size, 32)
     threads: int = 1  # torch intra-op threads during a deterministic forward
