@@ -67,7 +67,7 @@ class TwoNodeRay:
         self.temp_dir = tempfile.mkdtemp(prefix="k3n-", dir="/tmp")  # short: Unix socket paths are <= 107 bytes
         port = _free_port()
         try:
-            self._ray("--head", f"--port={port}", "--include-dashboard=false",
+            self._ray("--head", f"--port={port}", "--include-dashboard=false", f"--dashboard-port={_free_port()}",
                       f"--ray-client-server-port={_free_port()}", f'--resources={{"{self.head_resource}": 100}}')
             self.address = f"127.0.0.1:{port}"
             self.add_worker()
