@@ -190,21 +190,28 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
     return records, fault_at[0] if fault else t0
 
 
-def check_against_reference(checkpoint: str, records: list[RequestRecord], numerics=None) -> int:
+def check_against_reference(checkpoint: str, records: list[RequestRecord], numerics=None, threads: int = 1) -> int:
     """Number of completed requests whose tokens differ from the single-process reference (built with the
     deployment's numerics: in mode deterministic the served tokens must be its tokens exactly)."""
     from k3serve.contracts.sampling import SamplingParams
     from k3serve.model.loader import load_model
     from k3serve.model.reference import reference_generate
 
+    import torch
+
     model = load_model(checkpoint, numerics=numerics)
     bad = 0
-    for r in records:
-        if r.error:
-            continue
-        p = r.params
-        ref = reference_generate(model, r.prompt, SamplingParams.from_proto(p))
-        bad += ref.token_ids != r.tokens
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # more threads than free cores make torch spin: a busy machine slows 10-20x
+    try:
+        for r in records:
+            if r.error:
+                continue
+            p = r.params
+            ref = reference_generate(model, r.prompt, SamplingParams.from_proto(p))
+            bad += ref.token_ids != r.tokens
+    finally:
+        torch.set_num_threads(before)
     return bad
 
 
@@ -288,7 +295,7 @@ def run_drill(dep: Deployment, fault: Fault | None, at_s: float, sessions: int, 
                                       after_turns=after_turns, lost=lost)
     fault_s = fault_abs - t0
     rejoined = wait_rejoined(dep, fault, before, fault_abs, rejoin_timeout_s) if rebuilds else None
-    mismatches = check_against_reference(dep.checkpoint, records, dep.deploy.numerics)
+    mismatches = check_against_reference(dep.checkpoint, records, dep.deploy.numerics, dep.deploy.torch_threads)
     out = report(dep, records, fault, fault_s, t0, mismatches, lost[0].clusters if lost else ())
     out["rejoined_s"] = rejoined  # a node fault: its clusters rebuild once the node (or another like it) is back
     if placed is not None:
