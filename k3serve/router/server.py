@@ -29,6 +29,7 @@ import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from k3serve.netaddr import advertised_host
 from k3serve.auth import AuthConfig
 from k3serve.contracts.status import from_load
 from k3serve.engine.prefix_policy import PrefixCachePolicy
@@ -369,4 +370,4 @@ def start_router_server(service: RouterService, host: str = "127.0.0.1", port: i
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
     service.health = health_servicer
-    return server, f"{host}:{bound}"
+    return server, f"{advertised_host(host)}:{bound}"  # bound 0.0.0.0: an address clients elsewhere can dial
