@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from k3serve.auth import AuthConfig
-from k3serve.netaddr import advertised_host, AuthInterceptor, signed_subject
+from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
+from k3serve.netaddr import advertised_host
 from k3serve.engine.executor import WorkerDied
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
