@@ -1,7 +1,8 @@
 """Ray actors of a deployment: one ClusterActor per cluster (it owns its rank actors) and RouterActors.
 
 ```
- ClusterActor c0 ── placement group (STRICT_PACK): prefill rank 0..P-1, decode rank 0..D-1 (RankActor)
+ ClusterActor c0 ── placement group: prefill rank 0..P-1, decode rank 0..D-1 (RankActor); one node
+   │                 (STRICT_PACK), or the nodes clusters.placement names by resources (PACK; placement.py)
    ├ PrefillEngine / DecodeEngine over RayExecutors
    ├ ClusterFront: internal gRPC (port 0) for routers
    └ agent thread: register endpoints, heartbeat load into Redis; silent once the cluster is broken

@@ -10,6 +10,9 @@ back to a default. Example (the embedded default, `configs/local.yaml`)::
       decode_tp: 1
       speculative: {method: ngram, num_draft_tokens: 3, classes: [short]}   # optional; default off
     routers: 1
+
+Node placement (which Ray node runs each cluster's front, prefill and decode group, and a per-cluster
+transfer plane): ``clusters.placement`` and ``router_resources``, see cluster/placement.py.
 """
 
 from __future__ import annotations
