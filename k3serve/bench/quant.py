@@ -12,8 +12,9 @@ and the fp32 original. Measured:
 * ``decode_tokens_per_s`` {bf16, mxfp4} by batch: the decode engine (``bench decode``'s harness), the two
   checkpoints measured alternately ``repeats`` times, best of each; ``decode_tokens_per_cpu_s``: the same,
   timed by this thread's CPU time (the local executor runs the model in this thread, one torch thread): what a
-  shared, loaded machine disturbs least; ``decode_weight_bytes_per_token``: weight bytes one step reads
-  (non-expert weights once, the expected distinct experts of the batch) / batch;
+  shared, loaded machine disturbs least; ``decode_moe_fraction``: the share of a step in the MoE layers
+  (routing, shared and routed experts; torch profiler, the best CPU-timed run); ``decode_weight_bytes_per_token``:
+  weight bytes one step reads (non-expert weights once, the expected distinct experts of the batch) / batch;
 * ``expert_matmul_us`` {bf16, mxfp4} by rows: one expert's three matmuls alone (CPU microseconds of this
   thread), alternated, best of each: the kernel-level difference.
 """
@@ -96,13 +97,17 @@ def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat
         scores = quality({"fp32": str(full), "bf16": str(bf16), "ptq": str(ptq), "qat": str(qat)}, eval_bytes, context)
         rates: dict[str, dict[str, float]] = {"bf16": {}, "mxfp4": {}}
         cpu_rates: dict[str, dict[str, float]] = {"bf16": {}, "mxfp4": {}}
+        moe_share: dict[str, dict[str, float]] = {"bf16": {}, "mxfp4": {}}
         for b in batches:
             for _ in range(repeats):  # alternate, so both see the same background load
                 for name, path in (("bf16", bf16), ("mxfp4", ptq)):
                     cfg = load_config(path)
                     for clock, into in ((time.perf_counter, rates), (time.thread_time, cpu_rates)):
-                        rate, _ = _decode_rate(str(path), cfg, b, decode_context, decode_steps, clock=clock)
-                        into[name][str(b)] = max(into[name].get(str(b), 0.0), rate)
+                        rate, parts = _decode_rate(str(path), cfg, b, decode_context, decode_steps, clock=clock)
+                        if rate > into[name].get(str(b), 0.0):
+                            into[name][str(b)] = rate
+                            if clock is time.thread_time:
+                                moe_share[name][str(b)] = parts["fraction"]["moe"]
         cfg_bf16, cfg_mx = load_config(bf16), load_config(ptq)
     matmul = {str(b): expert_matmul_us(cfg_bf16, b, iters=matmul_iters) for b in batches}
     return {
@@ -116,6 +121,7 @@ def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat
         "decode_mxfp4_over_bf16": {b: rates["mxfp4"][b] / rates["bf16"][b] for b in rates["bf16"]},
         "decode_tokens_per_cpu_s": cpu_rates,
         "decode_cpu_mxfp4_over_bf16": {b: cpu_rates["mxfp4"][b] / cpu_rates["bf16"][b] for b in cpu_rates["bf16"]},
+        "decode_moe_fraction": moe_share,
         "decode_weight_bytes_per_token": {
             "bf16": {str(b): weight_bytes_per_token(cfg_bf16, b) for b in batches},
             "mxfp4": {str(b): weight_bytes_per_token(cfg_mx, b) for b in batches}},
