@@ -187,6 +187,11 @@ def test_prepared_cpu_matrix_equals_the_dequantised_product(m, n_out, k, dtype):
     assert torch.equal(mx.decode_rows(p, mx.scale_values(s)).nan_to_num(), mx.dequantize_mxfp4(p, s).nan_to_num())
     with pytest.raises(ValueError, match=f"x has {k + 32} inputs"):
         mx.CpuMatrix(p, s)(torch.zeros(m, k + 32))
+    from k3serve.model.layers.expert_weights import MXFP4Linear
+
+    lin = MXFP4Linear(p, s)  # a serving expert on CPU takes this path; the unprepared torch path gives the same bits
+    assert lin.cpu is not None and torch.equal(lin(x).nan_to_num(), got.nan_to_num())
+    assert torch.equal(mx.mxfp4_linear(x, p, s, backend="torch").nan_to_num(), got.nan_to_num())
 
 
 def test_matmul_triton_nan_scale_and_bf16():

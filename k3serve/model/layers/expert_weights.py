@@ -41,15 +41,15 @@ class MXFP4Linear:
     scale: torch.Tensor  # uint8 [out, in / 32]
 
     backend: str = ""  # resolved once from the weights' device (a decode step makes ~50 of these calls)
-    # CPU ("torch") path: the pair prepared once (scale values in fp32, 4 bytes per 32 inputs next to the packed
-    # 17: still no weight in full precision; kernels/mxfp4.py CpuMatrix); None on other backends
+    # CPU ("torch") path: the pair prepared once (kernels/mxfp4.py CpuMatrix: scale values in fp32, 0.125 byte
+    # per weight next to the pair's 17/32; still no weight in full precision); None on other backends
     cpu: CpuMatrix | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_packed(self.packed, self.scale)
         if not self.backend:
             object.__setattr__(self, "backend", resolve_backend(None, self.packed.device))
-        if self.backend == "torch":
+        if self.backend == "torch" and self.packed.device.type == "cpu" and self.packed.dim() == 2:
             object.__setattr__(self, "cpu", CpuMatrix(self.packed, self.scale))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
