@@ -13,6 +13,16 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: tiny shapes run as fast on one, and a loaded machine's oversubscription
+    (two threads on a busy 2-core box ran training tests 20-50x slower) cannot touch them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> str:
     from k3serve.model.checkpoint import make_checkpoint

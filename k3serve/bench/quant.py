@@ -10,10 +10,13 @@ and the fp32 original. Measured:
 * ``bits_per_byte`` {fp32, bf16, ptq, qat} on held-out text (the ``k3serve eval`` windows) and ``kl_to_bf16``
   {ptq, qat}: mean KL(p_bf16 || p_quant) in nats per scored position, from the same windows;
 * ``decode_tokens_per_s`` {bf16, mxfp4} by batch: the decode engine (``bench decode``'s harness), the two
-  checkpoints measured alternately ``repeats`` times, best of each; ``decode_weight_bytes_per_token``: weight
-  bytes one step reads (non-expert weights once, the expected distinct experts of the batch) / batch;
-* ``expert_matmul_us`` {bf16, mxfp4} by rows: one expert's three matmuls alone, alternated, best of each (the
-  kernel-level difference, less exposed to a loaded machine than whole decode steps).
+  checkpoints measured alternately ``repeats`` times, best of each; ``decode_tokens_per_cpu_s``: the same,
+  timed by this thread's CPU time (the local executor runs the model in this thread, one torch thread): what a
+  shared, loaded machine disturbs least; ``decode_moe_fraction``: the share of a step in the MoE layers
+  (routing, shared and routed experts; torch profiler, the best CPU-timed run); ``decode_weight_bytes_per_token``:
+  weight bytes one step reads (non-expert weights once, the expected distinct experts of the batch) / batch;
+* ``expert_matmul_us`` {bf16, mxfp4} by rows: one expert's three matmuls alone (CPU microseconds of this
+  thread), alternated, best of each: the kernel-level difference.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ def weight_bytes_per_token(cfg: ModelConfig, batch: int) -> float:
 
 
 def expert_matmul_us(cfg: ModelConfig, rows: int, iters: int = 200, rounds: int = 5) -> dict[str, float]:
-    """Microseconds for one routed expert's three matmuls (w1, w3, w2 on `rows` tokens), bf16 weights vs MXFP4
-    (the serving objects of ``model/layers/expert_weights.py``), alternated `rounds` times, best of each."""
+    """CPU microseconds (this thread) for one routed expert's three matmuls (w1, w3, w2 on `rows` tokens), bf16
+    weights vs MXFP4 (the serving objects of ``model/layers/expert_weights.py``), alternated `rounds` times, best
+    of each."""
     from k3serve.kernels.mxfp4 import quantize_mxfp4
     from k3serve.model.layers.expert_weights import DenseLinear, MXFP4Linear
 
@@ -66,10 +70,10 @@ def expert_matmul_us(cfg: ModelConfig, rows: int, iters: int = 200, rounds: int 
     best = dict.fromkeys(forms, float("inf"))
     for _ in range(rounds):
         for name, (l1, l3, l2) in forms.items():
-            t = time.perf_counter()
+            t = time.thread_time()
             for _ in range(iters):
                 l2(l1(x) * l3(x))
-            best[name] = min(best[name], (time.perf_counter() - t) / iters * 1e6)
+            best[name] = min(best[name], (time.thread_time() - t) / iters * 1e6)
     return best
 
 
@@ -92,12 +96,18 @@ def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat
         info_bf16, info_ptq = inspect_checkpoint(bf16), inspect_checkpoint(ptq)
         scores = quality({"fp32": str(full), "bf16": str(bf16), "ptq": str(ptq), "qat": str(qat)}, eval_bytes, context)
         rates: dict[str, dict[str, float]] = {"bf16": {}, "mxfp4": {}}
+        cpu_rates: dict[str, dict[str, float]] = {"bf16": {}, "mxfp4": {}}
+        moe_share: dict[str, dict[str, float]] = {"bf16": {}, "mxfp4": {}}
         for b in batches:
             for _ in range(repeats):  # alternate, so both see the same background load
                 for name, path in (("bf16", bf16), ("mxfp4", ptq)):
                     cfg = load_config(path)
-                    rate, _ = _decode_rate(str(path), cfg, b, decode_context, decode_steps)
-                    rates[name][str(b)] = max(rates[name].get(str(b), 0.0), rate)
+                    for clock, into in ((time.perf_counter, rates), (time.thread_time, cpu_rates)):
+                        rate, parts = _decode_rate(str(path), cfg, b, decode_context, decode_steps, clock=clock)
+                        if rate > into[name].get(str(b), 0.0):
+                            into[name][str(b)] = rate
+                            if clock is time.thread_time:
+                                moe_share[name][str(b)] = parts["fraction"]["moe"]
         cfg_bf16, cfg_mx = load_config(bf16), load_config(ptq)
     matmul = {str(b): expert_matmul_us(cfg_bf16, b, iters=matmul_iters) for b in batches}
     return {
@@ -109,6 +119,9 @@ def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat
         "qat": {"source": qat_dir or f"train qat, {qat_steps} steps in this run", "seconds": qat_s},
         "decode_tokens_per_s": rates,
         "decode_mxfp4_over_bf16": {b: rates["mxfp4"][b] / rates["bf16"][b] for b in rates["bf16"]},
+        "decode_tokens_per_cpu_s": cpu_rates,
+        "decode_cpu_mxfp4_over_bf16": {b: cpu_rates["mxfp4"][b] / cpu_rates["bf16"][b] for b in cpu_rates["bf16"]},
+        "decode_moe_fraction": moe_share,
         "decode_weight_bytes_per_token": {
             "bf16": {str(b): weight_bytes_per_token(cfg_bf16, b) for b in batches},
             "mxfp4": {str(b): weight_bytes_per_token(cfg_mx, b) for b in batches}},

@@ -1,7 +1,8 @@
 """Ray actors of a deployment: one ClusterActor per cluster (it owns its rank actors) and RouterActors.
 
 ```
- ClusterActor c0 ── placement group (STRICT_PACK): prefill rank 0..P-1, decode rank 0..D-1 (RankActor)
+ ClusterActor c0 ── placement group: prefill rank 0..P-1, decode rank 0..D-1 (RankActor); one node
+   │                 (STRICT_PACK), or the nodes clusters.placement names by resources (PACK; placement.py)
    ├ PrefillEngine / DecodeEngine over RayExecutors
    ├ ClusterFront: internal gRPC (port 0) for routers
    └ agent thread: register endpoints, heartbeat load into Redis; silent once the cluster is broken
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 import ray
 from redis.exceptions import RedisError
@@ -27,6 +29,8 @@ from k3serve.cluster.deploy import DeployConfig
 from k3serve.cluster.rank_actor import ACTOR_CPU, RayExecutor, ray_worker_spec
 
 log = logging.getLogger(__name__)
+
+PG_READY_TIMEOUT_S = 30.0  # how long one build waits for its placement group (then rebuild backs off, retries)
 
 
 @ray.remote(num_cpus=ACTOR_CPU, max_restarts=0, max_concurrency=8)
@@ -68,9 +72,16 @@ class ClusterActor:
 
         d, c = self.deploy, self.deploy.clusters
         cfg = load_config(self.checkpoint)
-        pg = self._pg = placement_group([{"CPU": ACTOR_CPU}] * (c.prefill_tp + c.decode_tp), strategy="STRICT_PACK",
+        where = c.placement_of(self.cluster_id)  # nodes by custom resources (cluster/placement.py)
+        pg = self._pg = placement_group(where.bundles(ACTOR_CPU, c.prefill_tp, c.decode_tp), strategy=where.strategy,
                                         name=self.pg_name)
-        ray.get(pg.ready())
+        # bounded, and cut short by stop(): a group whose node is lost stays pending; the rebuild retries later
+        ready, deadline = pg.ready(), time.monotonic() + PG_READY_TIMEOUT_S
+        while not ray.wait([ready], timeout=1.0)[0]:
+            if self._stop.is_set() or time.monotonic() > deadline:
+                raise RuntimeError(f"cluster {self.cluster_id}: no nodes with the resources of its placement group "
+                                   f"{where.bundles(ACTOR_CPU, c.prefill_tp, c.decode_tp)} within "
+                                   f"{PG_READY_TIMEOUT_S:.0f} s" if not self._stop.is_set() else "stopping")
         pre_pools = c.prefill_pools.pool_config(cfg, c.prefill_tp)
         dec_pools = c.decode_pools.pool_config(cfg, c.decode_tp)
         spec = c.speculative.spec_config(d.request_classes)
@@ -207,6 +218,13 @@ class ClusterActor:
     def watch(self) -> None:
         """Never returns: the call's ref resolves only when this actor dies (the deployment's supervisor)."""
         threading.Event().wait()
+
+    def nodes(self) -> dict[str, object]:
+        """Ray node ids this cluster runs on: {"front": id, "prefill": [per rank], "decode": [per rank]}."""
+        out: dict[str, object] = {"front": ray.get_runtime_context().get_node_id()}
+        for role, ex in self.executors.items():
+            out[role] = ray.get([a.node_id.remote() for a in ex.actors], timeout=30)
+        return out
 
     def rank_actors(self) -> dict[str, list]:
         return {role: list(ex.actors) for role, ex in self.executors.items()}

@@ -10,6 +10,9 @@ back to a default. Example (the embedded default, `configs/local.yaml`)::
       decode_tp: 1
       speculative: {method: ngram, num_draft_tokens: 3, classes: [short]}   # optional; default off
     routers: 1
+
+Node placement (which Ray node runs each cluster's front, prefill and decode group, and a per-cluster
+transfer plane): ``clusters.placement`` and ``router_resources``, see cluster/placement.py.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from k3serve.cluster.placement import NO_PLACEMENT, PlacementSpec, Resources, parse_resources
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics, NumericsError
 
 
@@ -137,10 +141,15 @@ class ClusterSpec:
     rebuild_backoff_s: float = 1.0  # first wait before a rebuild; doubles after a failed attempt (max 30 s)
     ids: tuple[str, ...] = ()  # explicit cluster ids; default c0, c1, ...
     speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
+    placement: tuple[PlacementSpec, ...] = ()  # node placement per cluster (cluster/placement.py)
 
     @property
     def cluster_ids(self) -> tuple[str, ...]:
         return self.ids or tuple(f"c{i}" for i in range(self.count))
+
+    def placement_of(self, cluster_id: str) -> PlacementSpec:
+        """The placement entry naming this cluster (NO_PLACEMENT when none does)."""
+        return next((p for p in self.placement if cluster_id in p.clusters), NO_PLACEMENT)
 
     def prefix_policy(self):
         """The prefix-cache policy every cluster's prefill engine runs, and that routers estimate hits with: one
@@ -196,6 +205,14 @@ class DeployConfig:
     # "default" | "deterministic" (docs/numerics.md): the deploy file's one numerics switch, parsed to a
     # frozen contracts.numerics.Numerics that every cluster passes to its workers, prefill engine and front
     numerics: Numerics = DEFAULT_NUMERICS
+    router_resources: Resources = ()  # Ray custom resources each router needs (cluster/placement.py)
+
+    def for_cluster(self, cluster_id: str) -> "DeployConfig":
+        """What one cluster runs with: its placement entry's `transfer` (if any) in place of clusters.transfer."""
+        plane = self.clusters.placement_of(cluster_id).transfer
+        if not plane or plane == self.clusters.transfer:
+            return self
+        return dataclasses.replace(self, clusters=dataclasses.replace(self.clusters, transfer=plane))
 
     def with_secret(self) -> "DeployConfig":
         return self if self.secret else dataclasses.replace(self, secret=secrets.token_hex(16))
@@ -219,6 +236,20 @@ class DeployConfig:
         if c.transfer not in TRANSFER_PLANES:
             raise DeployError(f"clusters.transfer must be one of {', '.join(TRANSFER_PLANES)}, got {c.transfer!r}")
         c.mooncake.config()  # raises DeployError naming the field
+        seen: set[str] = set()
+        for i, p in enumerate(c.placement):
+            where = f"clusters.placement[{i}]"
+            if not p.clusters:
+                raise DeployError(f"{where}.clusters must name at least one cluster")
+            unknown = [x for x in p.clusters if x not in c.cluster_ids]
+            if unknown:
+                raise DeployError(f"{where}.clusters names unknown clusters {unknown} (known: {list(c.cluster_ids)})")
+            twice = seen.intersection(p.clusters)
+            if twice:
+                raise DeployError(f"{where}.clusters: {sorted(twice)} already placed by an earlier entry")
+            seen.update(p.clusters)
+            if p.transfer and p.transfer not in TRANSFER_PLANES:
+                raise DeployError(f"{where}.transfer must be one of {', '.join(TRANSFER_PLANES)}, got {p.transfer!r}")
         if not self.request_classes:
             raise DeployError("request_classes must not be empty")
         if not self.drain_timeout_s > 0:
@@ -241,12 +272,21 @@ def _build(cls: type, raw: Any, where: str) -> Any:
             raise DeployError(f"unknown key {where}.{key} (known: {', '.join(sorted(fields))})")
         nested = {"model": ModelSpec, "clusters": ClusterSpec, "control": ControlSpec,
                   "prefill_pools": PoolSpec, "decode_pools": PoolSpec, "speculative": SpeculativeSpec,
-                  "mooncake": MooncakeSpec}.get(key)
+                  "mooncake": MooncakeSpec}.get(key) if cls is not PlacementSpec else None
         if nested is not None:
             value = _build(nested, value, f"{where}.{key}")
+        elif key == "placement":
+            if not isinstance(value, list):
+                raise DeployError(f"{where}.placement must be a list of entries")
+            value = tuple(_build(PlacementSpec, v, f"{where}.placement[{i}]") for i, v in enumerate(value))
+        elif key in ("front", "prefill", "decode", "router_resources"):
+            try:
+                value = parse_resources(value, f"{where}.{key}")
+            except ValueError as e:
+                raise DeployError(str(e)) from None
         elif key == "request_classes":
             value = tuple(_build(RequestClassSpec, v, f"{where}.request_classes[{i}]") for i, v in enumerate(value))
-        elif key in ("ids", "api_keys", "classes"):
+        elif key in ("ids", "api_keys", "classes") or (cls is PlacementSpec and key == "clusters"):
             value = tuple(str(v) for v in value)
         elif key == "numerics":
             try:

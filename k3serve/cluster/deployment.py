@@ -21,6 +21,7 @@ from pathlib import Path
 import ray
 
 from k3serve.cluster.deploy import DeployConfig
+from k3serve.cluster.nodes import LostNode
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class Deployment:
 
     # ------------------------------------------------------------------------------------------- start
     def start(self, timeout_s: float = 300.0) -> "Deployment":
-        from k3serve.cluster.actors import ClusterActor, RouterActor
+        from k3serve.cluster.actors import RouterActor
 
         self.deploy = self.deploy.with_secret()
         if not self.workdir:
@@ -59,13 +60,13 @@ class Deployment:
             self.on_ray_ready()
         self._start_redis()
         self.checkpoint = self._checkpoint()
-        handles = {cid: ClusterActor.remote(cid, self.deploy, self.checkpoint, self.redis_url, self._pg_name(cid))
-                   for cid in self.deploy.clusters.cluster_ids}
+        handles = {cid: self._new_cluster(cid) for cid in self.deploy.clusters.cluster_ids}
         endpoints = ray.get([h.start.remote() for h in handles.values()], timeout=timeout_s)
         self.clusters = handles
         self.cluster_endpoints = dict(zip(handles, endpoints))
-        self.routers = [RouterActor.remote(self.deploy, self.checkpoint, self.redis_url)
-                        for _ in range(self.deploy.routers)]
+        router = RouterActor.options(resources=dict(self.deploy.router_resources)) \
+            if self.deploy.router_resources else RouterActor
+        self.routers = [router.remote(self.deploy, self.checkpoint, self.redis_url) for _ in range(self.deploy.routers)]
         self.router_addresses = ray.get([r.start.remote() for r in self.routers], timeout=timeout_s)
         self.wait_healthy(len(handles), timeout_s=30.0)
         if self.deploy.clusters.rebuild:
@@ -76,6 +77,28 @@ class Deployment:
     def _pg_name(self, cluster_id: str) -> str:
         return f"k3serve-{self._uid}-{cluster_id}"
 
+    def _new_cluster(self, cluster_id: str):
+        """A ClusterActor for this id, on the node its placement's `front` resources name (cluster/placement.py),
+        running with its own transfer plane if its placement entry names one."""
+        from k3serve.cluster.actors import ClusterActor
+
+        front = self.deploy.clusters.placement_of(cluster_id).front
+        actor = ClusterActor.options(resources=dict(front)) if front else ClusterActor
+        return actor.remote(cluster_id, self.deploy.for_cluster(cluster_id), self.checkpoint, self.redis_url,
+                            self._pg_name(cluster_id))
+
+    def cluster_nodes(self) -> dict[str, dict]:
+        """Ray node ids per cluster: {cluster id: {"front": id, "prefill": [ids], "decode": [ids]}} (a cluster
+        that does not answer maps to {})."""
+        out = {}
+        for cid, h in list(self.clusters.items()):
+            try:
+                out[cid] = ray.get(h.nodes.remote(), timeout=30)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.warning("nodes of cluster %s: %s", cid, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                out[cid] = {}
+        return out
+
     def _supervise(self) -> None:
         """Replace a ClusterActor that died (killed, its node lost) with a new one under the same cluster id.
 
@@ -84,8 +107,6 @@ class Deployment:
         are scoped to the job), so it is found by name and removed before the new actor makes its own."""
         from ray.util import get_placement_group
         from ray.util.placement_group import remove_placement_group
-
-        from k3serve.cluster.actors import ClusterActor
 
         watches = {cid: h.watch.remote() for cid, h in self.clusters.items()}
         delay: dict[str, float] = {}
@@ -98,9 +119,12 @@ class Deployment:
                     remove_placement_group(get_placement_group(self._pg_name(cid)))
                 except ValueError:  # no such group (it never got that far)
                     pass
-                handle = ClusterActor.remote(cid, self.deploy, self.checkpoint, self.redis_url, self._pg_name(cid))
+                handle = self._new_cluster(cid)
                 try:
-                    endpoint = ray.get(handle.start.remote(), timeout=300)
+                    endpoint = self._wait_started(handle.start.remote(), timeout_s=300)
+                    if endpoint is None:
+                        ray.kill(handle, no_restart=True)
+                        return
                 except Exception as e:  # noqa: BLE001 - no resources yet, ...: keep the dead ref, try again later
                     log.warning("restarting cluster %s failed: %s", cid, e)
                     ray.kill(handle, no_restart=True)
@@ -112,6 +136,18 @@ class Deployment:
                 watches[cid] = handle.watch.remote()
                 delay.pop(cid, None)
                 log.warning("cluster %s restarted (%d): %s", cid, self.restarts[cid], endpoint)
+
+    def _wait_started(self, ref, timeout_s: float) -> str | None:
+        """ray.get(ref), in steps so that a stop is not held up by a cluster that cannot be placed (its node
+        lost): None when stopping; TimeoutError after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while not self._stopping.is_set():
+            ready, _ = ray.wait([ref], timeout=1.0)
+            if ready:
+                return ray.get(ref)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster did not start within {timeout_s:.0f} s")
+        return None
 
     def _start_ray(self) -> None:
         if ray.is_initialized():
@@ -162,6 +198,13 @@ class Deployment:
     def kill_rank(self, cluster_id: str, role: str, rank: int = 0) -> None:
         actors = ray.get(self.clusters[cluster_id].rank_actors.remote())
         ray.kill(actors[role][rank], no_restart=True)
+
+    def kill_node(self, spec: str) -> "LostNode":
+        """Kill every Ray process of one node (its raylet and workers) and wait until Ray declares it dead; `spec`
+        is a custom resource only that node has, or a node id (prefix). See cluster/nodes.py."""
+        from k3serve.cluster.nodes import kill_node
+
+        return kill_node(spec, self.cluster_nodes())
 
     def kill_router(self, index: int) -> None:
         ray.kill(self.routers[index], no_restart=True)

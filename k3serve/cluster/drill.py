@@ -1,7 +1,8 @@
 """Failover drills: a multi-turn workload through the routers with a fault injected mid-run.
 
 Each session runs its turns one after another (prompt = history + reply + a new user message); sessions run
-concurrently. At ``at_s`` the drill kills a cluster, one of its decode or prefill ranks, a router, or Redis.
+concurrently. At ``at_s`` the drill kills a cluster, one of its decode or prefill ranks, a whole Ray node (its
+raylet and workers: every cluster with a part there is lost, cluster/nodes.py), a router, or Redis.
 Afterwards every completed request is checked against the single-process reference generator on the same
 prompt and sampling parameters (the fault-free run), and the report says how the killed cluster's sessions
 spread over the survivors.
@@ -29,21 +30,24 @@ from k3serve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-FAULT_KINDS = ("cluster", "decode", "prefill", "router", "redis")
+FAULT_KINDS = ("cluster", "decode", "prefill", "node", "router", "redis")
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    target: str = ""  # a cluster id for cluster/decode/prefill
+    target: str = ""  # a cluster id for cluster/decode/prefill; a node's custom resource or id for node
 
     @staticmethod
     def parse(spec: str) -> "Fault":
         kind, _, target = spec.partition(":")
         if kind not in FAULT_KINDS:
-            raise ValueError(f"--kill must be one of cluster:ID, decode:ID, prefill:ID, router, redis; got {spec!r}")
+            raise ValueError(f"--kill must be one of cluster:ID, decode:ID, prefill:ID, node:N, router, redis; "
+                             f"got {spec!r}")
         if kind in ("cluster", "decode", "prefill") and not target:
             raise ValueError(f"--kill {kind} needs a cluster id, e.g. {kind}:c0")
+        if kind == "node" and not target:
+            raise ValueError("--kill node needs a node: a custom resource only it has, or its id, e.g. node:k3_node_b")
         return Fault(kind, target)
 
 
@@ -111,8 +115,11 @@ def _session_params(i: int, max_tokens: int) -> router_pb2.SamplingParams:
 
 
 def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fault: Fault | None, at_s: float,
-                 seed: int | None = None, redis_down_s: float = 5.0) -> tuple[list[RequestRecord], float]:
-    """Run the sessions; inject `fault` at `at_s`. Returns (records, the fault's time.monotonic())."""
+                 seed: int | None = None, redis_down_s: float = 5.0, after_turns: int = 0,
+                 lost: list | None = None) -> tuple[list[RequestRecord], float]:
+    """Run the sessions; inject `fault` at `at_s`, and not before every session completed `after_turns` turns
+    (so every cluster has served its sessions before the fault, however loaded the machine). Returns
+    (records, the fault's time.monotonic()); a node fault appends its LostNode to `lost`."""
     # a fresh run id per drill: new sessions and prompts, so earlier runs' pins and cache entries do not apply
     seed = random.randrange(1 << 30) if seed is None else seed
     names = session_names(sessions, seed)
@@ -149,11 +156,21 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
 
     def _inject() -> None:
         time.sleep(at_s)
+        while after_turns and any(t.is_alive() for t in threads[:sessions]):
+            with lock:
+                done = Counter(r.session for r in records if not r.error)
+            if all(done[n] >= after_turns for n in names):
+                break
+            time.sleep(0.05)
         fault_at[0] = time.monotonic()
         if fault.kind == "cluster":
             dep.kill_cluster(fault.target)
         elif fault.kind in ("decode", "prefill"):
             dep.kill_rank(fault.target, fault.kind)
+        elif fault.kind == "node":
+            lost_node = dep.kill_node(fault.target)
+            if lost is not None:
+                lost.append(lost_node)
         elif fault.kind == "router":
             dep.kill_router(0)
         elif fault.kind == "redis":
@@ -173,26 +190,34 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
     return records, fault_at[0] if fault else t0
 
 
-def check_against_reference(checkpoint: str, records: list[RequestRecord], numerics=None) -> int:
+def check_against_reference(checkpoint: str, records: list[RequestRecord], numerics=None, threads: int = 1) -> int:
     """Number of completed requests whose tokens differ from the single-process reference (built with the
     deployment's numerics: in mode deterministic the served tokens must be its tokens exactly)."""
     from k3serve.contracts.sampling import SamplingParams
     from k3serve.model.loader import load_model
     from k3serve.model.reference import reference_generate
 
+    import torch
+
     model = load_model(checkpoint, numerics=numerics)
     bad = 0
-    for r in records:
-        if r.error:
-            continue
-        p = r.params
-        ref = reference_generate(model, r.prompt, SamplingParams.from_proto(p))
-        bad += ref.token_ids != r.tokens
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # more threads than free cores make torch spin: a busy machine slows 10-20x
+    try:
+        for r in records:
+            if r.error:
+                continue
+            p = r.params
+            ref = reference_generate(model, r.prompt, SamplingParams.from_proto(p))
+            bad += ref.token_ids != r.tokens
+    finally:
+        torch.set_num_threads(before)
     return bad
 
 
 def report(dep: Deployment, records: list[RequestRecord], fault: Fault | None, fault_s: float, t0: float,
-           mismatches: int) -> dict:
+           mismatches: int, lost: tuple[str, ...] = ()) -> dict:
+    """The drill's report; `lost`: the clusters a node fault took down (the node's clusters)."""
     clusters = list(dep.deploy.clusters.cluster_ids)
     out = {"requests": len(records), "completed": sum(not r.error for r in records),
            "failed": sum(bool(r.error) for r in records), "failed_over": sum(r.failovers > 0 for r in records),
@@ -201,15 +226,17 @@ def report(dep: Deployment, records: list[RequestRecord], fault: Fault | None, f
            "in_flight_at_fault": sum(r.start_s - t0 <= fault_s <= r.end_s - t0 for r in records) if fault else 0,
            "errors": sorted({r.error for r in records if r.error})[:5],
            "retry_reasons": sorted({x for r in records for x in r.retry_reasons})[:5]}
-    if fault is not None and fault.kind in ("cluster", "decode", "prefill"):
-        dead = fault.target
-        survivors = [c for c in clusters if c != dead]
+    before = Counter(r.cluster_id for r in records if not r.error and r.end_s - t0 < fault_s) if fault else None
+    out["completed_before_fault_by_cluster"] = dict(sorted(before.items())) if fault else None
+    if fault is not None and fault.kind in ("cluster", "decode", "prefill", "node"):
+        dead = set(lost) if fault.kind == "node" else {fault.target}
+        survivors = [c for c in clusters if c not in dead]
         # sessions whose HRW primary is the failed cluster: where did their requests finish after the fault?
         moved: dict[str, str] = {}
         for r in sorted(records, key=lambda r: r.end_s):
             if r.error or r.end_s - t0 < fault_s:
                 continue
-            if rank_clusters(session_key(r.session, r.prompt), clusters)[0] == dead and r.cluster_id != dead:
+            if rank_clusters(session_key(r.session, r.prompt), clusters)[0] in dead and r.cluster_id not in dead:
                 moved[r.session] = r.cluster_id
         spread = Counter(moved.values())
         fair = len(moved) / len(survivors) if survivors else 0
@@ -252,18 +279,31 @@ def wait_rejoined(dep: Deployment, fault: Fault, before: int, fault_abs: float, 
 
 
 def run_drill(dep: Deployment, fault: Fault | None, at_s: float, sessions: int, turns: int,
-              max_tokens: int, seed: int | None = None, rejoin_timeout_s: float = 120.0) -> dict:
-    """The workload with `fault` injected at `at_s`, checked against the reference. For a cluster or rank fault
-    (with ``clusters.rebuild`` on) it then waits for the failed cluster to rejoin and reports ``rejoined_s``."""
+              max_tokens: int, seed: int | None = None, rejoin_timeout_s: float = 120.0,
+              after_turns: int = 0) -> dict:
+    """The workload with `fault` injected at `at_s` (and once every session completed `after_turns` turns), checked
+    against the reference. For a cluster or rank fault (with ``clusters.rebuild`` on) it then waits for the
+    failed cluster to rejoin and reports ``rejoined_s``. A node fault reports the node's clusters
+    (``lost_node_clusters``) and where every cluster ran (``cluster_nodes``, node id prefixes); they rebuild
+    when the node comes back, which the drill does not wait for."""
     rebuilds = fault is not None and fault.kind in ("cluster", "decode", "prefill") and dep.deploy.clusters.rebuild
     before = _recoveries(dep, fault) if rebuilds else 0
+    placed = dep.cluster_nodes() if fault is not None and fault.kind == "node" else None
     t0 = time.monotonic()
-    records, fault_abs = run_workload(dep, sessions, turns, max_tokens, fault, at_s, seed)
+    lost: list = []
+    records, fault_abs = run_workload(dep, sessions, turns, max_tokens, fault, at_s, seed,
+                                      after_turns=after_turns, lost=lost)
     fault_s = fault_abs - t0
     rejoined = wait_rejoined(dep, fault, before, fault_abs, rejoin_timeout_s) if rebuilds else None
-    mismatches = check_against_reference(dep.checkpoint, records, dep.deploy.numerics)
-    out = report(dep, records, fault, fault_s, t0, mismatches)
-    out["rejoined_s"] = rejoined
+    mismatches = check_against_reference(dep.checkpoint, records, dep.deploy.numerics, dep.deploy.torch_threads)
+    out = report(dep, records, fault, fault_s, t0, mismatches, lost[0].clusters if lost else ())
+    out["rejoined_s"] = rejoined  # a node fault: its clusters rebuild once the node (or another like it) is back
+    if placed is not None:
+        out["cluster_nodes"] = {cid: {k: (v[:8] if isinstance(v, str) else [x[:8] for x in v])
+                                      for k, v in where.items()} for cid, where in placed.items()}
+        out["lost_node"] = lost[0].node_id[:8] if lost else None
+        out["lost_node_clusters"] = list(lost[0].clusters) if lost else []
+        out["node_dead_after_s"] = lost[0].dead_after_s if lost else None
     out["wall_s"] = time.monotonic() - t0
     out["sessions"], out["turns"], out["max_tokens"] = sessions, turns, max_tokens
     return out

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import grpc
 
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
+from k3serve.netaddr import advertised_host
 from k3serve.engine.executor import WorkerDied
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
@@ -83,7 +84,7 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         cluster_pb2_grpc.add_ClusterServicer_to_server(self, self._server)
         port = self._server.add_insecure_port(f"{host}:0")
         self._server.start()
-        return f"{host}:{port}"
+        return f"{advertised_host(host)}:{port}"  # bound 0.0.0.0: an address routers on other nodes can dial
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop accepting, let in-flight requests drain for grace_s, then stop the engine thread."""

@@ -73,6 +73,9 @@ class RankActor:
 
         return os.getpid()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     @ray.method(concurrency_group="watch")
     def watch(self) -> None:
         """Never returns: the call's ObjectRef becomes ready (with RayActorError) only when this actor dies."""

@@ -14,6 +14,7 @@ import triton.language as tl
 from ._dispatch import next_pow2
 from ._kda_common import default_scale
 from .kda_spec import record_floats
+from .kda_triton import delta_rule_step
 
 
 @triton.jit
@@ -43,15 +44,7 @@ def _kda_verify_kernel(
     p_u = u_ptr + row * V + ov
     p_b = beta_ptr + row
     for _ in range(0, T):
-        bq = tl.load(p_q, mask=mk, other=0.0).to(tl.float32) * scale
-        bk = tl.load(p_k, mask=mk, other=0.0).to(tl.float32)
-        bg = tl.load(p_g, mask=mk, other=0.0).to(tl.float32)
-        bv = tl.load(p_v, mask=mv, other=0.0).to(tl.float32)
-        bb = tl.load(p_b).to(tl.float32)
-        S = S * tl.exp(bg)[:, None]
-        u = bb * (bv - tl.sum(S * bk[:, None], axis=0))
-        S += bk[:, None] * u[None, :]
-        o = tl.sum(S * bq[:, None], axis=0)
+        S, u, o = delta_rule_step(S, p_q, p_k, p_g, p_v, p_b, mk, mv, scale)
         tl.store(p_o, o.to(p_o.dtype.element_ty), mask=mv)
         tl.store(p_u, u, mask=mv)
         p_q += H * K

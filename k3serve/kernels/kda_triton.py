@@ -21,6 +21,22 @@ from ._kda_common import check_kda_inputs, default_scale
 
 
 @triton.jit
+def delta_rule_step(S, p_q, p_k, p_g, p_v, p_b, mk, mv, scale):
+    """One token of the gated delta rule on the fp32 state block S [BK, BV] (also the speculative verify's,
+    kda_spec_triton.py): loads the token's q, k, g [BK], v [BV], beta; returns (S', u, o), u = beta (v - S^T k)."""
+    bq = tl.load(p_q, mask=mk, other=0.0).to(tl.float32) * scale
+    bk = tl.load(p_k, mask=mk, other=0.0).to(tl.float32)
+    bg = tl.load(p_g, mask=mk, other=0.0).to(tl.float32)
+    bv = tl.load(p_v, mask=mv, other=0.0).to(tl.float32)
+    bb = tl.load(p_b).to(tl.float32)
+    S = S * tl.exp(bg)[:, None]                       # S <- Diag(exp(g)) S
+    u = bb * (bv - tl.sum(S * bk[:, None], axis=0))   # beta (v - S^T k)
+    S += bk[:, None] * u[None, :]                     # S <- S + k u^T
+    o = tl.sum(S * bq[:, None], axis=0)               # S^T q
+    return S, u, o
+
+
+@triton.jit
 def _recurrent_kda_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, ht_ptr,
     s_h0b, s_h0h, s_h0k, s_h0v,
@@ -52,15 +68,7 @@ def _recurrent_kda_kernel(
     p_o = o_ptr + row * V + ov
     p_b = beta_ptr + row
     for _ in range(0, T):
-        bq = tl.load(p_q, mask=mk, other=0.0).to(tl.float32) * scale
-        bk = tl.load(p_k, mask=mk, other=0.0).to(tl.float32)
-        bg = tl.load(p_g, mask=mk, other=0.0).to(tl.float32)
-        bv = tl.load(p_v, mask=mv, other=0.0).to(tl.float32)
-        bb = tl.load(p_b).to(tl.float32)
-        S = S * tl.exp(bg)[:, None]                       # S <- Diag(exp(g)) S
-        u = bb * (bv - tl.sum(S * bk[:, None], axis=0))   # beta (v - S^T k)
-        S += bk[:, None] * u[None, :]                     # S <- S + k u^T
-        o = tl.sum(S * bq[:, None], axis=0)               # S^T q
+        S, u, o = delta_rule_step(S, p_q, p_k, p_g, p_v, p_b, mk, mv, scale)
         tl.store(p_o, o.to(p_o.dtype.element_ty), mask=mv)
         p_q += H * K
         p_k += H * K

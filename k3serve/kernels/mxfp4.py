@@ -81,6 +81,9 @@ _TABLES = {dt: (_pair_table().to(dt).contiguous().view(_WORD[dt]).view(-1), _sca
            for dt in _WORD}
 
 
+_FP32_WORDS = _TABLES[torch.float32][0]
+
+
 def _tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """(pair words [256], scale table [256], their value dtype) for outputs of `dtype` on `device`."""
     table_dtype = dtype if dtype in _TABLES else torch.float32
@@ -105,19 +108,43 @@ def check_packed(packed: torch.Tensor, scales: torch.Tensor, what: str = "weight
 
 
 # ---------------------------------------------------------------------------------------------- dequantise
+def scale_values(scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """E8M0 codes uint8 `[..., G]` -> their values 2^(s - 127) `[..., G, 1]` (NaN for 0xFF; the trailing 1
+    broadcasts over a group's 32 inputs) in fp32 or bf16 (both exact; other dtypes get fp32). The CPU matmul
+    keeps these per weight (4 bytes per 32 inputs in fp32)."""
+    _, stab, _ = _tables(scales.device, dtype)
+    return stab.index_select(0, scales.reshape(-1).int()).view(*scales.shape, 1)
+
+
+def _decode(flat: torch.Tensor, svals: torch.Tensor, words: torch.Tensor, groups: tuple[int, int, int]) -> torch.Tensor:
+    """The decode arithmetic, once: flat packed uint8 `[R * K/2]`, svals `[R, K/32, 1]`, `words` the pair table of
+    svals' dtype, groups = (R, K/32, 32) -> `[R, K/32, 32]`: one gather per byte, one in-place multiply per 32."""
+    return words.index_select(0, flat.int()).view(svals.dtype).view(groups).mul_(svals)
+
+
+def decode_rows(packed: torch.Tensor, svals: torch.Tensor) -> torch.Tensor:
+    """The arithmetic of :func:`dequantize_mxfp4` on rows: packed uint8 `[R, K/2]`, svals `[R, K/32, 1]` (from
+    :func:`scale_values`, fp32 or bf16) -> `[R, K]` in svals' dtype. One gather per byte (byte -> its two E2M1
+    values as one machine word), one in-place multiply per 32-wide group; exact."""
+    r, k = packed.shape[0], packed.shape[-1] * 2
+    words = _TABLES[svals.dtype][0]
+    if packed.device.type != "cpu":
+        words = words.to(packed.device)
+    return _decode(packed.reshape(-1), svals, words, (r, k // GROUP, GROUP)).view(r, k)
+
+
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The one MXFP4 dequantisation: packed uint8 `[..., K/2]`, scales uint8 `[..., K/32]` -> `[..., K]` in `dtype`.
 
     Two table lookups (byte -> its two E2M1 values as one word; scale code -> 2^(s-127)) and one multiply, all
-    exact in fp32 and in bf16 (computed in fp32 and cast for other dtypes).
+    exact in fp32 and in bf16 (computed in fp32 and cast for other dtypes). :func:`decode_rows` is its
+    arithmetic, called by the CPU matmul with the scale values it keeps.
     """
     k = check_packed(packed, scales)
-    words, stab, tdt = _tables(packed.device, dtype)
     lead = packed.shape[:-1]
-    vals = words.index_select(0, packed.reshape(-1).int()).view(tdt)  # element 2i, 2i + 1 of every byte
-    s = stab.index_select(0, scales.reshape(-1).int())
-    out = (vals.view(-1, GROUP) * s.unsqueeze(-1)).view(*lead, k)
-    return out if tdt == dtype else out.to(dtype)
+    svals = scale_values(scales, dtype)
+    out = decode_rows(packed.reshape(-1, k // 2), svals.reshape(-1, k // GROUP, 1)).view(*lead, k)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 # ------------------------------------------------------------------------------------------------ quantise
@@ -184,37 +211,77 @@ def mxfp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------------- matmul
-def mxfp4_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def mxfp4_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                       svals: torch.Tensor | None = None) -> torch.Tensor:
     """CPU path: ``x @ W^T`` with W dequantised one block of rows at a time into a scratch of at most
     :data:`SCRATCH_ELEMS` values (never the whole expert set, nor a large matrix at once).
 
     The math is fp32 whatever x's dtype (exact weights, fp32 products and sums; the result is cast to x's dtype
     once): torch's CPU fp32 GEMM/GEMV is several times faster than its bf16 one, which pays for the dequant.
-    x `[N, K]`; packed uint8 `[O, K/2]`; scales uint8 `[O, K/32]` -> `[N, O]` in x's dtype.
+    x `[N, K]`; packed uint8 `[O, K/2]`; scales uint8 `[O, K/32]`; svals: ``scale_values(scales)``, fp32
+    `[O, K/32, 1]`, when the caller keeps them (:class:`~k3serve.model.layers.expert_weights.MXFP4Linear`
+    does) -> `[N, O]` in x's dtype.
     """
-    k = check_packed(packed, scales)
-    o = packed.shape[0]
-    rows = max(1, SCRATCH_ELEMS // k)
+    check_packed(packed, scales)
+    return linear_rows(x, packed, scale_values(scales) if svals is None else svals)
+
+
+def linear_rows(x: torch.Tensor, packed: torch.Tensor, svals: torch.Tensor) -> torch.Tensor:
+    """:func:`mxfp4_linear_torch` without the checks (the caller validated the pair once): x `[N, K]`, packed
+    uint8 `[O, K/2]`, svals fp32 `[O, K/32, 1]` -> `[N, O]` in x's dtype."""
+    o, k = packed.shape[0], packed.shape[-1] * 2
     xf = x.float()
-    if rows >= o:
-        return F.linear(xf, dequantize_mxfp4(packed, scales, torch.float32)).to(x.dtype)
+    if o * k <= SCRATCH_ELEMS:
+        return F.linear(xf, decode_rows(packed, svals)).to(x.dtype)
+    rows = max(1, SCRATCH_ELEMS // k)
     out = torch.empty(*x.shape[:-1], o, dtype=x.dtype, device=x.device)
     for r0 in range(0, o, rows):
         r1 = min(o, r0 + rows)
-        out[..., r0:r1] = F.linear(xf, dequantize_mxfp4(packed[r0:r1], scales[r0:r1], torch.float32))
+        out[..., r0:r1] = F.linear(xf, decode_rows(packed[r0:r1], svals[r0:r1]))
     return out
 
 
+class CpuMatrix:
+    """A packed pair prepared once for the CPU matmul of a decode step: validated, its scale values decoded
+    (fp32 `[O, K/32, 1]`, 4 bytes per 32 inputs) and its views made at load, so a call is the 6 torch ops
+    (x to fp32, bytes to int32, gather, scale multiply, GEMM, cast back) and little Python: a decode step makes
+    ~50 such calls on small matrices, where each op costs more than its arithmetic. Matrices above
+    :data:`SCRATCH_ELEMS` go through :func:`linear_rows` (row blocks)."""
+
+    __slots__ = ("packed", "svals", "_flat", "_groups", "_shape", "_k", "_whole")
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        """packed uint8 `[O, K/2]`, scales uint8 `[O, K/32]`, on the CPU."""
+        k = check_packed(packed, scales)
+        if packed.dim() != 2 or packed.device.type != "cpu":
+            raise ValueError(f"CpuMatrix takes one CPU matrix, got {list(packed.shape)} on {packed.device}")
+        o = packed.shape[0]
+        self.packed, self.svals = packed, scale_values(scales)
+        self._flat, self._groups, self._shape, self._k = packed.reshape(-1), (o, k // GROUP, GROUP), (o, k), k
+        self._whole = o * k <= SCRATCH_ELEMS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[N, K]` -> `[N, O]` in x's dtype (fp32 math)."""
+        if x.shape[-1] != self._k:
+            raise ValueError(f"x has {x.shape[-1]} inputs, the packed weight {self._k}")
+        if not self._whole:
+            return linear_rows(x, self.packed, self.svals)
+        w = _decode(self._flat, self.svals, _FP32_WORDS, self._groups).view(self._shape)
+        return F.linear(x.float(), w).to(x.dtype)
+
+
 def mxfp4_linear_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                        linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                        linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                        svals: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`mxfp4_linear_torch` with the matmul supplied: ``linear(x_fp32, W_block_fp32)`` per block of
     weight rows (the same blocks). Numerics mode deterministic passes its fixed-row-tile GEMM here.
-    x `[N, K]` -> `[N, O]` in x's dtype."""
+    x `[N, K]`; svals as in :func:`mxfp4_linear_torch` -> `[N, O]` in x's dtype."""
     k = check_packed(packed, scales)
+    svals = scale_values(scales) if svals is None else svals
     o = packed.shape[0]
     rows = max(1, SCRATCH_ELEMS // k)
     xf = x.float()
-    parts = [linear(xf, dequantize_mxfp4(packed[r0:min(o, r0 + rows)], scales[r0:min(o, r0 + rows)], torch.float32))
+    parts = [linear(xf, decode_rows(packed[r0:min(o, r0 + rows)], svals[r0:min(o, r0 + rows)]))
              for r0 in range(0, o, rows)]
     return torch.cat(parts, dim=-1).to(x.dtype)
 

@@ -393,11 +393,16 @@ class Admission:
             self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"]], client=pipe)
         return [ClassLoad(int(t), int(c), int(q)) for t, c, q in pipe.execute()]
 
-    def retry_after(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0) -> float:
-        """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends."""
+    def retry_after(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0,
+                    unseen: tuple[int, int] = (0, 0)) -> float:
+        """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends.
+
+        ``unseen`` = (requests, tokens) ahead of this one that Redis does not show yet (a router's streams that
+        hold a stream slot but have not reached admission): they count as waiters ahead."""
         k = self.keys(cluster, cls.name)
         raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"]])]
         now, queued, queued_tokens = raw[:3]
+        queued, queued_tokens = queued + unseen[0], queued_tokens + unseen[1]
         # a holder that published no end (a caller without a duration estimate): assume the old rule of thumb,
         # that the class turns over in about max_wait_s
         unknown = now + int(max(cls.max_wait_s, 0.1) * 1000)
@@ -428,12 +433,13 @@ class Admission:
             return self._rng.uniform(self.config.poll_min_s, self.config.poll_max_s)
 
     def rejection(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
-                  expected_s: float = 0.0) -> AdmissionRejected:
-        """An AdmissionRejected with the honest hint, for callers that refuse on this budget's behalf."""
-        return self._rejected(cluster, cls, tokens, reason, message, expected_s=expected_s)
+                  expected_s: float = 0.0, unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
+        """An AdmissionRejected with the honest hint, for callers that refuse on this budget's behalf
+        (``unseen``: waiters ahead that Redis does not show yet, see ``retry_after``)."""
+        return self._rejected(cluster, cls, tokens, reason, message, expected_s=expected_s, unseen=unseen)
 
     def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
-                  expected_s: float = 0.0) -> AdmissionRejected:
+                  expected_s: float = 0.0, unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
         """The rejection with its hint: the expected drain time of what holds the budget (the recovery grace while
         Redis recovers from a state loss), jittered by +0-``HINT_JITTER`` so refused clients do not all return at
         once."""
@@ -441,7 +447,7 @@ class Admission:
             hint, message = self.guard.grace_s, f"{message} (admission state recovering after a Redis loss)"
         else:
             try:
-                hint = self.retry_after(cluster, cls, tokens, round_s=expected_s)
+                hint = self.retry_after(cluster, cls, tokens, round_s=expected_s, unseen=unseen)
             except (redis.RedisError, OSError):
                 hint = max(cls.max_wait_s, 0.1)  # no holders to read: the queue turns over in about max_wait_s
         with self._rng_lock:  # late rather than early: an early retry is refused again, a late one only waits

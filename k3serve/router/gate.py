@@ -142,10 +142,13 @@ class AdmissionGate:
             self._held[rid] = _Held(res, remaining)
         return res
 
-    def retry_hint(self, cluster: str, cls: ClassSpec, uncached: int, expected_s: float = 0.0) -> float:
+    def retry_hint(self, cluster: str, cls: ClassSpec, uncached: int, expected_s: float = 0.0,
+                   unseen: tuple[int, int] = (0, 0)) -> float:
         """When a request of ``uncached`` tokens of ``cls``, expected to run ``expected_s``, would fit on
-        ``cluster`` (Admission.retry_after)."""
-        return self.admission.rejection(cluster, cls, max(uncached, 1), "over_budget", "", expected_s).retry_after_s
+        ``cluster``, behind ``unseen`` = (requests, tokens) that have not reached admission yet
+        (Admission.retry_after)."""
+        return self.admission.rejection(cluster, cls, max(uncached, 1), "over_budget", "", expected_s,
+                                        unseen).retry_after_s
 
     def move(self, res: Reservation | None, cluster: str) -> Reservation | None:
         """A failover: the request keeps the class and tokens it was admitted with, now held on ``cluster``.

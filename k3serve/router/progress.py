@@ -74,6 +74,9 @@ class StreamProgress:
         self.first_token_at: float | None = None
         self.last_progress = self.started
         self.tokens = 0
+        # the cluster this stream is bound for while it holds a router slot but has not reached admission
+        # (Redis does not count it yet; a refusal's hint counts it as a waiter ahead); "" once it has
+        self.pending_on = ""
 
     def advance(self, n: int) -> None:
         now = self._clock()

@@ -41,6 +41,11 @@ class StreamSlots:
         with self._lock:
             return len(self._active)
 
+    def pending_on(self, cluster: str) -> int:
+        """This router's streams bound for ``cluster`` that have not reached admission yet."""
+        with self._lock:
+            return sum(p.pending_on == cluster for p in self._active)
+
     def retry_after_s(self) -> float:
         """When slots are expected to free: the median expected end among this router's streams. Not the
         soonest: the first slot to free goes to whichever client comes back first, and a full router has many

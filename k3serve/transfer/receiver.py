@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from k3serve.netaddr import advertised_host
 from k3serve.transfer.v1 import transfer_pb2 as pb
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
 from k3serve.transfer.buffers import RegionBuffers
@@ -88,7 +89,7 @@ class TransferReceiver:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return f"{advertised_host(self.config.host)}:{self.port}"  # bound 0.0.0.0: a dialable address
 
     def stop(self, grace: float | None = 0.5) -> None:
         self._stop.set()

@@ -55,6 +55,7 @@ def test_quant_bench_keys_side_by_side(tmp_path):
     assert all(v >= 0 for v in out["kl_to_bf16"].values())
     for form in ("bf16", "mxfp4"):
         assert set(out["decode_tokens_per_s"][form]) == {"1"} and set(out["expert_matmul_us"]["1"]) >= {form}
+        assert set(out["decode_tokens_per_cpu_s"][form]) == {"1"} and out["decode_tokens_per_cpu_s"][form]["1"] > 0
     mx = out["decode_weight_bytes_per_token"]
     assert mx["mxfp4"]["1"] < mx["bf16"]["1"]
     cfg = preset("tiny-trained")

@@ -84,3 +84,46 @@ def test_numerics_key(tmp_path):
 def test_deterministic_numerics_with_speculative_decoding_is_accepted(tmp_path):
     cfg = load_deploy(_write(tmp_path, "numerics: deterministic\nclusters: {speculative: {method: ngram}}\n"))
     assert cfg.numerics.deterministic and cfg.clusters.speculative.method == "ngram"
+
+
+def test_placement_parses_to_bundles_and_a_per_cluster_plane(tmp_path):
+    cfg = load_deploy(_write(tmp_path, """
+clusters:
+  count: 2
+  prefill_tp: 2
+  decode_tp: 1
+  placement:
+    - {clusters: [c0], front: {k3_node_a: 1}, prefill: {k3_node_a: 1}, decode: {k3_node_b: 0.5}, transfer: mooncake}
+router_resources: {k3_node_a: 1}
+"""))
+    c0, c1 = cfg.clusters.placement_of("c0"), cfg.clusters.placement_of("c1")
+    assert c0.bundles(0.01, 2, 1) == [{"CPU": 0.01, "k3_node_a": 1.0}] * 2 + [{"CPU": 0.01, "k3_node_b": 0.5}]
+    assert c0.strategy == "PACK" and c1.strategy == "STRICT_PACK" and not c1.placed  # c1: one node, anywhere
+    assert cfg.for_cluster("c0").clusters.transfer == "mooncake" and cfg.for_cluster("c1").clusters.transfer == "grpc"
+    assert cfg.router_resources == (("k3_node_a", 1.0),)
+
+
+@pytest.mark.parametrize("entry,match", [
+    ("{clusters: [c9], decode: {b: 1}}", r"placement\[0\]\.clusters names unknown clusters \['c9'\]"),
+    ("{clusters: [], decode: {b: 1}}", r"placement\[0\]\.clusters must name at least one"),
+    ("{clusters: [c0], decode: {b: 0}}", r"placement\[0\]\.decode\.b must be a number > 0"),
+    ("{clusters: [c0], decode: {CPU: 1}}", r"placement\[0\]\.decode: 'CPU' is not a custom resource"),
+    ("{clusters: [c0], transfer: rdma}", r"placement\[0\]\.transfer must be one of"),
+    ("{clusters: [c0], nodes: {b: 1}}", r"unknown key deploy\.clusters\.placement\[0\]\.nodes"),
+])
+def test_bad_placement_is_refused_naming_the_field(tmp_path, entry, match):
+    with pytest.raises(DeployError, match=match):
+        load_deploy(_write(tmp_path, f"clusters:\n  placement:\n    - {entry}\n"))
+
+
+def test_a_cluster_placed_twice_is_refused(tmp_path):
+    with pytest.raises(DeployError, match=r"placement\[1\]\.clusters: \['c0'\] already placed"):
+        load_deploy(_write(tmp_path, "clusters:\n  placement:\n    - {clusters: [c0]}\n    - {clusters: [c0, c1]}\n"))
+
+
+def test_kill_node_needs_a_node():
+    from k3serve.cluster.drill import Fault
+
+    assert Fault.parse("node:k3_node_b") == Fault("node", "k3_node_b")
+    with pytest.raises(ValueError, match="--kill node needs a node"):
+        Fault.parse("node")

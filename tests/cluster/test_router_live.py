@@ -232,11 +232,10 @@ def test_load_two_routers_200_streams(deployment):
               f"{mon.probes} health+status probes, {len(mon.probe_failures)} failed")
         assert max_count <= MAX_CONCURRENT and max_tokens <= 1 << 20  # budgets never exceeded (from Redis)
         assert not mon.probe_failures, mon.probe_failures[:3]  # health and status answered throughout
-        # issue #19 asks for every hint within 2x of the measured wait ([0.5, 2]). Not held reliably: runs on this
-        # machine (jitter +0-10%) measured ranges from [0.35, 0.91] to [0.91, 1.45]; the low outliers are refusals in
-        # the burst's first ~0.1 s, before the admission state shows the burst. This asserts the [1/3, 3] the
-        # estimator holds and prints the real range above.
-        assert all(1 / 3 <= r <= 3.0 for r in ratios), sorted(ratios)[:3] + sorted(ratios)[-3:]
+        # every hint within 2x of the measured wait (issue #19). The early-burst refusals used to get ~0.4: holders
+        # past their published ends were taken to end at once, and a router's streams that had not reached
+        # admission yet were invisible to the hint (router/retry_hint.py, RouterService._generate)
+        assert all(0.5 <= r <= 2.0 for r in ratios), sorted(ratios)[:3] + sorted(ratios)[-3:]
     finally:
         for svc, server, _ in routers:
             server.stop(0)

@@ -1,12 +1,8 @@
-"""Drafter tests run tiny shapes on one torch thread (as tests/train: immune to a loaded machine)."""
+"""Drafter tests run tiny shapes on one torch thread (tests/conftest.py ``one_thread``), as tests/train."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)

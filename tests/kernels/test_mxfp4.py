@@ -158,16 +158,40 @@ def test_torch_path_dequantises_in_row_blocks(monkeypatch):
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
     monkeypatch.setattr(mx, "SCRATCH_ELEMS", 64 * 5)  # 5 rows per block: 10 blocks, the last one partial
     calls = []
-    real = mx.dequantize_mxfp4
+    real = mx.decode_rows
 
-    def spy(packed, scales, dtype=torch.float32):
+    def spy(packed, svals):
         calls.append(packed.shape[0])
-        return real(packed, scales, dtype)
+        return real(packed, svals)
 
-    monkeypatch.setattr(mx, "dequantize_mxfp4", spy)
+    monkeypatch.setattr(mx, "decode_rows", spy)
     y = mx.mxfp4_linear_torch(x, p, s)
     assert calls == [5] * 9 + [3]
-    torch.testing.assert_close(y, x @ real(p, s).T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, x @ mx.dequantize_mxfp4(p, s).T, rtol=1e-5, atol=1e-5)
+    calls.clear()  # the prepared CPU matrix of a serving expert: the same blocks, the same bits
+    assert torch.equal(mx.CpuMatrix(p, s)(x), y) and calls == [5] * 9 + [3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n_out,k", [(1, 32, 256), (8, 256, 32), (3, 40, 96)])
+def test_prepared_cpu_matrix_equals_the_dequantised_product(m, n_out, k, dtype):
+    """The serving CPU path (scale values decoded once at load, one gather per byte and one multiply per group
+    per call) is bit for bit F.linear on the one dequantisation, in x's dtype; NaN scales propagate."""
+    p, s = _packed_case(n_out, k, seed=m + k)
+    s[n_out // 2, 0] = 0xFF
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(11)).to(dtype)
+    got = mx.CpuMatrix(p, s)(x)
+    want = torch.nn.functional.linear(x.float(), mx.dequantize_mxfp4(p, s)).to(dtype)
+    assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan()) and got[:, n_out // 2].isnan().all()
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(mx.decode_rows(p, mx.scale_values(s)).nan_to_num(), mx.dequantize_mxfp4(p, s).nan_to_num())
+    with pytest.raises(ValueError, match=f"x has {k + 32} inputs"):
+        mx.CpuMatrix(p, s)(torch.zeros(m, k + 32))
+    from k3serve.model.layers.expert_weights import MXFP4Linear
+
+    lin = MXFP4Linear(p, s)  # a serving expert on CPU takes this path; the unprepared torch path gives the same bits
+    assert lin.cpu is not None and torch.equal(lin(x).nan_to_num(), got.nan_to_num())
+    assert torch.equal(mx.mxfp4_linear(x, p, s, backend="torch").nan_to_num(), got.nan_to_num())
 
 
 def test_matmul_triton_nan_scale_and_bf16():

@@ -1,13 +1,8 @@
-"""Training tests run tiny shapes: one torch thread is as fast there and immune to a loaded machine's
-oversubscription (two threads on a busy 2-core box ran these 20-50x slower)."""
+"""Training tests run tiny shapes on one torch thread (tests/conftest.py ``one_thread``)."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)

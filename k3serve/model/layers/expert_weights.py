@@ -5,20 +5,20 @@ full-precision and MXFP4 experts run the same routing, grouping and summation co
 
 * :class:`DenseLinear`  ``...w1.weight``                       -> ``F.linear(x, W)``
 * :class:`MXFP4Linear`  ``...w1.weight_packed`` + ``_scale``    -> :func:`k3serve.kernels.mxfp4.mxfp4_linear`
-  (the packed bytes are all that is held; the CPU path dequantises a small row block at a time, the Triton
-  kernel in registers).
+  (the packed bytes are what is held, plus on CPU the scale values in fp32, 4 bytes per 32 inputs; the CPU
+  path dequantises a small row block at a time, the Triton kernel in registers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from k3serve.kernels._dispatch import resolve_backend
-from k3serve.kernels.mxfp4 import check_packed, mxfp4_linear, mxfp4_linear_blocks
+from k3serve.kernels.mxfp4 import CpuMatrix, check_packed, mxfp4_linear, mxfp4_linear_blocks
 from k3serve.model.names import mxfp4_names
 
 
@@ -41,21 +41,29 @@ class MXFP4Linear:
     scale: torch.Tensor  # uint8 [out, in / 32]
 
     backend: str = ""  # resolved once from the weights' device (a decode step makes ~50 of these calls)
+    # CPU ("torch") path: the pair prepared once (kernels/mxfp4.py CpuMatrix: scale values in fp32, 0.125 byte
+    # per weight next to the pair's 17/32; still no weight in full precision); None on other backends
+    cpu: CpuMatrix | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_packed(self.packed, self.scale)
         if not self.backend:
             object.__setattr__(self, "backend", resolve_backend(None, self.packed.device))
+        if self.backend == "torch" and self.packed.device.type == "cpu" and self.packed.dim() == 2:
+            object.__setattr__(self, "cpu", CpuMatrix(self.packed, self.scale))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[N, in]` -> `[N, out]` in x's dtype."""
+        cpu = self.cpu
+        if cpu is not None:
+            return cpu(x)
         return mxfp4_linear(x, self.packed, self.scale, backend=self.backend)
 
     def tiled(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """x `[N, in]` -> `[N, out]` through ``linear(x, W_block)`` over fixed blocks of dequantised weight rows
         (numerics mode deterministic: every call has a shape independent of N, so bits do not depend on how many
         tokens share the expert). fp32 math, like the torch path."""
-        return mxfp4_linear_blocks(x, self.packed, self.scale, linear)
+        return mxfp4_linear_blocks(x, self.packed, self.scale, linear, self.cpu.svals if self.cpu else None)
 
 
 def expert_linear(weights: dict[str, torch.Tensor], name: str) -> DenseLinear | MXFP4Linear:

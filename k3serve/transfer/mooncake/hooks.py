@@ -13,10 +13,10 @@ unregisters their regions.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, replace
 
 from k3serve.engine.worker import WorkerHooks
+from k3serve.netaddr import WILDCARDS, advertised_host
 from k3serve.transfer.buffers import RegionBuffers
 from k3serve.transfer.handoff_send import GrpcChannel, SenderCache, send_state
 from k3serve.transfer.mooncake.plane import DataPlane, MooncakeConfig
@@ -24,15 +24,11 @@ from k3serve.transfer.mooncake.sender import MooncakeSender
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.spec import StateGeometry
 
-WILDCARDS = ("", "0.0.0.0", "::", "[::]")
-
-
 def engine_host(config: MooncakeConfig, bind_host: str) -> MooncakeConfig:
     """The address peers reach this process' engine at: the config's, else the bind host, else this host's."""
     if config.host not in WILDCARDS:
         return config
-    host = bind_host if bind_host not in WILDCARDS else socket.gethostbyname(socket.gethostname())
-    return replace(config, host=host)
+    return replace(config, host=advertised_host(bind_host))
 
 
 def _close_all(*steps) -> None:
