@@ -8,8 +8,8 @@ from collections.abc import Sequence
 # The holders' published ends are estimates made before the burst that refuses a request, so they run early; hints are
 # scaled by this factor: late rather than early. Measured under the 200-stream burst on 2 cores
 # (tests/cluster/test_router_live.py) once overdue holders and a router's not-yet-admitted streams were counted
-# (drain_wait_s, RouterService): hint / real wait 0.89-1.36 in two runs at load ~5 and 1.25-1.91 at load ~18 with 1.25;
-# 1.15 centres that on 1 (the test asserts every hint within 2x of the wait).
+# (drain_wait_s, RouterService): hint / real wait 0.82-1.93 in most runs, 0.35-1.13 in the runs where the burst kept
+# refilling the queue after the estimate; 1.15 centres the runs on about 1.
 HINT_LATENESS = 1.15
 # Spread of the hints handed out together (+0-10%), so refused clients do not all come back at one instant. Kept
 # small: within one burst the waits per cluster agree to ~10% (measured), so a wider jitter alone would use up much of
