@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import DefaultOps
 from k3serve.model.layers.expert_weights import expert_linear
+from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, grouped_experts,
+                                               padded_experts, stack_dense_experts)
 from k3serve.model.layers.norm import glu, rms_norm
 from k3serve.model.tp import TPGroup
 
@@ -69,6 +71,11 @@ class MoE:
         # (w1, w3, w2) per expert, each an object that multiplies in its stored form (full precision or MXFP4)
         self.experts = {e: tuple(expert_linear(weights, f"{m}experts.{e}.{w}.weight") for w in ("w1", "w3", "w2"))
                         for e in self.expert_ids}
+        # full-precision experts on the CPU, not trained: stacked once, one grouped GEMM per matrix (moe_grouped.py);
+        # the per-expert objects become views of the stacks, so the weights are held once
+        self.stacked = stack_dense_experts([self.experts[e] for e in self.expert_ids])
+        if self.stacked is not None:
+            self.experts = dict(zip(self.expert_ids, self.stacked.views()))
         self.shared = GatedMLP(cfg, weights, m + "shared_experts.", self.ops) if cfg.num_shared_experts else None
         if cfg.uses_latent_moe:
             self.w_down = weights[m + "routed_expert_down_proj.weight"]
@@ -87,14 +94,22 @@ class MoE:
         w = w / w.sum(-1, keepdim=True) * self.cfg.routed_scaling_factor
         return ids, w
 
-    def _routed_partial(self, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _routed_partial(self, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                        decode: bool = False) -> torch.Tensor:
         """Weighted sum of this rank's experts: z `[N, e_in]`, ids / w `[N, k]` -> `[N, e_in]` (fp32).
+
+        decode: one token per request (a decode step); only then may the padded bmm form run. Prefill chunks and
+        verify windows keep the grouped GEMM, whose bits equal the per-expert loop's (so a full-precision model
+        and an MXFP4 model whose experts dequantise to the same values agree bit for bit on a prompt).
 
         Tokens are grouped by expert once (one stable sort of the N*k assignments) and only the experts
         that received tokens run, each with its tokens' rows in ascending order; the weighted outputs are
         summed with one ``index_add_`` in ascending expert order. That is the row set, row order and
         summation order of the former per-expert ``(ids == e).nonzero()`` loop, so results are identical,
-        without the 2 small ops per idle expert that dominated decode steps (docs/profile.md)::
+        without the 2 small ops per idle expert that dominated decode steps (docs/profile.md). Stacked
+        (full-precision) experts run all of the rank's runs as one grouped GEMM per matrix instead of the loop
+        (moe_grouped.py; the same GEMM per run, bit-identical), or, for decode-sized runs over many experts, as
+        three bmm over zero-padded runs (last-bit rounding may then differ, as with any other batch)::
 
             flat = ids.view(-1)          assignment a = row * k + slot
             order = argsort(flat)        [a for expert e0 ..., a for expert e1 ..., ...]  (stable: rows ascending)
@@ -104,10 +119,36 @@ class MoE:
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=c.num_experts).tolist()
+        counts_t = torch.bincount(flat, minlength=c.num_experts)
+        counts = counts_t.tolist()
+        lo = sum(counts[: self.expert_ids.start])
+        hi = lo + sum(counts[self.expert_ids.start: self.expert_ids.stop])
+        out = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+        if hi == lo:
+            return out
+        if self.stacked is not None:  # this rank's assignments order[lo:hi], grouped by expert, in one pass
+            mine = order[lo:hi]
+            rows, slot = mine // k, mine % k
+            # only the span of local experts from the first to the last active one (the CPU grouped GEMM
+            # issues one mm per group, empty ones included: at batch 1 most of the rank's experts are idle)
+            active = [i for i, e in enumerate(self.expert_ids) if counts[e]]
+            first, last = active[0], active[-1] + 1
+            e0 = self.expert_ids.start
+            run = counts_t[e0 + first: e0 + last]
+            span = self.stacked.span(first, last)
+            act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
+            width = max(counts[e0 + first: e0 + last])
+            if decode and len(active) >= PADDED_MIN_ACTIVE and width <= PADDED_MAX_ROWS:  # 3 padded bmm
+                expert = flat[mine] - (e0 + first)
+                pos = torch.arange(hi - lo, device=z.device) - (run.cumsum(0) - run)[expert]
+                y = padded_experts(z[rows], expert, pos, width, span, *act)
+            else:
+                y = grouped_experts(z[rows], run.cumsum(0).to(torch.int32), span, *act)
+            out.index_add_(0, rows, y.float() * w[rows, slot].unsqueeze(-1))
+            return out
         rows_all, slot_all = order // k, order % k
         ys, rows_used = [], []
-        off = sum(counts[: self.expert_ids.start])
+        off = lo
         for e in self.expert_ids:
             n = counts[e]
             if n == 0:
@@ -119,9 +160,7 @@ class MoE:
             y = w2(glu(w1(zi), w3(zi), c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta))
             ys.append(y.float() * w[rows, slot].unsqueeze(-1))
             rows_used.append(rows)
-        out = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
-        if ys:
-            out.index_add_(0, torch.cat(rows_used), torch.cat(ys))
+        out.index_add_(0, torch.cat(rows_used), torch.cat(ys))
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,13 +170,14 @@ class MoE:
         if self.ops.deterministic:
             return moe_deterministic(self, flat).reshape(shape)
         ids, w = self.route(flat)
+        decode = shape[-2] == 1 and flat.shape[0] > 1  # [B, 1, d]: a decode step over several requests
         if self.cfg.uses_latent_moe:
-            u = self.tp.all_reduce(self._routed_partial(F.linear(flat, self.w_down), ids, w))
+            u = self.tp.all_reduce(self._routed_partial(F.linear(flat, self.w_down), ids, w, decode))
             routed = F.linear(rms_norm(u.to(x.dtype), self.latent_norm, self.cfg.rms_norm_eps), self.w_up)
             shared = self.tp.all_reduce(self.shared.partial(flat)) if self.shared else 0
             out = routed + shared
         else:
-            partial = self._routed_partial(flat, ids, w).to(x.dtype)
+            partial = self._routed_partial(flat, ids, w, decode).to(x.dtype)
             if self.shared is not None:
                 partial = partial + self.shared.partial(flat)
             out = self.tp.all_reduce(partial)

@@ -7,6 +7,7 @@ all-reduced); a rank sees only its local heads' blocks.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from k3serve.kernels.gate import kda_gate
 from k3serve.kernels.kda import chunk_kda, recurrent_kda
@@ -46,6 +47,30 @@ class KDAAttention:
             self.w_g, self.w_g_a, self.w_g_b = None, w("g_a_proj.weight"), w("g_b_proj.weight")
         self.o_norm = w("o_norm.weight")
         self.w_o = w("o_proj.weight")
+        self._stack_input_projections()
+
+    def _stack_input_projections(self) -> None:
+        """Decode (default numerics, no grad): the six projections of x as one GEMV, one OpenMP region instead of
+        six (docs/profile.md). The separate weights become row views of the stack, so they are held once::
+
+            w_in = [w_q; w_k; w_v; w_f_a; w_b; w_g (or w_g_a)]     [3 HK + r + H + g, d]
+
+        For one token per request (M = 1, the single-request reference) the stacked GEMV gives the separate
+        GEMVs' bits; for M > 1 MKL's blocking over the wider output may round the last bit differently, like any
+        other change of batch. Prefill and verify keep the separate GEMMs."""
+        parts = [self.w_q, self.w_k, self.w_v, self.w_f_a, self.w_b, self.w_g if self.w_g is not None else self.w_g_a]
+        if self.ops.deterministic or any(t.requires_grad for t in parts):
+            self.w_in, self.in_sizes = None, ()
+            return
+        with torch.no_grad():
+            self.w_in = torch.cat(parts)
+        self.in_sizes = tuple(t.shape[0] for t in parts)
+        views = self.w_in.split(self.in_sizes)
+        self.w_q, self.w_k, self.w_v, self.w_f_a, self.w_b = views[:5]
+        if self.w_g is not None:
+            self.w_g = views[5]
+        else:
+            self.w_g_a = views[5]
 
     def forward(self, x: torch.Tensor, blocks: torch.Tensor, decode: bool,
                 records: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,9 +83,10 @@ class KDAAttention:
         bsz, t, _ = x.shape
         conv = kda_conv_view(blocks, k, cfg.conv_window)
         off = record_offsets(k)
+        fused = F.linear(x, self.w_in).split(self.in_sizes, -1) if decode and self.w_in is not None else None
         qkv = []
         for i, w_proj in enumerate((self.w_q, self.w_k, self.w_v)):
-            raw = lin(x, w_proj, cu)  # [B, T, H*K]
+            raw = fused[i] if fused is not None else lin(x, w_proj, cu)  # [B, T, H*K]
             window = conv_window_channels(conv, i)
             if records is not None:  # verify: the window is read, never stored; raw inputs go to the records
                 y, _ = short_conv(raw.float(), self.conv_w[i], window)
@@ -75,9 +101,9 @@ class KDAAttention:
             store_conv_window(conv, i, new_window)
             qkv.append(y.view(bsz, t, h, k))
         q, kk, v = l2_normalize(qkv[0]), l2_normalize(qkv[1]), qkv[2].float()
-        z = lin(lin(x, self.w_f_a), self.w_f_b, cu)  # [B, T, H*K]
+        z = lin(fused[3] if fused is not None else lin(x, self.w_f_a), self.w_f_b, cu)  # [B, T, H*K]
         g = kda_gate(z.float(), self.a_log, self.dt_bias, cfg.gate_lower_bound)  # [B, T, H, K] fp32
-        beta = self.ops.unary(torch.sigmoid, lin(x, self.w_b, cu).float())  # [B, T, H]
+        beta = self.ops.unary(torch.sigmoid, (fused[4] if fused is not None else lin(x, self.w_b, cu)).float())
         state = kda_recurrent_view(blocks, k)
         if records is not None:
             o, u = kda_verify(q, kk, v, g.view(bsz, t, h, k), beta, state)
@@ -91,6 +117,9 @@ class KDAAttention:
             o, final = kernel(q, kk, v, g.view(bsz, t, h, k), beta, initial_state=state, output_final_state=True)
             state.copy_(final)
         o = rms_norm(o.float(), self.o_norm, cfg.rms_norm_eps)  # [B, T, H, K]
-        gate = lin(x, self.w_g, cu) if self.w_g is not None else lin(lin(x, self.w_g_a), self.w_g_b, cu)
+        if fused is not None:
+            gate = fused[5] if self.w_g is not None else lin(fused[5], self.w_g_b, cu)
+        else:
+            gate = lin(x, self.w_g, cu) if self.w_g is not None else lin(lin(x, self.w_g_a), self.w_g_b, cu)
         o = o * torch.sigmoid(gate.float().view(bsz, t, h, k))
         return self.ops.row_linear(o.flatten(2).to(x.dtype), self.w_o)

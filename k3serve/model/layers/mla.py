@@ -47,20 +47,45 @@ class MLAAttention:
         self.scale = 1.0 / math.sqrt(cfg.qk_head_dim)
         # deterministic mode: decompressed full key blocks, reused across decode steps (mla_blocked.py)
         self.key_cache = KeyBlockCache() if self.ops.deterministic else None
+        self._stack_input_projections()
 
-    def latent_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[B, T, d]` -> cached rows `[B, T, rank + rope]` = [RMSNorm(c_kv) | k_pe]."""
-        kv = self.ops.linear(x, self.w_kv_a)
+    def _stack_input_projections(self) -> None:
+        """Decode (default numerics, no grad): the projections of x (``kv_a_proj_with_mqa``, ``q_a_proj`` or
+        ``q_proj``, ``g_proj``) as one GEMV; the separate weights become row views of the stack (held once).
+        Same bits as the separate GEMVs for one token per request; see KDAAttention._stack_input_projections."""
+        parts = [self.w_kv_a, self.w_q_a if self.w_q_a is not None else self.w_q]
+        parts += [self.w_gate] if self.w_gate is not None else []
+        if self.ops.deterministic or any(t.requires_grad for t in parts):
+            self.w_in, self.in_sizes = None, ()
+            return
+        with torch.no_grad():
+            self.w_in = torch.cat(parts)
+        self.in_sizes = tuple(t.shape[0] for t in parts)
+        views = self.w_in.split(self.in_sizes)
+        self.w_kv_a = views[0]
+        if self.w_q_a is not None:
+            self.w_q_a = views[1]
+        else:
+            self.w_q = views[1]
+        if self.w_gate is not None:
+            self.w_gate = views[2]
+
+    def latent_rows(self, x: torch.Tensor, kv: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[B, T, d]` -> cached rows `[B, T, rank + rope]` = [RMSNorm(c_kv) | k_pe]. kv: x's
+        ``kv_a_proj_with_mqa`` output when already computed (decode's stacked GEMV)."""
+        kv = self.ops.linear(x, self.w_kv_a) if kv is None else kv
         c = rms_norm(kv[..., : self.cfg.kv_lora_rank], self.kv_a_norm, self.cfg.rms_norm_eps)
         return torch.cat([c, kv[..., self.cfg.kv_lora_rank:]], dim=-1)
 
-    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[B, T, d]` -> (q_nope `[B, T, H, nope]`, q_pe `[B, T, H, rope]`)."""
+    def queries(self, x: torch.Tensor, qa: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[B, T, d]` -> (q_nope `[B, T, H, nope]`, q_pe `[B, T, H, rope]`). qa: x's ``q_a_proj`` (or
+        ``q_proj``) output when already computed (decode's stacked GEMV)."""
         lin, cu = self.ops.linear, self.ops.col_units
         if self.w_q_a is not None:
-            q = lin(rms_norm(lin(x, self.w_q_a), self.q_a_norm, self.cfg.rms_norm_eps), self.w_q, cu)
+            qa = lin(x, self.w_q_a) if qa is None else qa
+            q = lin(rms_norm(qa, self.q_a_norm, self.cfg.rms_norm_eps), self.w_q, cu)
         else:
-            q = lin(x, self.w_q, cu)
+            q = lin(x, self.w_q, cu) if qa is None else qa
         q = q.view(*x.shape[:2], self.heads, self.cfg.qk_head_dim)
         return q[..., : self.cfg.qk_nope_head_dim], q[..., self.cfg.qk_nope_head_dim:]
 
@@ -68,8 +93,10 @@ class MLAAttention:
         """x `[B, T, d]` -> `[B, T, d]`; writes this call's latent rows into batch.latent first."""
         cfg = self.cfg
         bsz, t, _ = x.shape
-        batch.latent.write(self.mla_idx, self.latent_rows(x), batch.start_positions)
-        q_nope, q_pe = self.queries(x)
+        fused = F.linear(x, self.w_in).split(self.in_sizes, -1) if batch.decode and self.w_in is not None \
+            else (None, None, None)
+        batch.latent.write(self.mla_idx, self.latent_rows(x, fused[0]), batch.start_positions)
+        q_nope, q_pe = self.queries(x, fused[1])
         if self.ops.deterministic:
             return self._forward_blocked(x, q_nope, q_pe, batch)
         if batch.decode and batch.latent.paged:
@@ -80,7 +107,8 @@ class MLAAttention:
             attn = torch.stack([self._decompressed(q_nope[b], q_pe[b], batch, b) for b in range(bsz)])
         attn = attn.flatten(2)  # [B, T, H_local * v]
         if self.w_gate is not None:
-            attn = attn * torch.sigmoid(F.linear(x, self.w_gate).float())
+            gate = fused[2] if fused[0] is not None else F.linear(x, self.w_gate)
+            attn = attn * torch.sigmoid(gate.float())
         out = F.linear(attn.to(x.dtype), self.w_o)
         return self.tp.all_reduce(out)
 

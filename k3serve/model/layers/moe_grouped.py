@@ -1,0 +1,99 @@
+"""Full-precision routed experts of one rank as stacked weights, multiplied with one grouped GEMM per matrix.
+
+A decode step of the bench preset at batch 32 activates nearly every expert with a few rows each; the per-expert
+loop then issued 3 small GEMMs, a gate and a gather per active expert and MoE layer (~100 ops per layer), and
+under 2 OpenMP threads on a loaded machine every one of them paid a thread rendezvous (docs/profile.md). Here a
+rank's experts are stacked once at load and the sorted rows run through ``F.grouped_mm``: 3 GEMM calls and one
+gate per MoE layer, whatever the number of active experts. The CPU ``grouped_mm`` still runs one ``mm`` (one
+OpenMP region) per group, so when many experts are active (``PADDED_MIN_ACTIVE``, a decode batch of ~8 and more)
+the runs are zero-padded to the longest and multiplied with 3 ``bmm`` instead (:func:`padded_experts`)::
+
+    rows sorted by expert      z_s = [rows of e0 | rows of e1 | ... ]        [n, e_in]
+    offs[i]                    end of local expert i's run in z_s (int32, cumulative counts; empty runs allowed)
+    h = glu(z_s W1[e]^T, z_s W3[e]^T)   per run, y = h W2[e]^T per run      -> [n, e_in]
+
+On the CPU, ``grouped_mm`` runs each group as one ``mm`` of that group's rows, which is the GEMM the loop's
+``F.linear(z[rows], W)`` ran: results are bit-identical to the loop (checked in tests/model/test_moe_grouped.py),
+and idle experts' weights are never read. Not used when the weights require grad (training rebuilds the model
+over leaf views every step: a stacked copy would cut the gradient) or are MXFP4 (their ``lin(x)`` objects keep the
+loop), or off the CPU (``grouped_mm`` on CUDA takes bf16 on SM80+ only; a Triton grouped GEMM over the same
+``offs`` is the CUDA analogue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from k3serve.model.layers.expert_weights import DenseLinear
+from k3serve.model.layers.norm import glu
+
+
+# Active experts from which the padded bmm form is used. Measured on the bench preset (32 experts x [256, 512]),
+# 2 OpenMP threads at load ~12 on the 2-core machine, one MoE layer: at batch 8 (21 active) grouped 168 ms vs padded
+# 75 ms, at batch 32 (30 active) 891 vs 197 ms; at batch 1 (4 active) grouped 7.7 ms vs padded 29 ms. With one
+# thread padded is 1.3-1.7x slower than grouped (it reads idle experts of the span and multiplies padding rows).
+PADDED_MIN_ACTIVE = 8
+# Longest run the padded form takes: decode-sized runs are weight-bandwidth bound, so padding rows cost no time;
+# prefill runs (hundreds of rows, compute bound) would pay for the padding, and keep the grouped form.
+PADDED_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """One rank's experts in local order: w1, w3 `[E_local, I, e_in]`, w2 `[E_local, e_in, I]` (contiguous)."""
+
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+
+    def span(self, first: int, last: int) -> "StackedExperts":
+        """Local experts first .. last-1 (views)."""
+        return StackedExperts(self.w1[first:last], self.w3[first:last], self.w2[first:last])
+
+    def views(self) -> list[tuple[DenseLinear, DenseLinear, DenseLinear]]:
+        """Per local expert, (w1, w3, w2) as DenseLinear views of the stacks (no second copy of the weights)."""
+        return [(DenseLinear(self.w1[i]), DenseLinear(self.w3[i]), DenseLinear(self.w2[i]))
+                for i in range(self.w1.shape[0])]
+
+
+def stack_dense_experts(experts: list[tuple[object, object, object]]) -> StackedExperts | None:
+    """`experts`: per local expert (w1, w3, w2) linear objects. The stacks, or None where the grouped form does
+    not apply (an MXFP4 expert, weights that require grad, weights off the CPU; module docstring)."""
+    if not experts or not all(isinstance(lin, DenseLinear) for e in experts for lin in e):
+        return None
+    first = experts[0][0].weight
+    if first.device.type != "cpu" or any(lin.weight.requires_grad for e in experts for lin in e):
+        return None
+    with torch.no_grad():
+        w1, w3, w2 = (torch.stack([e[j].weight for e in experts]) for j in range(3))
+    return StackedExperts(w1, w3, w2)
+
+
+def padded_experts(z_rows: torch.Tensor, expert: torch.Tensor, pos: torch.Tensor, width: int,
+                   stacked: StackedExperts, act: str, beta1: float, beta2: float) -> torch.Tensor:
+    """The same products as :func:`grouped_experts` as three ``bmm`` over `stacked`'s experts, each expert's rows
+    zero-padded to `width` (the largest run)::
+
+        buf[expert[a], pos[a]] = z_rows[a]        buf `[E_span, width, e_in]`, padding rows 0
+        y_pad = glu(buf W1^T, buf W3^T) W2^T      three bmm (one OpenMP region each, not one per expert)
+        y[a] = y_pad[expert[a], pos[a]]
+
+    z_rows `[n, e_in]`; expert, pos `[n]` int64 (span-local expert, row inside its run) -> `[n, e_in]`.
+    Padding rows are exact zeros through glu (act(0) * 0 = 0) and never read back. Rounding may differ from the
+    per-run GEMMs in the last bit (a GEMM's summation may depend on its row count), like any change of batch.
+    """
+    buf = z_rows.new_zeros(stacked.w1.shape[0], width, z_rows.shape[1])
+    buf[expert, pos] = z_rows
+    h = glu(torch.bmm(buf, stacked.w1.transpose(1, 2)), torch.bmm(buf, stacked.w3.transpose(1, 2)), act, beta1, beta2)
+    return torch.bmm(h, stacked.w2.transpose(1, 2))[expert, pos]
+
+
+def grouped_experts(z_sorted: torch.Tensor, offs: torch.Tensor, stacked: StackedExperts, act: str,
+                    beta1: float, beta2: float) -> torch.Tensor:
+    """z_sorted `[n, e_in]` (rows grouped by local expert), offs `[E_local]` int32 (run ends) -> `[n, e_in]`."""
+    gate = F.grouped_mm(z_sorted, stacked.w1.transpose(1, 2), offs=offs)
+    up = F.grouped_mm(z_sorted, stacked.w3.transpose(1, 2), offs=offs)
+    return F.grouped_mm(glu(gate, up, act, beta1, beta2), stacked.w2.transpose(1, 2), offs=offs)

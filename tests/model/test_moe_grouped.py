@@ -1,0 +1,68 @@
+"""The stacked forms of the routed experts (model/layers/moe_grouped.py) against the per-expert loop: the grouped
+GEMM gives the loop's bits, the padded bmm (decode-sized runs over many experts) its values to rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3serve.model.init import random_weights
+from k3serve.model.layers import ffn
+from k3serve.model.layers.ffn import MoE
+from k3serve.model.presets import preset
+from k3serve.model.tp import TPGroup
+
+LAYER = 1  # first MoE layer of the tiny presets (layer 0 is dense)
+
+
+def _partials(cfg, weights, tp: TPGroup, rows: int, seed: int,
+              decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's routed partial through the stacked form, the same through the per-expert loop)."""
+    moe = MoE(cfg, weights, f"{cfg.name_prefix}layers.{LAYER}.", tp)
+    assert moe.stacked is not None  # full-precision CPU weights without grad: the stacked forms are on
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cfg.hidden_size, generator=g)
+    z = torch.nn.functional.linear(x, moe.w_down) if cfg.uses_latent_moe else x
+    with torch.inference_mode():
+        ids, w = moe.route(x)
+        stacked = moe._routed_partial(z, ids, w, decode)
+        moe.stacked = None  # the same object through the per-expert loop
+        looped = moe._routed_partial(z, ids, w)
+    assert looped.abs().sum() > 0
+    return stacked, looped
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-linear"])
+@pytest.mark.parametrize("rows", [1, 3, 32, 100])
+def test_grouped_equals_loop_bitwise(name: str, rows: int) -> None:
+    cfg = preset(name)  # not a decode step: the grouped GEMM however many experts are active
+    stacked, looped = _partials(cfg, random_weights(cfg, 0), TPGroup(), rows, rows)
+    assert torch.equal(stacked, looped)
+
+
+@pytest.mark.parametrize("rows", [8, 32])
+def test_padded_equals_loop_to_rounding(rows: int, monkeypatch) -> None:
+    monkeypatch.setattr(ffn, "PADDED_MIN_ACTIVE", 1)  # the padded bmm whenever runs are short
+    cfg = preset("tiny")
+    stacked, looped = _partials(cfg, random_weights(cfg, 0), TPGroup(), rows, rows, decode=True)
+    torch.testing.assert_close(stacked, looped, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("padded", [False, True])
+def test_stacked_forms_on_an_expert_parallel_rank(rank: int, padded: bool, monkeypatch) -> None:
+    """A TP rank owns a contiguous range of experts; rows routed only elsewhere contribute zero."""
+    monkeypatch.setattr(ffn, "PADDED_MIN_ACTIVE", 1 if padded else 10**6)
+    cfg = preset("tiny")
+    stacked, looped = _partials(cfg, random_weights(cfg, 0), TPGroup(rank, 2), 17, 5, decode=padded)
+    torch.testing.assert_close(stacked, looped, rtol=1e-5 if padded else 0, atol=1e-6 if padded else 0)
+
+
+def test_weights_held_once_and_training_keeps_the_loop() -> None:
+    cfg = preset("tiny")
+    weights = random_weights(cfg, 0)
+    moe = MoE(cfg, weights, f"{cfg.name_prefix}layers.{LAYER}.", TPGroup())
+    w1, _, _ = moe.experts[3]
+    assert w1.weight.data_ptr() == moe.stacked.w1[3].data_ptr()  # a view of the stack, not a second copy
+    trained = {n: t.clone().requires_grad_(True) for n, t in weights.items()}
+    assert MoE(cfg, trained, f"{cfg.name_prefix}layers.{LAYER}.", TPGroup()).stacked is None
