@@ -90,17 +90,15 @@ def _step_breakdown(decode: DecodeEngine, steps: int, step_s: float) -> dict:
     return {"step_s": step_s, "seconds": {k: f * step_s for k, f in frac.items()}, "fraction": frac}
 
 
-def _decode_rate(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: int,
-                 numerics: Numerics = DEFAULT_NUMERICS, clock: Callable[[], float] = time.perf_counter
-                 ) -> tuple[float, dict]:
-    """(tokens/s over `steps` timed steps, the per-step breakdown). clock: wall time by default;
-    ``time.thread_time`` gives tokens per CPU-second of this thread (the local executor runs the model here)."""
-    profiled = 3
-    pools = PoolConfig(kda_slots=batch + 2, mla_pages=batch * (-(-(context + steps + profiled + 8) // 64)) + 8)
+def decoding_engine(ckpt: str, cfg: ModelConfig, batch: int, context: int, max_tokens: int,
+                    numerics: Numerics = DEFAULT_NUMERICS) -> DecodeEngine:
+    """A local decode engine holding `batch` requests of `context` random prompt tokens, prefilled and handed
+    over, each allowed `max_tokens` more (ignore_eos): what the decode benches time steps of."""
+    pools = PoolConfig(kda_slots=batch + 2, mla_pages=batch * (-(-(context + max_tokens + 4) // 64)) + 8)
     prefill = PrefillEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools, numerics=numerics)),
                             PrefillConfig(pools, enable_prefix_cache=False, numerics=numerics),
                             model_fingerprint(cfg.to_hf_dict()))
-    params = SamplingParams(max_tokens=steps + profiled + 4, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prefill.add_request(PrefillRequest(f"b{i}", tuple(torch.randint(0, 256, (context,), generator=g).tolist()),
@@ -111,6 +109,16 @@ def _decode_rate(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: i
                           DecodeConfig(pools, max_batch=batch))
     for h in handoffs:
         decode.submit(h)
+    return decode
+
+
+def _decode_rate(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: int,
+                 numerics: Numerics = DEFAULT_NUMERICS, clock: Callable[[], float] = time.perf_counter
+                 ) -> tuple[float, dict]:
+    """(tokens/s over `steps` timed steps, the per-step breakdown). clock: wall time by default;
+    ``time.thread_time`` gives tokens per CPU-second of this thread (the local executor runs the model here)."""
+    profiled = 3
+    decode = decoding_engine(ckpt, cfg, batch, context, steps + profiled + 4, numerics)
     decode.step()  # warm-up
     t = clock()
     for _ in range(steps):

@@ -18,33 +18,14 @@ import time
 
 import torch
 
-from k3serve.contracts.requests import PrefillRequest
-from k3serve.contracts.sampling import SamplingParams
-from k3serve.decode.engine import DecodeConfig, DecodeEngine
-from k3serve.engine.block_hash import model_fingerprint
-from k3serve.engine.executor import LocalExecutor, WorkerSpec
-from k3serve.engine.ops import PoolConfig
+from k3serve.bench.decode import decoding_engine
 from k3serve.model.checkpoint import load_config
 from k3serve.model.presets import write_preset_checkpoint
-from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 
 
 def step_cpu_times(ckpt: str, batch: int, context: int = 256, steps: int = 12) -> tuple[list[float], list[float]]:
     """(CPU seconds, wall seconds) of each of `steps` decode steps over `batch` requests of `context` tokens."""
-    cfg = load_config(ckpt)
-    pools = PoolConfig(kda_slots=batch + 2, mla_pages=batch * (-(-(context + steps + 20) // 64)) + 8)
-    prefill = PrefillEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools)),
-                            PrefillConfig(pools, enable_prefix_cache=False), model_fingerprint(cfg.to_hf_dict()))
-    params = SamplingParams(max_tokens=steps + 10, ignore_eos=True)
-    g = torch.Generator().manual_seed(batch)
-    for i in range(batch):
-        prefill.add_request(PrefillRequest(f"b{i}", tuple(torch.randint(0, 256, (context,), generator=g).tolist()),
-                                           params))
-    handoffs = prefill.run_to_completion()
-    prefill.executor.close()
-    decode = DecodeEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools)), DecodeConfig(pools, max_batch=batch))
-    for h in handoffs:
-        decode.submit(h)
+    decode = decoding_engine(ckpt, load_config(ckpt), batch, context, steps + 10)
     decode.step()
     decode.step()
     cpu, wall = [], []

@@ -16,6 +16,7 @@ from k3serve.kernels.short_conv import short_conv, short_conv_step
 from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import DefaultOps
 from k3serve.model.layers.norm import rms_norm
+from k3serve.model.layers.stacked import stack_rows
 from k3serve.model.state import conv_window_channels, kda_conv_view, kda_recurrent_view, store_conv_window
 from k3serve.model.tp import TPGroup
 
@@ -50,22 +51,13 @@ class KDAAttention:
         self._stack_input_projections()
 
     def _stack_input_projections(self) -> None:
-        """Decode (default numerics, no grad): the six projections of x as one GEMV, one OpenMP region instead of
-        six (docs/profile.md). The separate weights become row views of the stack, so they are held once::
+        """Decode: the six projections of x as one GEMV (layers/stacked.py)::
 
             w_in = [w_q; w_k; w_v; w_f_a; w_b; w_g (or w_g_a)]     [3 HK + r + H + g, d]
-
-        For one token per request (M = 1, the single-request reference) the stacked GEMV gives the separate
-        GEMVs' bits; for M > 1 MKL's blocking over the wider output may round the last bit differently, like any
-        other change of batch. Prefill and verify keep the separate GEMMs."""
-        parts = [self.w_q, self.w_k, self.w_v, self.w_f_a, self.w_b, self.w_g if self.w_g is not None else self.w_g_a]
-        if self.ops.deterministic or any(t.requires_grad for t in parts):
-            self.w_in, self.in_sizes = None, ()
-            return
-        with torch.no_grad():
-            self.w_in = torch.cat(parts)
-        self.in_sizes = tuple(t.shape[0] for t in parts)
-        views = self.w_in.split(self.in_sizes)
+        """
+        gate = self.w_g if self.w_g is not None else self.w_g_a
+        self.w_in, self.in_sizes, views = stack_rows([self.w_q, self.w_k, self.w_v, self.w_f_a, self.w_b, gate],
+                                                     self.ops.deterministic)
         self.w_q, self.w_k, self.w_v, self.w_f_a, self.w_b = views[:5]
         if self.w_g is not None:
             self.w_g = views[5]

@@ -18,6 +18,7 @@ from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import DefaultOps
 from k3serve.model.layers.mla_blocked import KeyBlockCache, blocked_attention
 from k3serve.model.layers.norm import rms_norm
+from k3serve.model.layers.stacked import stack_rows
 from k3serve.model.state import ForwardBatch
 from k3serve.model.tp import TPGroup
 
@@ -50,18 +51,11 @@ class MLAAttention:
         self._stack_input_projections()
 
     def _stack_input_projections(self) -> None:
-        """Decode (default numerics, no grad): the projections of x (``kv_a_proj_with_mqa``, ``q_a_proj`` or
-        ``q_proj``, ``g_proj``) as one GEMV; the separate weights become row views of the stack (held once).
-        Same bits as the separate GEMVs for one token per request; see KDAAttention._stack_input_projections."""
+        """Decode: the projections of x (``kv_a_proj_with_mqa``, ``q_a_proj`` or ``q_proj``, ``g_proj``) as one
+        GEMV (layers/stacked.py)."""
         parts = [self.w_kv_a, self.w_q_a if self.w_q_a is not None else self.w_q]
         parts += [self.w_gate] if self.w_gate is not None else []
-        if self.ops.deterministic or any(t.requires_grad for t in parts):
-            self.w_in, self.in_sizes = None, ()
-            return
-        with torch.no_grad():
-            self.w_in = torch.cat(parts)
-        self.in_sizes = tuple(t.shape[0] for t in parts)
-        views = self.w_in.split(self.in_sizes)
+        self.w_in, self.in_sizes, views = stack_rows(parts, self.ops.deterministic)
         self.w_kv_a = views[0]
         if self.w_q_a is not None:
             self.w_q_a = views[1]

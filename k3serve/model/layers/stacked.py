@@ -1,0 +1,29 @@
+"""Row-stacked input projections for decode steps (docs/profile.md, "Second pass").
+
+Several projections of the same input ``x`` (a KDA layer's q, k, v, gates; an MLA layer's latent, query and gate
+projections) run as one GEMV over their weights stacked by rows: one OpenMP region per layer instead of one per
+projection. The separate weights become row views of the stack, so each is held once::
+
+    w_in = [W_0; W_1; ...; W_{n-1}]      [sum out_i, d]       F.linear(x, w_in).split(sizes, -1) -> per projection
+
+For one token per request (M = 1, the single-request reference) the stacked GEMV gives the separate GEMVs' bits;
+for M > 1 the wider output may round the last bit differently, like any other change of batch. Deterministic
+numerics and weights that train (requires_grad) keep the separate GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def stack_rows(parts: list[torch.Tensor], deterministic: bool
+               ) -> tuple[torch.Tensor | None, tuple[int, ...], tuple[torch.Tensor, ...]]:
+    """(w_in `[sum out_i, d]` or None, sizes, views of w_in replacing ``parts`` one for one).
+
+    None (and ``parts`` unchanged) where the stack must not be used: deterministic numerics, trained weights."""
+    if deterministic or any(t.requires_grad for t in parts):
+        return None, (), tuple(parts)
+    with torch.no_grad():
+        w_in = torch.cat(parts)
+    sizes = tuple(t.shape[0] for t in parts)
+    return w_in, sizes, w_in.split(sizes)
