@@ -32,6 +32,17 @@ def tiny_ckpt(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_trained_mxfp4_ckpt(tmp_path_factory) -> str:
+    """The shipped tiny-trained model, PTQ'd to MXFP4 routed experts (OCP scale rule); non-expert tensors stay
+    fp32, like every other exactness test's checkpoint (docs/mxfp4.md: bf16 TP exactness is not claimed)."""
+    from k3serve.model.presets import write_preset_checkpoint
+    from k3serve.model.quantize import quantize_checkpoint
+
+    full = write_preset_checkpoint("tiny-trained", tmp_path_factory.mktemp("tt"))
+    return str(quantize_checkpoint(full, tmp_path_factory.mktemp("tt_mxfp4"), "ocp"))
+
+
+@pytest.fixture(scope="session")
 def tiny_linear_ckpt(tmp_path_factory) -> str:
     from k3serve.model.checkpoint import make_checkpoint
     from k3serve.model.presets import preset

@@ -22,13 +22,8 @@ from tests.exactness import SEEDS, References, random_prompt
 
 
 @pytest.fixture(scope="module")
-def mxfp4_ckpt(tmp_path_factory):
-    from k3serve.model.presets import write_preset_checkpoint
-    from k3serve.model.quantize import quantize_checkpoint
-
-    full = write_preset_checkpoint("tiny-trained", tmp_path_factory.mktemp("tt"))
-    # fp32 non-expert tensors, like every other exactness test (docs/mxfp4.md: bf16 TP exactness is not claimed)
-    return str(quantize_checkpoint(full, tmp_path_factory.mktemp("tt_mxfp4"), "ocp"))
+def mxfp4_ckpt(tiny_trained_mxfp4_ckpt):
+    return tiny_trained_mxfp4_ckpt
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.disagg.pipeline import LocalPipeline
 from k3serve.model.loader import load_model
-from k3serve.model.presets import write_preset_checkpoint
-from k3serve.model.quantize import quantize_checkpoint
 from k3serve.model.reference import reference_generate
 from tests.exactness import References
 
@@ -17,9 +15,8 @@ PROMPTS = ("def parse_args(", "class Stack:\n    def push(self, x):\n")
 
 
 @pytest.fixture(scope="module")
-def mxfp4_ckpt(tmp_path_factory):
-    full = write_preset_checkpoint("tiny-trained", tmp_path_factory.mktemp("tt"))
-    return str(quantize_checkpoint(full, tmp_path_factory.mktemp("tt_mxfp4"), "ocp"))
+def mxfp4_ckpt(tiny_trained_mxfp4_ckpt):
+    return tiny_trained_mxfp4_ckpt
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,15 @@ so verify/commit runs long accepted prefixes and rejections at every depth. Writ
 
 from __future__ import annotations
 
+import torch
+
 from k3serve.engine.spec.drafter import DraftProposal, VerifyOutcome
+
+
+def spec_prompt(n: int, seed: int, repeat: bool) -> tuple[int, ...]:
+    """`n` random byte tokens from `seed`; `repeat`: three times over (gives the n-gram drafter matches)."""
+    base = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return tuple(base * 3 if repeat else base)
 
 
 class ScriptedSession:

@@ -24,15 +24,10 @@ from k3serve.engine.spec.ngram import NgramConfig
 from k3serve.model.loader import load_model
 from k3serve.model.reference import reference_generate
 
-from tests.spec.drafters import ScriptedDrafter
+from tests.spec.drafters import ScriptedDrafter, spec_prompt
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=8, ignore_eos=True)
-
-
-def _prompt(n: int, seed: int, repeat: bool) -> tuple[int, ...]:
-    base = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return tuple(base * 3 if repeat else base)  # a repeated prompt gives the n-gram drafter matches
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +36,7 @@ def cases(tiny_ckpt):
     model = load_model(tiny_ckpt, numerics=DETERMINISTIC)
     out = []
     for i, (n, rep) in enumerate([(7, True), (40, False)]):
-        prompt = _prompt(n, 400 + i, rep)
+        prompt = spec_prompt(n, 400 + i, rep)
         for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
             out.append((f"{name}-{i}", prompt, params, reference_generate(model, list(prompt), params,
                                                                           keep_logits=True)))
@@ -137,7 +132,7 @@ def ngram_cases(tiny_ckpt):
     model = load_model(tiny_ckpt, numerics=DETERMINISTIC)
     params = GREEDY.with_max_tokens(16)
     candidates = [tuple(b"def add(a, b):\n    return a + b\n\ndef add(a, b):\n"), tuple(b"for i in range(n):\n" * 3)]
-    candidates += [_prompt(8, 500 + s, True) for s in range(4)]
+    candidates += [spec_prompt(8, 500 + s, True) for s in range(4)]
     out = []
     for i, prompt in enumerate(candidates):
         ref = reference_generate(model, list(prompt), params, keep_logits=True)

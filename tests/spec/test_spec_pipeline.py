@@ -6,7 +6,6 @@ requests in one continuous batch; pools are back to zero afterwards."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
@@ -14,22 +13,17 @@ from k3serve.disagg.pipeline import LocalPipeline
 from k3serve.engine.spec.config import SpecConfig
 from k3serve.engine.spec.ngram import NgramConfig
 
-from tests.spec.drafters import ScriptedDrafter
+from tests.spec.drafters import ScriptedDrafter, spec_prompt
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=10, ignore_eos=True)
-
-
-def _prompt(n: int, seed: int, repeat: bool) -> tuple[int, ...]:
-    base = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return tuple(base * 3 if repeat else base)  # a repeated prompt gives the n-gram drafter matches
 
 
 @pytest.fixture(scope="module")
 def cases(tiny_refs):
     out = []
     for i, (n, rep) in enumerate([(7, True), (40, False), (90, True)]):
-        prompt = _prompt(n, 300 + i, rep)
+        prompt = spec_prompt(n, 300 + i, rep)
         for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
             out.append((f"{name}-{i}", prompt, params, tiny_refs.trace(list(prompt), params).token_ids))
     return out
