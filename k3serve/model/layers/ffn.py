@@ -20,6 +20,30 @@ from k3serve.model.layers.norm import glu, rms_norm
 from k3serve.model.tp import TPGroup
 
 
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """ids `[N, k]` -> (order `[N*k]`, counts `[E]`, counts as a list): one stable sort of the assignments::
+
+        flat = ids.view(-1)          assignment a = row * k + slot
+        order = argsort(flat)        [a for expert e0 ..., a for expert e1 ..., ...]  (stable: rows ascending)
+        counts[e]                    assignments of expert e; expert e's run is order[off_e : off_e + counts[e]]
+    """
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return torch.argsort(flat, stable=True), counts, counts.tolist()
+
+
+def expert_runs(order: torch.Tensor, counts: list[int], k: int, expert_ids: range):
+    """(e, rows `[n_e]`, slots `[n_e]`) for each expert of `expert_ids` that has assignments, in ascending expert
+    order, rows ascending within a run: the rows and order the former ``(ids == e).nonzero()`` loop gave."""
+    rows_all, slot_all = order // k, order % k
+    off = sum(counts[: expert_ids.start])
+    for e in expert_ids:
+        n = counts[e]
+        if n:
+            yield e, rows_all[off: off + n], slot_all[off: off + n]
+            off += n
+
+
 class GatedMLP:
     """`down(act(gate x) * up x)`; partial over TP ranks (caller reduces)."""
 
@@ -109,18 +133,12 @@ class MoE:
         without the 2 small ops per idle expert that dominated decode steps (docs/profile.md). Stacked
         (full-precision) experts run all of the rank's runs as one grouped GEMM per matrix instead of the loop
         (moe_grouped.py; the same GEMM per run, bit-identical), or, for decode-sized runs over many experts, as
-        three bmm over zero-padded runs (last-bit rounding may then differ, as with any other batch)::
-
-            flat = ids.view(-1)          assignment a = row * k + slot
-            order = argsort(flat)        [a for expert e0 ..., a for expert e1 ..., ...]  (stable: rows ascending)
-            counts[e]                    assignments of expert e; expert e's run is order[off_e : off_e + counts[e]]
+        three bmm over zero-padded runs (last-bit rounding may then differ, as with any other batch). The
+        grouping is :func:`group_by_expert`.
         """
         c = self.cfg
         k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts_t = torch.bincount(flat, minlength=c.num_experts)
-        counts = counts_t.tolist()
+        order, counts_t, counts = group_by_expert(ids, c.num_experts)
         lo = sum(counts[: self.expert_ids.start])
         hi = lo + sum(counts[self.expert_ids.start: self.expert_ids.stop])
         out = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
@@ -139,22 +157,15 @@ class MoE:
             act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
             width = max(counts[e0 + first: e0 + last])
             if decode and len(active) >= PADDED_MIN_ACTIVE and width <= PADDED_MAX_ROWS:  # 3 padded bmm
-                expert = flat[mine] - (e0 + first)
+                expert = ids.reshape(-1)[mine] - (e0 + first)
                 pos = torch.arange(hi - lo, device=z.device) - (run.cumsum(0) - run)[expert]
                 y = padded_experts(z[rows], expert, pos, width, span, *act)
             else:
                 y = grouped_experts(z[rows], run.cumsum(0).to(torch.int32), span, *act)
             out.index_add_(0, rows, y.float() * w[rows, slot].unsqueeze(-1))
             return out
-        rows_all, slot_all = order // k, order % k
         ys, rows_used = [], []
-        off = lo
-        for e in self.expert_ids:
-            n = counts[e]
-            if n == 0:
-                continue
-            rows, slot = rows_all[off: off + n], slot_all[off: off + n]
-            off += n
+        for e, rows, slot in expert_runs(order, counts, k, self.expert_ids):
             w1, w3, w2 = self.experts[e]
             zi = z[rows]
             y = w2(glu(w1(zi), w3(zi), c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta))
@@ -204,18 +215,8 @@ def moe_deterministic(moe: MoE, flat: torch.Tensor) -> torch.Tensor:
     # group the N*k assignments by expert with one stable sort (as MoE._routed_partial): expert e's run of
     # `order` holds its (row, slot) pairs in the ascending order the former (ids == e).nonzero() gave, and
     # only experts with tokens run (no 2 small ops per idle expert)
-    k = ids.shape[1]
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=c.num_experts).tolist()
-    rows_all, slot_all = order // k, order % k
-    off = sum(counts[: moe.expert_ids.start])
-    for e in moe.expert_ids:
-        n = counts[e]
-        if n == 0:
-            continue
-        rows, slot = rows_all[off: off + n], slot_all[off: off + n]
-        off += n
+    order, _, counts = group_by_expert(ids, c.num_experts)
+    for e, rows, slot in expert_runs(order, counts, ids.shape[1], moe.expert_ids):
         w1, w3, w2 = moe.experts[e]
         zi = z[rows]
         out = w2.tiled(glu(w1.tiled(zi, ops.linear), w3.tiled(zi, ops.linear), c.hidden_act,
