@@ -48,7 +48,6 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import redis
 
@@ -59,6 +58,8 @@ from k3serve.router.admission_lua import RESERVE as _RESERVE
 from k3serve.router.admission_lua import STATS as _STATS
 from k3serve.router.retry_hint import HINT_JITTER, HINT_LATENESS, drain_wait_s  # noqa: F401 (re-exported)
 from k3serve.router.admission_lua import TOUCH as _TOUCH
+from k3serve.router.admission_types import (  # noqa: F401 (re-exported)
+    AdmissionConfig, AdmissionRejected, ClassLoad, ClassSpec, RecoveryGuard, Reservation, classify, validate_classes)
 from k3serve.router.membership import check_id, key_prefix, ttl_ms
 
 __all__ = [
@@ -73,117 +74,6 @@ __all__ = [
     "RecoveryGuard",
     "drain_wait_s",
 ]
-
-
-@dataclass(frozen=True)
-class ClassSpec:
-    """A request class. ``max_uncached_tokens`` is the class's upper bound (inclusive; None = no bound).
-
-    Budget and caps apply per (cluster, class). ``queue_limit`` 0 means no waiting: reject at once.
-    """
-
-    name: str
-    max_uncached_tokens: int | None
-    inflight_token_budget: int
-    max_concurrent: int
-    queue_limit: int
-    max_wait_s: float
-
-    def __post_init__(self) -> None:
-        check_id("class name", self.name)
-        if self.max_uncached_tokens is not None and self.max_uncached_tokens < 0:
-            raise ValueError(f"class {self.name}: max_uncached_tokens must be >= 0")
-        if self.inflight_token_budget <= 0 or self.max_concurrent <= 0:
-            raise ValueError(f"class {self.name}: inflight_token_budget and max_concurrent must be > 0")
-        if self.queue_limit < 0 or self.max_wait_s < 0:
-            raise ValueError(f"class {self.name}: queue_limit and max_wait_s must be >= 0")
-
-
-def validate_classes(classes: Sequence[ClassSpec]) -> None:
-    """ValueError unless there is at least one class, names are unique and at most one class is unbounded."""
-    if not classes:
-        raise ValueError("at least one request class is needed")
-    names = [c.name for c in classes]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate class names: {names}")
-    if sum(c.max_uncached_tokens is None for c in classes) > 1:
-        raise ValueError("at most one class may have max_uncached_tokens=None")
-
-
-def classify(uncached_tokens: int, classes: Sequence[ClassSpec]) -> ClassSpec:
-    """The class with the smallest ``max_uncached_tokens`` >= ``uncached_tokens``; else the unbounded class;
-    else (longer than every bound) the class with the largest bound, so every request has a class."""
-    validate_classes(classes)
-    if uncached_tokens < 0:
-        raise ValueError(f"uncached_tokens must be >= 0, got {uncached_tokens}")
-    bounded = sorted((c for c in classes if c.max_uncached_tokens is not None), key=lambda c: c.max_uncached_tokens)
-    for c in bounded:
-        if uncached_tokens <= c.max_uncached_tokens:
-            return c
-    unbounded = [c for c in classes if c.max_uncached_tokens is None]
-    return unbounded[0] if unbounded else bounded[-1]
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Tokens held in one (cluster, class) budget until released or the lease (Redis time) expires."""
-
-    cluster: str
-    cls: str
-    request_id: str
-    tokens: int
-    expires_at: float  # Redis server time, epoch seconds
-    lease_ttl_s: float
-
-
-@dataclass(frozen=True)
-class ClassLoad:
-    tokens: int  # in-flight tokens
-    count: int  # in-flight requests
-    queued: int  # waiters
-
-
-class AdmissionRejected(Exception):
-    """Not admitted: ``reason`` is "queue_full", "timeout", "over_budget" (no waiting allowed) or "cancelled".
-    Map to gRPC RESOURCE_EXHAUSTED with ``retry_after_s`` as the hint: when the requests holding the budget are
-    expected to have drained enough for this one (``drain_wait_s``)."""
-
-    def __init__(self, retry_after_s: float, message: str, reason: str = "timeout", cluster: str = "",
-                 cls: str = "") -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.message = message
-        self.reason = reason
-        self.cluster, self.cls = cluster, cls
-
-
-@dataclass(frozen=True)
-class RecoveryGuard:
-    """The state-loss guard (module docstring). ``alive_ttl_s`` must exceed the renewers' beat with margin;
-    ``grace_s`` must cover one beat of every router, so that all of them re-assert before new work gets in."""
-
-    alive_ttl_s: float
-    grace_s: float
-
-    def __post_init__(self) -> None:
-        if not 0 < self.grace_s <= self.alive_ttl_s:
-            raise ValueError(f"need 0 < grace_s <= alive_ttl_s, got {self}")
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    """Waiting behaviour. Waiters poll every U(poll_min_s, poll_max_s) seconds (jitter keeps replicas from
-    polling in lock-step); a waiter that stops polling (crashed router) leaves the queue ``queue_lease_s`` later."""
-
-    poll_min_s: float = 0.005
-    poll_max_s: float = 0.03
-    queue_lease_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.poll_min_s <= self.poll_max_s:
-            raise ValueError(f"need 0 < poll_min_s <= poll_max_s, got {self}")
-        if self.queue_lease_s <= self.poll_max_s:
-            raise ValueError("queue_lease_s must exceed poll_max_s, or live waiters would expire between polls")
 
 
 _OK, _NO, _QUEUED, _FULL = 1, 0, 2, 3

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from transfer_helpers import make_spec, random_state
+from transfer_helpers import make_spec, random_state, send_all
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
@@ -43,21 +43,7 @@ DELAY_DEADLINE_S = 2.0  # the stalled attempt runs past it; a clean attempt fini
 
 def _send_all(endpoints, spec, parts, mla, config, faults):
     """Every prefill rank's sender in its own thread; results (SendResult or TransferFailed) in rank order."""
-    out: list[object] = [None] * len(parts)
-
-    def one(r: int) -> None:
-        with TransferSender(r, endpoints, config, faults) as s:
-            try:
-                out[r] = s.send(spec, parts[r], mla)
-            except TransferFailed as e:
-                out[r] = e
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(parts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
+    return send_all(lambda r: TransferSender(r, endpoints, config, faults), spec, parts, mla)
 
 
 def _assert_empty(rxs):

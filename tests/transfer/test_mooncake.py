@@ -8,12 +8,11 @@ after retry or a clean failure, with no staging or region range left held; the r
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 import torch
 
-from transfer_helpers import make_spec, random_state
+from transfer_helpers import make_spec, random_state, send_all
 from k3serve.bench.transfer_faults import SenderFaults
 from k3serve.transfer.buffers import RegionBuffers
 from k3serve.transfer.mooncake.plane import DataPlane, MooncakeConfig, mooncake_available
@@ -64,21 +63,9 @@ def _send_all(rxs, spec, parts, mla, config, sender_plane, faults=None):
     from k3serve.transfer.mooncake.sender import MooncakeSender
 
     plane, region = sender_plane
-    out: list[object] = [None] * len(parts)
-
-    def one(r: int) -> None:
-        with MooncakeSender(r, [x.endpoint for x in rxs], config, plane, region, faults, MC.batch_bytes) as s:
-            try:
-                out[r] = s.send(spec, parts[r], mla)
-            except TransferFailed as e:
-                out[r] = e
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(parts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
+    endpoints = [x.endpoint for x in rxs]
+    return send_all(lambda r: MooncakeSender(r, endpoints, config, plane, region, faults, MC.batch_bytes),
+                    spec, parts, mla)
 
 
 def _assert_nothing_held(rxs, sender_plane):
