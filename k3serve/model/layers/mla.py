@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from k3serve.kernels.mla_decode import mla_decode
 from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import DefaultOps
-from k3serve.model.layers.mla_blocked import KeyBlockCache, blocked_attention
+from k3serve.model.layers.mla_blocked import blocked_attention
+from k3serve.model.layers.mla_key_pool import KeyBlockPool
 from k3serve.model.layers.norm import rms_norm
 from k3serve.model.layers.stacked import stack_rows
 from k3serve.model.state import ForwardBatch
@@ -46,8 +47,8 @@ class MLAAttention:
         self.w_gate = w("g_proj.weight") if cfg.mla_use_output_gate else None
         self.w_o = w("o_proj.weight")
         self.scale = 1.0 / math.sqrt(cfg.qk_head_dim)
-        # deterministic mode: decompressed full key blocks, reused across decode steps (mla_blocked.py)
-        self.key_cache = KeyBlockCache() if self.ops.deterministic else None
+        # deterministic mode: decompressed full key blocks, reused across decode steps (mla_key_pool.py)
+        self.key_pool = KeyBlockPool() if self.ops.deterministic else None
         self._stack_input_projections()
 
     def _stack_input_projections(self) -> None:
@@ -112,9 +113,9 @@ class MLAAttention:
         ops, bsz, t = self.ops, x.shape[0], x.shape[1]
         q = torch.cat([q_nope, q_pe], dim=-1).float() * self.scale  # [B, T, H, Dq]
         rows = [batch.latent.read(self.mla_idx, b, batch.start_positions[b] + t).float() for b in range(bsz)]
-        cache = self.key_cache if torch.is_inference_mode_enabled() else None  # training: no cached tensors
+        pool = self.key_pool if torch.is_inference_mode_enabled() else None  # training: no cached tensors
         outs = blocked_attention(list(q.unbind(0)), rows, list(batch.start_positions), self.w_uk.float(),
-                                 self.w_uv.float(), ops.numerics.key_block, ops.numerics.row_tile, cache)
+                                 self.w_uv.float(), ops.numerics.key_block, ops.numerics.row_tile, pool)
         attn = torch.stack(outs).flatten(2)  # [B, T, H_local * v]
         if self.w_gate is not None:
             attn = attn * torch.sigmoid(ops.linear(x, self.w_gate, ops.col_units).float())
