@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from k3serve.kernels.mla_decode import mla_decode
 from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import DefaultOps
-from k3serve.model.layers.mla_blocked import blocked_attention
+from k3serve.model.layers.mla_blocked import attend_blocks
 from k3serve.model.layers.mla_key_pool import KeyBlockPool
 from k3serve.model.layers.norm import rms_norm
 from k3serve.model.layers.stacked import stack_rows
@@ -112,10 +112,12 @@ class MLAAttention:
         """Numerics mode ``deterministic`` (mla_blocked.py): the same fixed-block form for prefill and decode."""
         ops, bsz, t = self.ops, x.shape[0], x.shape[1]
         q = torch.cat([q_nope, q_pe], dim=-1).float() * self.scale  # [B, T, H, Dq]
-        rows = [batch.latent.read(self.mla_idx, b, batch.start_positions[b] + t).float() for b in range(bsz)]
+        starts, kb = list(batch.start_positions), ops.numerics.key_block
+        lengths = [s + t for s in starts]
+        blocks = batch.latent.read_blocks(self.mla_idx, lengths, kb).float()  # [sum nb, KB, rank + rope]
         pool = self.key_pool if torch.is_inference_mode_enabled() else None  # training: no cached tensors
-        outs = blocked_attention(list(q.unbind(0)), rows, list(batch.start_positions), self.w_uk.float(),
-                                 self.w_uv.float(), ops.numerics.key_block, ops.numerics.row_tile, pool)
+        outs = attend_blocks(list(q.unbind(0)), blocks, lengths, starts, self.w_uk.float(), self.w_uv.float(), kb,
+                             ops.numerics.row_tile, pool)
         attn = torch.stack(outs).flatten(2)  # [B, T, H_local * v]
         if self.w_gate is not None:
             attn = attn * torch.sigmoid(ops.linear(x, self.w_gate, ops.col_units).float())

@@ -39,19 +39,7 @@ import torch
 
 from k3serve.model.deterministic import tile_rows
 from k3serve.model.layers.mla_key_pool import KeyBlockPool, key_blocks
-
-
-def gather_blocks(rows: list[torch.Tensor], key_block: int) -> torch.Tensor:
-    """rows[b] `[L_b, D]` -> every request's key blocks `[sum_b ceil(L_b / KB), KB, D]`, in request order, each
-    request's last block zero-padded (one copy per request)."""
-    nbs = [-(-r.shape[0] // key_block) for r in rows]
-    blocks = rows[0].new_empty(sum(nbs), key_block, rows[0].shape[1])
-    flat, at = blocks.view(-1, rows[0].shape[1]), 0
-    for r, nb in zip(rows, nbs):
-        flat[at: at + r.shape[0]] = r
-        flat[at + r.shape[0]: at + nb * key_block] = 0
-        at += nb * key_block
-    return blocks
+from k3serve.model.state import blocks_of
 
 
 def blocked_attention(queries: list[torch.Tensor], rows: list[torch.Tensor], starts: list[int],
@@ -65,7 +53,7 @@ def blocked_attention(queries: list[torch.Tensor], rows: list[torch.Tensor], sta
     bits: a block's keys depend on its rows only). Returns per request `[T_b, H, v]` fp32.
     """
     lengths = [r.shape[0] for r in rows]
-    return attend_blocks(queries, gather_blocks(rows, key_block), lengths, starts, w_uk, w_uv, key_block, tile,
+    return attend_blocks(queries, blocks_of(rows, key_block), lengths, starts, w_uk, w_uv, key_block, tile,
                          pool)
 
 
@@ -73,16 +61,17 @@ def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: li
                   w_uk: torch.Tensor, w_uv: torch.Tensor, key_block: int, tile: int,
                   pool: KeyBlockPool | None = None) -> list[torch.Tensor]:
     """:func:`blocked_attention` over key blocks already gathered: blocks `[sum_b ceil(lengths[b] / KB), KB,
-    rank + rope]` fp32 (request order, zero-padded, as :func:`gather_blocks` makes them)."""
+    rank + rope]` fp32 (request order, zero-padded: ``LatentCache.read_blocks``)."""
     heads = w_uk.shape[0]
     dev = queries[0].device
     tile = tile_rows(max(q.shape[0] for q in queries), tile)  # decode: 4-row tiles (same row bits as 16)
     nbs = [-(-n // key_block) for n in lengths]
     firsts = [sum(nbs[:b]) for b in range(len(nbs))]
     slots = None
-    if pool is not None:
-        full = [j < n // key_block for n, nb in zip(lengths, nbs) for j in range(nb)]
-        slots = pool.slots(blocks, full, w_uk, w_uv)
+    if pool is not None:  # per block: its real rows, and how many of them existed before this call
+        valid = [min(key_block, n - j * key_block) for n, nb in zip(lengths, nbs) for j in range(nb)]
+        prev = [min(key_block, max(0, s - j * key_block)) for s, nb in zip(starts, nbs) for j in range(nb)]
+        slots = pool.slots(blocks, valid, prev, w_uk, w_uv)
     if slots is None:
         k_store, v_store = key_blocks(blocks, w_uk, w_uv)  # [sum nb, H, KB, Dq], [sum nb, H, KB, v]
         slots = list(range(blocks.shape[0]))

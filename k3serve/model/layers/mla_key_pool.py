@@ -24,26 +24,32 @@ from collections import OrderedDict
 
 import torch
 
+from k3serve.model.deterministic import MIN_TILE
+
 # Bytes of decompressed keys + values + rows one pool (one MLA layer of one model) holds at most.
 DEFAULT_POOL_BYTES = 256 << 20
 
 
 def _decompress(c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """c `[n, KB, rank]` (n key blocks), w `[H, out, rank]` -> `[n, H, KB, out]`: one fixed-shape GEMM per
-    (block, head)."""
-    n, kb, rank = c.shape
-    heads, out = w.shape[0], w.shape[1]
-    a = c.unsqueeze(1).expand(n, heads, kb, rank).reshape(n * heads, kb, rank)
-    b = w.transpose(1, 2).unsqueeze(0).expand(n, heads, rank, out).reshape(n * heads, rank, out)
-    return torch.bmm(a, b).view(n, heads, kb, out)
+    """c `[M, rank]` latent rows, w `[H, out, rank]` -> `[H, M, out]`: one GEMM per head over all M rows (the
+    weights are not copied per block). A row's bits are those of the former per-block `[KB, rank]` GEMM: from
+    MIN_TILE rows on, a GEMM row does not depend on how many rows share the call (pinned for these shapes in
+    tests/model/test_numerics_invariants.py); fewer rows are padded to MIN_TILE."""
+    m, rank = c.shape
+    if m < MIN_TILE:
+        c = torch.cat([c, c.new_zeros(MIN_TILE - m, rank)])
+    out = torch.bmm(c.unsqueeze(0).expand(w.shape[0], -1, -1), w.transpose(1, 2))
+    return out[:, :m]
 
 
 def key_blocks(blocks: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """blocks `[n, KB, rank + rope]` -> (keys `[n, H, KB, nope + rope]`, values `[n, H, KB, v]`)."""
+    n, kb = blocks.shape[0], blocks.shape[1]
     heads, rank = w_uk.shape[0], w_uk.shape[2]
-    c = blocks[..., :rank].contiguous()
+    c = blocks[..., :rank].reshape(n * kb, rank)
+    k_nope = _decompress(c, w_uk).view(heads, n, kb, -1).transpose(0, 1)  # [n, H, KB, nope]
     k_pe = blocks[..., rank:].unsqueeze(1).expand(-1, heads, -1, -1)
-    return torch.cat([_decompress(c, w_uk), k_pe], dim=-1), _decompress(c, w_uv)
+    return torch.cat([k_nope, k_pe], dim=-1), _decompress(c, w_uv).view(heads, n, kb, -1).transpose(0, 1)
 
 
 class KeyBlockPool:
@@ -62,7 +68,7 @@ class KeyBlockPool:
         self.rows: torch.Tensor | None = None  # [cap, KB, rank + rope]
         self._index: OrderedDict[bytes, int] = OrderedDict()  # fingerprint -> slot, LRU first
         self._free: list[int] = []
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.grown = 0  # grown: hits extended by their new rows
 
     @property
     def capacity(self) -> int:
@@ -77,11 +83,6 @@ class KeyBlockPool:
     def cached(self) -> int:
         """Full blocks currently kept."""
         return len(self._index)
-
-    @staticmethod
-    def _fingerprints(blocks: torch.Tensor) -> list[bytes]:
-        fp = blocks[:, [0, -1]].flatten(1).cpu().numpy()  # [n, 2 (rank + rope)]
-        return [row.tobytes() for row in fp]
 
     def _grow(self, need: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> bool:
         """Grow the storage (doubling, within max_bytes) so that `need` slots are free; False when the bound
@@ -113,44 +114,97 @@ class KeyBlockPool:
                 return None
         return [self._free.pop() for _ in range(need)]
 
-    def slots(self, blocks: torch.Tensor, full: list[bool], w_uk: torch.Tensor,
+    def slots(self, blocks: torch.Tensor, valid: list[int], prev: list[int], w_uk: torch.Tensor,
               w_uv: torch.Tensor) -> list[int] | None:
-        """blocks `[n, KB, rank + rope]` fp32; full[i]: all KB rows of block i are real keys (cacheable).
-        Returns each block's slot in ``keys`` / ``values`` (hits, then fresh slots for the rest, decompressed
-        in one batch), or None when this call's blocks do not fit in max_bytes (then decompress without)."""
-        n = blocks.shape[0]
-        fps = self._fingerprints(blocks)
+        """Each block's slot in ``keys`` / ``values``, holding its decompressed form.
+
+        blocks `[n, KB, rank + rope]` fp32, zero past each block's real rows; valid[i]: block i's real rows
+        (1..KB); prev[i]: how many of them the pool may already hold (the rows before this call, 0..valid[i]).
+        A block found with all `valid` rows is a hit; one found with its first `prev` rows (the same
+        request's block, one decode step ago) is extended by decompressing only the new rows, in
+        MIN_TILE-row tiles (a row's bits do not depend on how many rows share its GEMM from MIN_TILE on:
+        tests/model/test_numerics_invariants.py); the rest are decompressed whole in one batch. Both are
+        confirmed by comparing the rows. None when this call's blocks do not fit in max_bytes."""
+        n, kb = blocks.shape[0], blocks.shape[1]
+        ar = torch.arange(n, device=blocks.device)
+        ends = torch.tensor(valid, device=blocks.device) - 1
+        befores = (torch.tensor(prev, device=blocks.device) - 1).clamp_(min=0)
+        fp = torch.stack([blocks[:, 0], blocks[ar, ends], blocks[ar, befores]], 1).cpu().numpy()  # [n, 3, D]
         out: list[int] = [-1] * n
-        cand = [i for i in range(n) if full[i] and fps[i] in self._index]
-        if cand:
-            cs = [self._index[fps[i]] for i in cand]
-            pick = torch.tensor(cs, device=blocks.device)
-            same = (self.rows.index_select(0, pick) == blocks[cand]).flatten(1).all(1).tolist()
-            for i, s, ok in zip(cand, cs, same):
-                if ok:
-                    out[i] = s
-                    self._index.move_to_end(fps[i])
+        grow: list[tuple[int, int, tuple]] = []  # (block, slot, its old key)
+        keys_now = []
+        claimed: dict[int, int] = {}  # slot -> blocks of this call that use it
+        for i in range(n):
+            first = fp[i, 0].tobytes()
+            now = (valid[i], first + fp[i, 1].tobytes())
+            keys_now.append(now)
+            slot = self._index.get(now)
+            if slot is not None and torch.equal(self.rows[slot], blocks[i]):
+                out[i] = slot
+                self._index.move_to_end(now)
+                claimed[slot] = claimed.get(slot, 0) + 1
+            elif 0 < prev[i] < valid[i]:
+                key = (prev[i], first + fp[i, 2].tobytes())
+                slot = self._index.get(key)
+                if slot is not None and torch.equal(self.rows[slot, : prev[i]], blocks[i, : prev[i]]):
+                    grow.append((i, slot, key))
+                    claimed[slot] = claimed.get(slot, 0) + 1
+        # a block another one also reads is never rewritten; blocks narrower than a tile are never grown
+        grow = [g for g in grow if claimed[g[1]] == 1] if kb >= MIN_TILE else []
+        for i, slot, _ in grow:
+            out[i] = slot
+        self.grown += len(grow)
+        release = self._extend(blocks, grow, valid, prev, keys_now, w_uk, w_uv)
         miss = [i for i in range(n) if out[i] < 0]
-        n_hit = n - len(miss)
-        self.hits += n_hit
-        self.misses += sum(full) - n_hit
+        self.hits += n - len(miss)
+        self.misses += len(miss)
         if not miss:
+            self._free.extend(release)
             return out
-        sel = blocks[miss] if n_hit else blocks
+        sel = blocks[miss] if len(miss) < n else blocks
         k_new, v_new = key_blocks(sel, w_uk, w_uv)
-        fresh = self._take(len(miss), set(out[i] for i in range(n) if out[i] >= 0), k_new, v_new, sel)
+        fresh = self._take(len(miss), set(claimed), k_new, v_new, sel)
         if fresh is None:
+            self._free.extend(release)
             return None
         at = torch.tensor(fresh, device=blocks.device)
         self.keys.index_copy_(0, at, k_new)
         self.values.index_copy_(0, at, v_new)
         self.rows.index_copy_(0, at, sel)
-        transient = []
+        transient = release
         for i, s in zip(miss, fresh):
             out[i] = s
-            if full[i] and fps[i] not in self._index:
-                self._index[fps[i]] = s
-            else:  # a partial block, or a full one whose fingerprint another block holds: this call only
+            if keys_now[i] not in self._index:
+                self._index[keys_now[i]] = s
+            else:  # another block of this call holds that key: this call only
                 transient.append(s)
         self._free.extend(transient)
         return out
+
+    def _extend(self, blocks: torch.Tensor, grow: list[tuple[int, int, tuple]], valid: list[int], prev: list[int],
+                keys_now: list[tuple], w_uk: torch.Tensor, w_uv: torch.Tensor) -> list[int]:
+        """Decompress rows prev[i] .. valid[i]-1 of each growing block i into its slot, in MIN_TILE-row tiles
+        inside the block (a tile that would pass the block's end starts earlier: recomputed rows get their
+        own bits again), and key the slot by its new last row. Returns the slots to free after this call (a
+        grown block whose new key another slot already holds: the same rows, kept once)."""
+        if not grow:
+            return []
+        kb = blocks.shape[1]
+        tiles = [(i, s, min(a, kb - MIN_TILE)) for i, s, _ in grow for a in range(prev[i], valid[i], MIN_TILE)]
+        dev = blocks.device
+        block_of = torch.tensor([t[0] for t in tiles], device=dev)
+        slot_of = torch.tensor([t[1] for t in tiles], device=dev).unsqueeze(1)
+        row_of = torch.tensor([t[2] for t in tiles], device=dev).unsqueeze(1) + torch.arange(MIN_TILE, device=dev)
+        rows = blocks[block_of.unsqueeze(1), row_of]  # [n_tiles, MIN_TILE, D]
+        k_t, v_t = key_blocks(rows, w_uk, w_uv)  # [n_tiles, H, MIN_TILE, *]
+        self.keys[slot_of, :, row_of] = k_t.transpose(1, 2)
+        self.values[slot_of, :, row_of] = v_t.transpose(1, 2)
+        self.rows[slot_of, row_of] = rows
+        release = []
+        for i, s, key in grow:
+            del self._index[key]
+            if keys_now[i] in self._index:
+                release.append(s)
+            else:
+                self._index[keys_now[i]] = s
+        return release
