@@ -32,9 +32,9 @@ from k3serve.contracts.numerics import Numerics
 from k3serve.model.tp import TPGroup
 
 # Elements per padded elementwise call: a multiple of 2 x the widest vector (AVX-512: 16 floats).
-_VEC = 64
+ELEMENTWISE_VEC = 64
 # Output widths from which the row tiles of one linear run as one bmm (narrower: one mm per tile).
-_BMM_MIN_OUT = 16
+BMM_MIN_OUT = 16
 # The smallest row tile: from 4 rows on, a row of a GEMM gets the same bits whether its tile has 4, 8 or 16
 # rows (one kernel; fewer than 4 rows take another: tests/model/test_numerics_invariants.py).
 MIN_TILE = 4
@@ -106,7 +106,7 @@ class DeterministicOps(DefaultOps):
     def _tiled(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[N, K]` (any N), w `[n, K]` -> `[N, n]`: one [R, K] x [K, n] GEMM per row tile.
 
-        Weights with at least _BMM_MIN_OUT rows run all tiles in one bmm (measured equal, bit for bit, to
+        Weights with at least BMM_MIN_OUT rows run all tiles in one bmm (measured equal, bit for bit, to
         separate calls whatever the tile count); narrower ones (a 1-head unit of b_proj) call mm per tile,
         because a bmm with n = 1 takes another kernel when it has more than one tile."""
         rows, k = x.shape
@@ -114,7 +114,99 @@ class DeterministicOps(DefaultOps):
         tiles = -(-rows // size)
         if tiles * size != rows:
             x = torch.cat([x, x.new_zeros(tiles * size - rows, k)])
-        if w.shape[0] < _BMM_MIN_OUT:
+        if w.shape[0] < BMM_MIN_OUT:
+            wt = w.t()
+            out = torch.cat([torch.mm(x[i * size: (i + 1) * size], wt) for i in range(tiles)])
+            return out[:rows]
+        out = torch.bmm(x.view(tiles, size, k), w.t().unsqueeze(0).expand(tiles, k, w.shape[0]))
+        return out.view(tiles * size, -1)[:rows]
+
+    def _tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[N, K]` -> `[T, R, K]`: its row tiles (R = tile_rows(N)), the last zero-padded."""
+        rows, k = x.shape
+        size = tile_rows(rows, self.tile)
+        tiles = -(-rows // size)
+        if tiles * size != rows:
+            x = torch.cat([x, x.new_zeros(tiles * size - rows, k)])
+        return x.view(tiles, size, k)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, units: int = 1) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, k)
+        n_u = w.shape[0] // units
+        if units == 1:
+            out = self._tiled(flat, w)
+        elif n_u >= BMM_MIN_OUT and (tiles := self._tiles(flat)).shape[0] <= units:
+            # per tile, the units' GEMMs as one bmm, each batch entry the same [R, K] x [K, n/U] GEMM (B
+            # transposed) that the per-unit path runs: [U, R, n/U] -> [R, U n/U] (a decode step: one tile)
+            wu = w.view(units, n_u, k).transpose(1, 2)
+            outs = [torch.bmm(t.unsqueeze(0).expand(units, -1, -1), wu).transpose(0, 1).reshape(t.shape[0], -1)
+                    for t in tiles]
+            out = (torch.cat(outs) if len(outs) > 1 else outs[0])[: flat.shape[0]]
+        else:
+            out = torch.cat([self._tiled(flat, wu) for wu in w.chunk(units)], dim=-1)
+        return out.view(*lead, w.shape[0])
+
+    def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, k)
+        ul, n = self.units_local, w.shape[0]
+        width = k // ul
+        tiles = self._tiles(flat) if n >= BMM_MIN_OUT else None
+        if tiles is not None and tiles.shape[0] <= ul:
+            # per tile, the units' partial GEMMs [R, K/U] x [K/U, n] as one bmm over contiguous unit slices
+            ws = w.view(n, ul, width).transpose(0, 1).transpose(1, 2)  # [U_local, K/U, n], a view (same bits)
+            parts = [torch.bmm(t.view(t.shape[0], ul, width).transpose(0, 1).contiguous(), ws) for t in tiles]
+            parts = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])[:, : flat.shape[0]]  # [U_local, N, n]
+        else:
+            parts = torch.stack([self._tiled(flat[:, u * width: (u + 1) * width].contiguous(),
+                                             w[:, u * width: (u + 1) * width].contiguous())
+                                 for u in range(ul)])  # [units_local, N, n]
+        return self._sum_units(self._gather(parts)).view(*lead, n)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a per-rank partial `[...]` over the TP group."""
+        return self.tp.all_reduce(partial)
+
+    def unary(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """An elementwise op `fn` (sigmoid, ...) on `x` of any shape."""
+        return fn(x)
+
+    def softmax0(self, x: torch.Tensor) -> torch.Tensor:
+        """Softmax over dim 0 of `[n, ...]`."""
+        return x.softmax(0)
+
+    def threads(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class DeterministicOps(DefaultOps):
+    """Fixed row tiles, fixed shard units, unit-ordered TP sums, a fixed thread count (numerics mode
+    ``deterministic``)."""
+
+    deterministic = True
+
+    def __init__(self, tp: TPGroup, numerics: Numerics, units: int) -> None:
+        super().__init__(tp)
+        if units % tp.world:
+            raise ValueError(f"shard units {units} are not divisible by TP {tp.world}")
+        self.numerics, self.units, self.units_local = numerics, units, units // tp.world
+        self.col_units = self.units_local
+        self.tile = numerics.row_tile
+
+    # ------------------------------------------------------------------------------------------- tiles
+    def _tiled(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x `[N, K]` (any N), w `[n, K]` -> `[N, n]`: one [R, K] x [K, n] GEMM per row tile.
+
+        Weights with at least BMM_MIN_OUT rows run all tiles in one bmm (measured equal, bit for bit, to
+        separate calls whatever the tile count); narrower ones (a 1-head unit of b_proj) call mm per tile,
+        because a bmm with n = 1 takes another kernel when it has more than one tile."""
+        rows, k = x.shape
+        size = tile_rows(rows, self.tile)
+        tiles = -(-rows // size)
+        if tiles * size != rows:
+            x = torch.cat([x, x.new_zeros(tiles * size - rows, k)])
+        if w.shape[0] < BMM_MIN_OUT:
             wt = w.t()
             out = torch.cat([torch.mm(x[i * size: (i + 1) * size], wt) for i in range(tiles)])
             return out[:rows]
@@ -135,7 +227,7 @@ class DeterministicOps(DefaultOps):
         n_u = w.shape[0] // units
         if units == 1:
             out = self._tiled(flat, w)
-        elif n_u >= _BMM_MIN_OUT and (tile := self._one_tile(flat)) is not None:
+        elif n_u >= BMM_MIN_OUT and (tile := self._one_tile(flat)) is not None:
             # one tile (a decode step): the units' GEMMs as one bmm, each batch entry the same [R, K] x [K, n/U]
             # GEMM (B transposed) that the per-unit path runs: [U, R, n/U] -> [R, U n/U]
             out = torch.bmm(tile.unsqueeze(0).expand(units, -1, -1), w.view(units, n_u, k).transpose(1, 2))
@@ -149,7 +241,7 @@ class DeterministicOps(DefaultOps):
         flat = x.reshape(-1, k)
         ul, n = self.units_local, w.shape[0]
         width = k // ul
-        tile = self._one_tile(flat) if n >= _BMM_MIN_OUT else None
+        tile = self._one_tile(flat) if n >= BMM_MIN_OUT else None
         if tile is not None:
             # one tile: the units' partial GEMMs [R, K/U] x [K/U, n] as one bmm over contiguous unit slices
             xs = tile.view(tile.shape[0], ul, width).transpose(0, 1).contiguous()  # [U_local, R, K/U]
@@ -169,12 +261,12 @@ class DeterministicOps(DefaultOps):
         return self.tp.all_gather(partial).sum(0)
 
     def unary(self, fn, x: torch.Tensor) -> torch.Tensor:
-        """fn over a flat copy padded to a multiple of _VEC elements: torch's CPU kernels compute the last
+        """fn over a flat copy padded to a multiple of ELEMENTWISE_VEC elements: torch's CPU kernels compute the last
         (numel mod 2 x vector width) elements with scalar code, whose exp-based results (sigmoid, ...) differ
         from the vector code's by an ulp, so an element's bits would depend on how many share the tensor."""
         flat = x.reshape(-1)
         n = flat.numel()
-        pad = -n % _VEC
+        pad = -n % ELEMENTWISE_VEC
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
         return fn(flat)[:n].view(x.shape)

@@ -63,7 +63,7 @@ def test_from_min_tile_rows_a_row_has_the_same_bits_in_every_tile_size(one_threa
     want = torch.bmm(x, w.t().unsqueeze(0).expand(20, k, n))
     for r in (MIN_TILE, 2 * MIN_TILE):
         assert torch.equal(torch.mm(x[0, :r].contiguous(), w.t()), torch.mm(x[0], w.t())[:r])
-        if n < 16:  # narrow weights run one mm per tile (deterministic._BMM_MIN_OUT)
+        if n < 16:  # narrow weights run one mm per tile (deterministic.BMM_MIN_OUT)
             continue
         for tiles in (1, 3, 20):
             got = torch.bmm(x[:tiles, :r].contiguous(), w.t().unsqueeze(0).expand(tiles, k, n))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.model.config import ModelConfig
-from k3serve.model.deterministic import DefaultOps
+from k3serve.model.deterministic import BMM_MIN_OUT, ELEMENTWISE_VEC, DefaultOps, tile_rows
 from k3serve.model.layers.expert_weights import expert_linear
 from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, grouped_experts,
                                                padded_experts, stack_dense_experts)
@@ -215,13 +215,54 @@ def moe_deterministic(moe: MoE, flat: torch.Tensor) -> torch.Tensor:
     # group the N*k assignments by expert with one stable sort (as MoE._routed_partial): expert e's run of
     # `order` holds its (row, slot) pairs in the ascending order the former (ids == e).nonzero() gave, and
     # only experts with tokens run (no 2 small ops per idle expert)
-    order, _, counts = group_by_expert(ids, c.num_experts)
+    order, counts_t, counts = group_by_expert(ids, c.num_experts)
+    if _tiled_experts(moe, z, ids, w, y, order, counts_t, counts):
+        return _finish_deterministic(moe, flat, y)
     for e, rows, slot in expert_runs(order, counts, ids.shape[1], moe.expert_ids):
         w1, w3, w2 = moe.experts[e]
         zi = z[rows]
         out = w2.tiled(glu(w1.tiled(zi, ops.linear), w3.tiled(zi, ops.linear), c.hidden_act,
                            c.activation_situ_beta, c.activation_situ_linear_beta), ops.linear)
         y[rows, slot] = out.float() * w[rows, slot].unsqueeze(-1)
+    return _finish_deterministic(moe, flat, y)
+
+
+def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+                   order: torch.Tensor, counts_t: torch.Tensor, counts: list[int]) -> bool:
+    """The expert products of :func:`moe_deterministic` as three ``bmm`` over the span of this rank's active
+    (stacked, full-precision) experts, every run zero-padded to one row tile R (``tile_rows`` of the longest
+    run): each batch entry is the `[R, e_in] x [e_in, I]` GEMM that expert's ``ops.linear`` runs for a run of
+    up to R rows, and from MIN_TILE rows on a row's bits do not depend on R (tests/model/test_numerics_
+    invariants.py), so y is bit-identical to the per-expert loop. Fills y `[N, k, e_in]`; False (nothing done)
+    where it does not apply: MXFP4 or trained experts, a run longer than the largest tile (prefill), weights
+    narrower than the bmm floor, or an intermediate width off the elementwise vector grid."""
+    c, ops = moe.cfg, moe.ops
+    e0, e1 = moe.expert_ids.start, moe.expert_ids.stop
+    local = counts[e0:e1]
+    active = [i for i, n in enumerate(local) if n]
+    if moe.stacked is None or not active:
+        return moe.stacked is not None  # no local assignment: y stays zero
+    longest = max(local)
+    inter, e_in = moe.stacked.w1.shape[1], moe.stacked.w1.shape[2]
+    if longest > ops.tile or min(inter, e_in) < BMM_MIN_OUT or inter % ELEMENTWISE_VEC:
+        return False
+    first, last = active[0], active[-1] + 1
+    lo, hi = sum(counts[:e0 + first]), sum(counts[:e0 + last])
+    mine = order[lo:hi]
+    k = ids.shape[1]
+    rows, slot = mine // k, mine % k
+    run = counts_t[e0 + first: e0 + last]
+    expert = ids.reshape(-1)[mine] - (e0 + first)
+    pos = torch.arange(hi - lo, device=z.device) - (run.cumsum(0) - run)[expert]
+    out = padded_experts(z[rows], expert, pos, tile_rows(longest, ops.tile), moe.stacked.span(first, last),
+                         c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
+    y[rows, slot] = out.float() * w[rows, slot].unsqueeze(-1)
+    return True
+
+
+def _finish_deterministic(moe: MoE, flat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-slot expert outputs y `[N, k, e_in]` -> the MoE output `[N, d]` (slot-ordered sum, shared experts)."""
+    c, ops = moe.cfg, moe.ops
     y = ops.reduce(y)
     u = y[:, 0].clone()
     for s in range(1, y.shape[1]):

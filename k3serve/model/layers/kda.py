@@ -75,7 +75,10 @@ class KDAAttention:
         bsz, t, _ = x.shape
         conv = kda_conv_view(blocks, k, cfg.conv_window)
         off = record_offsets(k)
-        fused = F.linear(x, self.w_in).split(self.in_sizes, -1) if decode and self.w_in is not None else None
+        if self.w_in is not None and self.ops.deterministic:  # every call: the same tiled GEMM (stacked.py)
+            fused = lin(x, self.w_in).split(self.in_sizes, -1)
+        else:
+            fused = F.linear(x, self.w_in).split(self.in_sizes, -1) if decode and self.w_in is not None else None
         qkv = []
         for i, w_proj in enumerate((self.w_q, self.w_k, self.w_v)):
             raw = fused[i] if fused is not None else lin(x, w_proj, cu)  # [B, T, H*K]

@@ -88,12 +88,16 @@ class MLAAttention:
         """x `[B, T, d]` -> `[B, T, d]`; writes this call's latent rows into batch.latent first."""
         cfg = self.cfg
         bsz, t, _ = x.shape
-        fused = F.linear(x, self.w_in).split(self.in_sizes, -1) if batch.decode and self.w_in is not None \
-            else (None, None, None)
+        if self.w_in is not None and self.ops.deterministic:  # every call: the same tiled GEMM (stacked.py)
+            fused = self.ops.linear(x, self.w_in).split(self.in_sizes, -1)
+        elif batch.decode and self.w_in is not None:
+            fused = F.linear(x, self.w_in).split(self.in_sizes, -1)
+        else:
+            fused = (None, None, None)
         batch.latent.write(self.mla_idx, self.latent_rows(x, fused[0]), batch.start_positions)
         q_nope, q_pe = self.queries(x, fused[1])
         if self.ops.deterministic:
-            return self._forward_blocked(x, q_nope, q_pe, batch)
+            return self._forward_blocked(x, q_nope, q_pe, batch, fused[2] if fused[0] is not None else None)
         if batch.decode and batch.latent.paged:
             attn = self._decode_absorbed(q_nope[:, 0], q_pe[:, 0], batch).unsqueeze(1)
         elif batch.kda_records is not None and batch.latent.paged:
@@ -108,8 +112,9 @@ class MLAAttention:
         return self.tp.all_reduce(out)
 
     def _forward_blocked(self, x: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                         batch: ForwardBatch) -> torch.Tensor:
-        """Numerics mode ``deterministic`` (mla_blocked.py): the same fixed-block form for prefill and decode."""
+                         batch: ForwardBatch, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Numerics mode ``deterministic`` (mla_blocked.py): the same fixed-block form for prefill and decode.
+        gate: x's ``g_proj`` output when the stacked projection computed it."""
         ops, bsz, t = self.ops, x.shape[0], x.shape[1]
         q = torch.cat([q_nope, q_pe], dim=-1).float() * self.scale  # [B, T, H, Dq]
         starts, kb = list(batch.start_positions), ops.numerics.key_block
@@ -120,7 +125,8 @@ class MLAAttention:
                              ops.numerics.row_tile, pool)
         attn = torch.stack(outs).flatten(2)  # [B, T, H_local * v]
         if self.w_gate is not None:
-            attn = attn * torch.sigmoid(ops.linear(x, self.w_gate, ops.col_units).float())
+            gate = ops.linear(x, self.w_gate, ops.col_units) if gate is None else gate
+            attn = attn * torch.sigmoid(gate.float())
         return ops.row_linear(attn.to(x.dtype), self.w_o)
 
     def _decompressed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, b: int) -> torch.Tensor:

@@ -29,7 +29,8 @@ What the loop skips is exactly what would not change a row's bits:
 * the causal mask is applied only in a column where some tile's first row lies before the block's last key
   (masking nothing is a no-op): in decode only the column of each request's last block;
 * each column's keys and values are gathered from one store (the pool, or the call's own decompression) with
-  one ``index_select``; every GEMM keeps its shape, and a tile's bits do not depend on how many tiles share
+  one ``index_select``, and a column of the pool whose slots did not change since the last call is not
+  gathered again (``KeyBlockPool.column``); every GEMM keeps its shape, and a tile's bits do not depend on how many tiles share
   the ``bmm`` (tests/model/test_numerics_invariants.py).
 """
 
@@ -76,7 +77,7 @@ def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: li
         k_store, v_store = key_blocks(blocks, w_uk, w_uv)  # [sum nb, H, KB, Dq], [sum nb, H, KB, v]
         slots = list(range(blocks.shape[0]))
     else:
-        k_store, v_store = pool.keys, pool.values
+        k_store = v_store = None  # gathered by pool.column
     # query tiles, most blocks first: tiles[i] = (request, tile index in it); the tiles with a block j are a prefix
     ntiles = [-(-q.shape[0] // tile) for q in queries]
     order = sorted(range(len(queries)), key=lambda b: -nbs[b])
@@ -93,16 +94,19 @@ def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: li
     pos_all = torch.cat(pos_tiles) if len(pos_tiles) > 1 else pos_tiles[0]  # [n_tiles, R]
     first_pos = [starts[b] + i * tile for b in order for i in range(ntiles[b])]  # each tile's first row
     n_tiles = q_all.shape[0]
-    dq, dv = q_all.shape[-1], v_store.shape[-1]
+    dq, dv = q_all.shape[-1], w_uv.shape[1]
     m = torch.full((n_tiles, heads, tile, 1), float("-inf"), device=dev)
     l_sum = torch.zeros(n_tiles, heads, tile, 1, device=dev)
     acc = torch.zeros(n_tiles, heads, tile, dv, device=dev)
     key_off = torch.arange(key_block, device=dev)
     for j in range(max(nbs)):
         c = sum(1 for b in tile_req if nbs[b] > j)  # tiles with a block j: a prefix
-        idx = torch.tensor([slots[firsts[b] + j] for b in tile_req[:c]], device=dev)
-        k_j = k_store.index_select(0, idx)  # [c, H, KB, Dq]
-        v_j = v_store.index_select(0, idx)  # [c, H, KB, v]
+        idx = [slots[firsts[b] + j] for b in tile_req[:c]]
+        if k_store is None:
+            k_j, v_j = pool.column(j, idx)  # [c, H, KB, Dq], [c, H, KB, v]
+        else:
+            at = torch.tensor(idx, device=dev)
+            k_j, v_j = k_store.index_select(0, at), v_store.index_select(0, at)
         s = torch.bmm(q_all[:c].view(-1, tile, dq), k_j.view(-1, key_block, dq).transpose(1, 2))
         s = s.view(c, heads, tile, key_block)
         last_key = (j + 1) * key_block - 1
@@ -117,6 +121,8 @@ def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: li
         pv = torch.bmm(p.view(-1, tile, key_block), v_j.view(-1, key_block, dv)).view(c, heads, tile, dv)
         acc_c.mul_(corr).add_(pv)
         m_c.copy_(m_new)
+    if k_store is None:
+        pool.keep_columns(max(nbs))
     out = (acc / l_sum).transpose(1, 2)  # [n_tiles, R, H, v]
     res: list[torch.Tensor | None] = [None] * len(queries)
     at = 0

@@ -68,6 +68,10 @@ class KeyBlockPool:
         self.rows: torch.Tensor | None = None  # [cap, KB, rank + rope]
         self._index: OrderedDict[bytes, int] = OrderedDict()  # fingerprint -> slot, LRU first
         self._free: list[int] = []
+        self._gen: list[int] = []  # per slot: bumped whenever the slot is written
+        # block column j of the last call: (its slots and their generations, keys, values), reused when the
+        # next call's column j holds the same unchanged slots (decode: every column but the last)
+        self._cols: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
         self.hits = self.misses = self.grown = 0  # grown: hits extended by their new rows
 
     @property
@@ -99,6 +103,7 @@ class KeyBlockPool:
                 grown.append(t)
             self.keys, self.values, self.rows = grown
             self._free.extend(range(new_cap - 1, cap - 1, -1))
+            self._gen.extend([0] * (new_cap - cap))
         return need <= len(self._free)
 
     def _take(self, need: int, in_use: set[int], k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> list[int] | None:
@@ -168,6 +173,8 @@ class KeyBlockPool:
             self._free.extend(release)
             return None
         at = torch.tensor(fresh, device=blocks.device)
+        for s in fresh:
+            self._gen[s] += 1
         self.keys.index_copy_(0, at, k_new)
         self.values.index_copy_(0, at, v_new)
         self.rows.index_copy_(0, at, sel)
@@ -202,9 +209,29 @@ class KeyBlockPool:
         self.rows[slot_of, row_of] = rows
         release = []
         for i, s, key in grow:
+            self._gen[s] += 1
             del self._index[key]
             if keys_now[i] in self._index:
                 release.append(s)
             else:
                 self._index[keys_now[i]] = s
         return release
+
+    def column(self, j: int, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys `[c, H, KB, Dq]` and values `[c, H, KB, v]` of slots idx, block column j of this call: one
+        ``index_select`` each, or the last call's column j itself when it held the same slots, none written
+        since (a full block's slot is never rewritten while it is indexed: decode re-gathers only the column
+        of the growing blocks)."""
+        key = (tuple(idx), tuple(self._gen[s] for s in idx))
+        last = self._cols.get(j)
+        if last is not None and last[0] == key:
+            return last[1], last[2]
+        at = torch.tensor(idx, device=self.keys.device)
+        k, v = self.keys.index_select(0, at), self.values.index_select(0, at)
+        self._cols[j] = (key, k, v)
+        return k, v
+
+    def keep_columns(self, n: int) -> None:
+        """Forget the kept columns from n on (the last call had n)."""
+        for j in [j for j in self._cols if j >= n]:
+            del self._cols[j]
