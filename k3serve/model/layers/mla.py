@@ -97,7 +97,7 @@ class MLAAttention:
         batch.latent.write(self.mla_idx, self.latent_rows(x, fused[0]), batch.start_positions)
         q_nope, q_pe = self.queries(x, fused[1])
         if self.ops.deterministic:
-            return self._forward_blocked(x, q_nope, q_pe, batch, fused[2] if fused[0] is not None else None)
+            return self._forward_blocked(x, q_nope, q_pe, batch, fused[2] if len(fused) > 2 else None)
         if batch.decode and batch.latent.paged:
             attn = self._decode_absorbed(q_nope[:, 0], q_pe[:, 0], batch).unsqueeze(1)
         elif batch.kda_records is not None and batch.latent.paged:

@@ -58,6 +58,33 @@ def blocked_attention(queries: list[torch.Tensor], rows: list[torch.Tensor], sta
                          pool)
 
 
+def _query_tiles(queries: list[torch.Tensor], starts: list[int], order: list[int], tile: int,
+                 heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query tiles of the requests in `order`: (`[n_tiles, H, R, Dq]`, each row's absolute position
+    `[n_tiles, R]`); a request's last tile is padded with copies of its last query (at its position). When all
+    requests have the same number of queries (a decode step), a few batched ops instead of a few per request."""
+    dev = queries[0].device
+    t0 = queries[0].shape[0]
+    if all(q.shape[0] == t0 for q in queries):
+        nt = -(-t0 // tile)
+        q = torch.stack([queries[b] for b in order]) if len(order) > 1 else queries[order[0]].unsqueeze(0)
+        if nt * tile > t0:
+            q = torch.cat([q, q[:, -1:].expand(-1, nt * tile - t0, -1, -1)], dim=1)  # [B, nt R, H, Dq]
+        s = torch.tensor([starts[b] for b in order], device=dev).unsqueeze(1)
+        pos = torch.minimum(s + torch.arange(nt * tile, device=dev), s + (t0 - 1))
+        return (q.view(-1, tile, heads, q.shape[-1]).transpose(1, 2).contiguous(), pos.view(-1, tile))
+    q_tiles, pos_tiles = [], []
+    for b in order:
+        q, s = queries[b], starts[b]
+        t = q.shape[0]
+        nt = -(-t // tile)
+        pos = torch.arange(s, s + nt * tile, device=dev).clamp_(max=s + t - 1)
+        qp = torch.cat([q, q[-1:].expand(nt * tile - t, -1, -1)]) if nt * tile > t else q
+        q_tiles.append(qp.view(nt, tile, heads, -1).transpose(1, 2))
+        pos_tiles.append(pos.view(nt, tile))
+    return torch.cat(q_tiles).contiguous(), torch.cat(pos_tiles)
+
+
 def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: list[int], starts: list[int],
                   w_uk: torch.Tensor, w_uv: torch.Tensor, key_block: int, tile: int,
                   pool: KeyBlockPool | None = None) -> list[torch.Tensor]:
@@ -81,17 +108,8 @@ def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: li
     # query tiles, most blocks first: tiles[i] = (request, tile index in it); the tiles with a block j are a prefix
     ntiles = [-(-q.shape[0] // tile) for q in queries]
     order = sorted(range(len(queries)), key=lambda b: -nbs[b])
-    q_tiles, pos_tiles, tile_req = [], [], []
-    for b in order:
-        q, s, nt = queries[b], starts[b], ntiles[b]
-        t = q.shape[0]
-        pos = torch.arange(s, s + nt * tile, device=dev).clamp_(max=s + t - 1)
-        qp = torch.cat([q, q[-1:].expand(nt * tile - t, -1, -1)]) if nt * tile > t else q
-        q_tiles.append(qp.view(nt, tile, heads, -1).transpose(1, 2))
-        pos_tiles.append(pos.view(nt, tile))
-        tile_req += [b] * nt
-    q_all = torch.cat(q_tiles).contiguous() if len(q_tiles) > 1 else q_tiles[0].contiguous()  # [n_tiles, H, R, Dq]
-    pos_all = torch.cat(pos_tiles) if len(pos_tiles) > 1 else pos_tiles[0]  # [n_tiles, R]
+    tile_req = [b for b in order for _ in range(ntiles[b])]
+    q_all, pos_all = _query_tiles(queries, starts, order, tile, heads)  # [n_tiles, H, R, Dq], [n_tiles, R]
     first_pos = [starts[b] + i * tile for b in order for i in range(ntiles[b])]  # each tile's first row
     n_tiles = q_all.shape[0]
     dq, dv = q_all.shape[-1], w_uv.shape[1]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from k3serve.model.deterministic import MIN_TILE
@@ -135,13 +136,14 @@ class KeyBlockPool:
         ends = torch.tensor(valid, device=blocks.device) - 1
         befores = (torch.tensor(prev, device=blocks.device) - 1).clamp_(min=0)
         fp = torch.stack([blocks[:, 0], blocks[ar, ends], blocks[ar, befores]], 1).cpu().numpy()  # [n, 3, D]
+        fp = fp.view(np.dtype((np.void, fp.shape[2] * fp.itemsize)))[..., 0].tolist()  # [n][3] bytes
         out: list[int] = [-1] * n
         grow: list[tuple[int, int, tuple]] = []  # (block, slot, its old key)
         keys_now = []
         claimed: dict[int, int] = {}  # slot -> blocks of this call that use it
         for i in range(n):
-            first = fp[i, 0].tobytes()
-            now = (valid[i], first + fp[i, 1].tobytes())
+            first = fp[i][0]
+            now = (valid[i], first + fp[i][1])
             keys_now.append(now)
             slot = self._index.get(now)
             if slot is not None and torch.equal(self.rows[slot], blocks[i]):
@@ -149,7 +151,7 @@ class KeyBlockPool:
                 self._index.move_to_end(now)
                 claimed[slot] = claimed.get(slot, 0) + 1
             elif 0 < prev[i] < valid[i]:
-                key = (prev[i], first + fp[i, 2].tobytes())
+                key = (prev[i], first + fp[i][2])
                 slot = self._index.get(key)
                 if slot is not None and torch.equal(self.rows[slot, : prev[i]], blocks[i, : prev[i]]):
                     grow.append((i, slot, key))
