@@ -234,8 +234,9 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     run): each batch entry is the `[R, e_in] x [e_in, I]` GEMM that expert's ``ops.linear`` runs for a run of
     up to R rows, and from MIN_TILE rows on a row's bits do not depend on R (tests/model/test_numerics_
     invariants.py), so y is bit-identical to the per-expert loop. Fills y `[N, k, e_in]`; False (nothing done)
-    where it does not apply: MXFP4 or trained experts, a run longer than the largest tile (prefill), weights
-    narrower than the bmm floor, or an intermediate width off the elementwise vector grid."""
+    where it does not apply: MXFP4 or trained experts, fewer than PADDED_MIN_ACTIVE active experts (as in the
+    default mode), a run longer than the largest tile (prefill), weights narrower than the bmm floor, or an
+    intermediate width off the elementwise vector grid."""
     c, ops = moe.cfg, moe.ops
     e0, e1 = moe.expert_ids.start, moe.expert_ids.stop
     local = counts[e0:e1]
@@ -244,7 +245,8 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
         return moe.stacked is not None  # no local assignment: y stays zero
     longest = max(local)
     inter, e_in = moe.stacked.w1.shape[1], moe.stacked.w1.shape[2]
-    if longest > ops.tile or min(inter, e_in) < BMM_MIN_OUT or inter % ELEMENTWISE_VEC:
+    if longest > ops.tile or min(inter, e_in) < BMM_MIN_OUT or inter % ELEMENTWISE_VEC or \
+            len(active) < PADDED_MIN_ACTIVE:  # few experts: the loop multiplies no idle expert of the span
         return False
     first, last = active[0], active[-1] + 1
     lo, hi = sum(counts[:e0 + first]), sum(counts[:e0 + last])
