@@ -115,7 +115,7 @@ class MLAAttention:
                          batch: ForwardBatch, gate: torch.Tensor | None = None) -> torch.Tensor:
         """Numerics mode ``deterministic`` (mla_blocked.py): the same fixed-block form for prefill and decode.
         gate: x's ``g_proj`` output when the stacked projection computed it."""
-        ops, bsz, t = self.ops, x.shape[0], x.shape[1]
+        ops, t = self.ops, x.shape[1]
         q = torch.cat([q_nope, q_pe], dim=-1).float() * self.scale  # [B, T, H, Dq]
         starts, kb = list(batch.start_positions), ops.numerics.key_block
         lengths = [s + t for s in starts]
