@@ -62,7 +62,8 @@ class GatedMLP:
                 c.activation_situ_beta, c.activation_situ_linear_beta)
         return F.linear(h, self.w_down)
 
-    def reduced(self, x: torch.Tensor, gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
+    def reduced(self, x: torch.Tensor, gate: torch.Tensor | None = None,
+                up: torch.Tensor | None = None) -> torch.Tensor:
         """x `[N, d]` -> the TP-reduced output `[N, d]` through the numerics mode's operators. gate, up: x's
         ``gate_proj`` / ``up_proj`` outputs `[N, I_local]` when a stacked projection computed them."""
         c, ops = self.cfg, self.ops

@@ -30,8 +30,9 @@ What the loop skips is exactly what would not change a row's bits:
   (masking nothing is a no-op): in decode only the column of each request's last block;
 * each column's keys and values are gathered from one store (the pool, or the call's own decompression) with
   one ``index_select``, and a column of the pool whose slots did not change since the last call is not
-  gathered again (``KeyBlockPool.column``); every GEMM keeps its shape, and a tile's bits do not depend on how many tiles share
-  the ``bmm`` (tests/model/test_numerics_invariants.py).
+  gathered again (``KeyBlockPool.column``; decode re-gathers the column of the growing blocks only); every
+  GEMM keeps its shape, and a tile's bits do not depend on how many tiles share the ``bmm``
+  (tests/model/test_numerics_invariants.py).
 """
 
 from __future__ import annotations

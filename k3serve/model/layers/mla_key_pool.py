@@ -6,16 +6,18 @@ rows alone, computed by the same fixed-shape GEMMs) are computed once and reused
 
     storage (grown by doubling, in block units, up to max_bytes)
       keys   [cap, H, KB, Dq]    values [cap, H, KB, v]    rows [cap, KB, rank + rope] (to confirm a hit)
-    index    fingerprint (first and last latent row's bytes) -> slot, least recently used first
-    a call   blocks [n, KB, rank + rope] -> slots [n]: hits (confirmed by comparing all rows) and, for the
-             misses and the partial last blocks, fresh slots filled by one batched decompression; the
-             attention then gathers block column j of every query tile with one ``index_select`` per column
+    index    (real rows, first and last real row's bytes) -> slot, least recently used first
+    a call   blocks [n, KB, rank + rope] -> slots [n]: hits (confirmed by comparing the rows), growing blocks
+             (the same request's last block one step later: only the new rows are decompressed, into its
+             slot) and fresh slots for the rest, filled by one batched decompression; the attention then
+             gathers block column j of every query tile with one ``index_select`` (or reuses the last call's)
 
 Content addressing (not request identity) is what makes a slot safe to reuse: a page freed and written again,
 a prefix shared by two requests, another layer's rows or a transferred page can at worst miss, never serve
 stale keys. The engine does not tell the model when a request ends, so blocks leave the pool least recently
-used first when it is full; a request's blocks are the most recently used while it decodes. Partial blocks
-(a request's last, still growing block) get transient slots, free again for the next call. Inference only.
+used first when it is full; a request's blocks are the most recently used while it decodes. A block whose key
+another slot of the same call already holds gets a transient slot, free again for the next call. Inference
+only.
 """
 
 from __future__ import annotations
@@ -54,11 +56,11 @@ def key_blocks(blocks: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> 
 
 
 class KeyBlockPool:
-    """One MLA layer's decompressed full key blocks in preallocated storage (module docstring).
+    """One MLA layer's decompressed key blocks in preallocated storage (module docstring).
 
-    ``slots(blocks, full, w_uk, w_uv)`` returns, per block, the slot of ``keys`` / ``values`` holding its
-    decompressed form; valid until the next call (transient slots are reused then, and growth replaces the
-    storage tensors, so read ``keys`` / ``values`` after the call)."""
+    ``slots(blocks, valid, prev, w_uk, w_uv)`` returns, per block, the slot of ``keys`` / ``values`` holding
+    its decompressed form; valid until the next call (transient slots are reused then, and growth replaces
+    the storage tensors, so read ``keys`` / ``values`` after the call, or through :meth:`column`)."""
 
     def __init__(self, max_bytes: int = DEFAULT_POOL_BYTES) -> None:
         if max_bytes < 0:
@@ -67,7 +69,8 @@ class KeyBlockPool:
         self.keys: torch.Tensor | None = None  # [cap, H, KB, Dq]
         self.values: torch.Tensor | None = None  # [cap, H, KB, v]
         self.rows: torch.Tensor | None = None  # [cap, KB, rank + rope]
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # fingerprint -> slot, LRU first
+        # (real rows, first + last real row's bytes) -> slot, least recently used first
+        self._index: OrderedDict[tuple[int, bytes], int] = OrderedDict()
         self._free: list[int] = []
         self._gen: list[int] = []  # per slot: bumped whenever the slot is written
         # block column j of the last call: (its slots and their generations, keys, values), reused when the
@@ -107,7 +110,8 @@ class KeyBlockPool:
             self._gen.extend([0] * (new_cap - cap))
         return need <= len(self._free)
 
-    def _take(self, need: int, in_use: set[int], k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> list[int] | None:
+    def _take(self, need: int, in_use: set[int], k: torch.Tensor, v: torch.Tensor,
+              rows: torch.Tensor) -> list[int] | None:
         """`need` free slots: free ones, then growth, then the least recently used blocks this call does not use."""
         if need > len(self._free) and not self._grow(need, k, v, rows):
             while need > len(self._free) and self._index:
