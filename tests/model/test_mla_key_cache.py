@@ -133,3 +133,19 @@ def test_paged_read_blocks_equal_the_dense_cache_blocks_for_every_page_size():
                 pos = torch.arange(lengths[b])
                 pool[order[b, pos // page], layer, pos % page] = r + layer
             assert torch.equal(paged.read_blocks(layer, lengths, KB), dense.read_blocks(layer, lengths, KB)), page
+
+
+def test_blocked_attention_trains_with_the_inference_bits():
+    """Outside inference mode (training) the attention runs out of place: backward works, and the forward
+    has the bits of the in-place (serving) loop."""
+    g = torch.Generator().manual_seed(5)
+    w_uk, w_uv = _weights(g)
+    rows = [torch.randn(150, RANK + ROPE, generator=g), torch.randn(90, RANK + ROPE, generator=g)]
+    qs = [torch.randn(150, H, NOPE + ROPE, generator=g), torch.randn(40, H, NOPE + ROPE, generator=g)]
+    with torch.no_grad():
+        want = blocked_attention(qs, rows, [0, 50], w_uk, w_uv, KB, 16)
+    q = [x.clone().requires_grad_(True) for x in qs]
+    got = blocked_attention(q, rows, [0, 50], w_uk, w_uv, KB, 16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    (got[0].sum() + got[1].sum()).backward()
+    assert q[0].grad.abs().sum() > 0 and q[1].grad.abs().sum() > 0

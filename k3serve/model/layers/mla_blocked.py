@@ -114,6 +114,7 @@ def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: li
     first_pos = [starts[b] + i * tile for b in order for i in range(ntiles[b])]  # each tile's first row
     n_tiles = q_all.shape[0]
     dq, dv = q_all.shape[-1], w_uv.shape[1]
+    grad = torch.is_grad_enabled()
     m = torch.full((n_tiles, heads, tile, 1), float("-inf"), device=dev)
     l_sum = torch.zeros(n_tiles, heads, tile, 1, device=dev)
     acc = torch.zeros(n_tiles, heads, tile, dv, device=dev)
@@ -136,8 +137,12 @@ def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: li
         m_new = torch.maximum(m_c, s.amax(-1, keepdim=True))
         p = torch.exp(s - m_new)
         corr = torch.exp(m_c - m_new)
-        l_c.mul_(corr).add_(p.sum(-1, keepdim=True))  # l = l e^(m - m') + sum p, in place (same roundings)
         pv = torch.bmm(p.view(-1, tile, key_block), v_j.view(-1, key_block, dv)).view(c, heads, tile, dv)
+        if grad:  # training: the same roundings out of place (autograd keeps the old values)
+            m, l_sum, acc = (torch.cat([new, old[c:]]) if c < n_tiles else new for new, old in
+                             ((m_new, m), (l_c * corr + p.sum(-1, keepdim=True), l_sum), (acc_c * corr + pv, acc)))
+            continue
+        l_c.mul_(corr).add_(p.sum(-1, keepdim=True))  # l = l e^(m - m') + sum p, in place (same roundings)
         acc_c.mul_(corr).add_(pv)
         m_c.copy_(m_new)
     if k_store is None:
