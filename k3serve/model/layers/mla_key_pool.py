@@ -6,7 +6,7 @@ rows alone, computed by the same fixed-shape GEMMs) are computed once and reused
 
     storage (grown by doubling, in block units, up to max_bytes)
       keys   [cap, H, KB, Dq]    values [cap, H, KB, v]    rows [cap, KB, rank + rope] (to confirm a hit)
-    index    (real rows, first and last real row's bytes) -> slot, least recently used first
+    index    (real rows, leading values of the first and last real row) -> slot, least recently used first
     a call   blocks [n, KB, rank + rope] -> slots [n]: hits (confirmed by comparing the rows), growing blocks
              (the same request's last block one step later: only the new rows are decompressed, into its
              slot) and fresh slots for the rest, filled by one batched decompression; the attention then
@@ -29,6 +29,9 @@ import torch
 
 from k3serve.model.deterministic import MIN_TILE
 
+# Values of a block's first and last real row that make up its index key (a candidate only: a hit is
+# confirmed by comparing all rows, so two blocks sharing a key can at worst miss).
+_KEY_FLOATS = 4
 # Bytes of decompressed keys + values + rows one pool (one MLA layer of one model) holds at most.
 DEFAULT_POOL_BYTES = 256 << 20
 
@@ -69,8 +72,8 @@ class KeyBlockPool:
         self.keys: torch.Tensor | None = None  # [cap, H, KB, Dq]
         self.values: torch.Tensor | None = None  # [cap, H, KB, v]
         self.rows: torch.Tensor | None = None  # [cap, KB, rank + rope]
-        # (real rows, first + last real row's bytes) -> slot, least recently used first
-        self._index: OrderedDict[tuple[int, bytes], int] = OrderedDict()
+        # (real rows, first and last real row's leading bytes) -> slot, least recently used first
+        self._index: OrderedDict[tuple[int, bytes, bytes], int] = OrderedDict()
         self._free: list[int] = []
         self._gen: list[int] = []  # per slot: bumped whenever the slot is written
         # block column j of the last call: (its slots and their generations, keys, values), reused when the
@@ -139,25 +142,28 @@ class KeyBlockPool:
         ar = torch.arange(n, device=blocks.device)
         ends = torch.tensor(valid, device=blocks.device) - 1
         befores = (torch.tensor(prev, device=blocks.device) - 1).clamp_(min=0)
-        fp = torch.stack([blocks[:, 0], blocks[ar, ends], blocks[ar, befores]], 1).cpu().numpy()  # [n, 3, D]
+        # the key only picks a candidate (comparing the rows confirms it): _KEY_FLOATS values of each row
+        fp = torch.stack([blocks[:, 0], blocks[ar, ends], blocks[ar, befores]], 1)[..., :_KEY_FLOATS]
+        fp = fp.contiguous().cpu().numpy()  # [n, 3, _KEY_FLOATS]
         fp = fp.view(np.dtype((np.void, fp.shape[2] * fp.itemsize)))[..., 0].tolist()  # [n][3] bytes
         out: list[int] = [-1] * n
         grow: list[tuple[int, int, tuple]] = []  # (block, slot, its old key)
         keys_now = []
         claimed: dict[int, int] = {}  # slot -> blocks of this call that use it
+        index, stored, rows = self._index, self.rows, blocks.unbind(0)
         for i in range(n):
             first = fp[i][0]
-            now = (valid[i], first + fp[i][1])
+            now = (valid[i], first, fp[i][1])
             keys_now.append(now)
-            slot = self._index.get(now)
-            if slot is not None and torch.equal(self.rows[slot], blocks[i]):
+            slot = index.get(now)
+            if slot is not None and torch.equal(stored[slot], rows[i]):
                 out[i] = slot
-                self._index.move_to_end(now)
+                index.move_to_end(now)
                 claimed[slot] = claimed.get(slot, 0) + 1
             elif 0 < prev[i] < valid[i]:
-                key = (prev[i], first + fp[i][2])
-                slot = self._index.get(key)
-                if slot is not None and torch.equal(self.rows[slot, : prev[i]], blocks[i, : prev[i]]):
+                key = (prev[i], first, fp[i][2])
+                slot = index.get(key)
+                if slot is not None and torch.equal(stored[slot, : prev[i]], rows[i][: prev[i]]):
                     grow.append((i, slot, key))
                     claimed[slot] = claimed.get(slot, 0) + 1
         # a block another one also reads is never rewritten; blocks narrower than a tile are never grown
