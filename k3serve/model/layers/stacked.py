@@ -14,7 +14,9 @@ Numerics mode ``deterministic`` uses the stack for every call (prefill, decode, 
 ``ops.linear``'s fixed row tiles: from MIN_TILE rows on, an output column of a GEMM has the same bits whatever
 the other columns of the call (measured for the model's shapes, tests/model/test_numerics_invariants.py), so each
 projection's columns do not depend on the stack, on the batch, nor on the TP degree (each rank stacks its own
-column slices; the stack stays wider than the bmm floor on every TP).
+column slices; the stack stays wider than the bmm floor on every TP). A projection whose units are narrower
+than the bmm floor (KDA's 1-head ``b_proj`` units) keeps its own GEMMs there: a 1-column GEMM rounds
+differently from a column of the stack.
 """
 
 from __future__ import annotations
