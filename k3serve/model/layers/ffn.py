@@ -16,6 +16,7 @@ from k3serve.model.deterministic import DefaultOps
 from k3serve.model.layers.expert_weights import expert_linear
 from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, grouped_experts,
                                                padded_experts, stack_dense_experts)
+from k3serve.model.layers.moe_mxfp4 import fuse_mxfp4_experts
 from k3serve.model.layers.norm import glu, rms_norm
 from k3serve.model.tp import TPGroup
 
@@ -100,6 +101,12 @@ class MoE:
         self.stacked = stack_dense_experts([self.experts[e] for e in self.expert_ids])
         if self.stacked is not None:
             self.experts = dict(zip(self.expert_ids, self.stacked.views()))
+        # MXFP4 experts on the CPU: stacked packed bytes, one fused kernel call per layer (moe_mxfp4.py)
+        self.fused = None if self.stacked is not None else fuse_mxfp4_experts(
+            [self.experts[e] for e in self.expert_ids], self.expert_ids.start, cfg.hidden_act,
+            cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        if self.fused is not None:
+            self.experts = dict(zip(self.expert_ids, self.fused.views()))
         self.shared = GatedMLP(cfg, weights, m + "shared_experts.", self.ops) if cfg.num_shared_experts else None
         if cfg.uses_latent_moe:
             self.w_down = weights[m + "routed_expert_down_proj.weight"]
@@ -136,6 +143,8 @@ class MoE:
         three bmm over zero-padded runs (last-bit rounding may then differ, as with any other batch). The
         grouping is :func:`group_by_expert`.
         """
+        if self.fused is not None and self.fused.takes(z.dtype):  # MXFP4 on the CPU: one fused call
+            return self.fused(z, ids, w)
         c = self.cfg
         k = ids.shape[1]
         order, counts_t, counts = group_by_expert(ids, c.num_experts)
