@@ -7,16 +7,18 @@ its arithmetic on the small decode matrices, docs/mxfp4.md)::
     assignments (n, s) with ids[n, s] in [e0, e1)     counting sort by expert, rows ascending within an expert
     for each local expert e with rows R_e:
         for each weight row i of w1 / w3:  wrow = dequant(W[e, i, :])    (exact: E2M1 value * 2^(s - 127))
-            G[r, i] = dot8(z[r], wrow), U[r, i] = dot8(z[r], wrow3)       for r in R_e
+            G[r, i] = dot(z[r], wrow), U[r, i] = dot(z[r], wrow3)         for r in R_e
         h = glu(G, U)                                                     (silu or situ, fp32)
-        for each weight row t of w2:       Y[r, t] = dot8(h[r], dequant(W2[e, t, :]))
+        for each weight row t of w2:       Y[r, t] = dot(h[r], dequant(W2[e, t, :]))
     out[n] = (0 + Y[n, e_a] * w[n, a]) + Y[n, e_b] * w[n, b] + ...      in ascending expert order
 
-Numerics (why the result of a token never depends on its batch): every product is computed by one code path
-per (row, weight row) pair, ``dot8`` below: 8 fp32 partial sums over the inputs j = 0..7 mod 8, added as
-((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)). Nothing in it depends on how many rows share the expert or
-the call, nor on the machine's vector width: numba compiles without fast-math, so LLVM may not reassociate,
-contract to FMA, or pick a different order (the bits are those of the source, on every x86/ARM CPU). The
+Numerics (why the result of a token never depends on its batch): every dot product of a row with a weight row
+is one fp32 sum in input order, ``((0 + x_0 w_0) + x_1 w_1) + ... + x_{K-1} w_{K-1}``, with ``w_j`` the exact
+dequantised weight. A row alone (``_mv4_packed``: decoded on the fly, four weight rows as four add chains)
+and a row among m sharing the expert (``_dequant_row`` once per weight row, then ``_mv_rows``: vectorised across
+the m rows, each lane its own row's sum) do the same operations in the same order, so nothing depends on how many rows
+share the expert or the call, nor on the machine's vector width: numba compiles without fast-math, so LLVM
+may not reassociate or contract to FMA (the bits are those of the source, on every x86/ARM CPU). The
 weights are the exact values of :func:`k3serve.kernels.mxfp4.dequantize_mxfp4`; against ``F.linear`` on them
 (the unfused path) only the summation order differs: equal within fp32 rounding, not bit for bit. With
 ``round_bf16`` the intermediates are rounded to bf16 where the unfused path casts to the activations' dtype
@@ -74,40 +76,47 @@ def _dequant_row(packed, scodes, e, i, pairs, stab, out):
 
 
 @_njit(inline="always")
-def _dot8(x, r, wrow):
-    """sum_j x[r, j] * wrow[j] in the fixed order of the module doc (len a multiple of 8)."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-    for j in range(0, wrow.shape[0], 8):
-        a0 += x[r, j] * wrow[j]
-        a1 += x[r, j + 1] * wrow[j + 1]
-        a2 += x[r, j + 2] * wrow[j + 2]
-        a3 += x[r, j + 3] * wrow[j + 3]
-        a4 += x[r, j + 4] * wrow[j + 4]
-        a5 += x[r, j + 5] * wrow[j + 5]
-        a6 += x[r, j + 6] * wrow[j + 6]
-        a7 += x[r, j + 7] * wrow[j + 7]
-    return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+def _mv_rows(xt, w4, m, acc4):
+    """acc4[q, r] = sum_j xt[j, r] * w4[q, j] for r < m and the 4 weight rows q, each sum in input order
+    j = 0, 1, ... (see the module doc). xt fp32 [K, >= m] (rows transposed), w4 fp32 [4, K] (decoded).
+    The inner loop runs over rows: a plain elementwise loop, which LLVM vectorises across rows without
+    reassociating anything, so a row gets the same bits in a vector lane as in the scalar remainder; four
+    weight rows per pass share each load of x."""
+    acc0, acc1, acc2, acc3 = acc4[0], acc4[1], acc4[2], acc4[3]
+    for r in range(m):
+        acc0[r] = acc1[r] = acc2[r] = acc3[r] = np.float32(0.0)
+    for j in range(w4.shape[1]):
+        w0, w1, w2, w3 = w4[0, j], w4[1, j], w4[2, j], w4[3, j]
+        xj = xt[j]  # 1-D views: LLVM vectorises these loops (2-D indexing kept them scalar; measured 2x)
+        for r in range(m):
+            x = xj[r]
+            acc0[r] += x * w0
+            acc1[r] += x * w1
+            acc2[r] += x * w2
+            acc3[r] += x * w3
 
 
 @_njit(inline="always")
-def _dot8_packed(x, r, packed, scodes, e, i, pairs, stab):
-    """:func:`_dot8` of x's row r with row i of expert e decoded on the fly (one row sharing the expert: the
-    decoded row is not stored). The same products (x * (E2M1 value * scale)) into the same lanes, added in the
-    same order: bit for bit what _dequant_row then _dot8 give."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-    for b in range(0, packed.shape[2], 4):  # 4 bytes = inputs j .. j + 7, lane l takes input j + l
-        j = 2 * b
-        s = stab[scodes[e, i, b >> 4]]
-        c0, c1, c2, c3 = packed[e, i, b], packed[e, i, b + 1], packed[e, i, b + 2], packed[e, i, b + 3]
-        a0 += x[r, j] * (pairs[c0, 0] * s)
-        a1 += x[r, j + 1] * (pairs[c0, 1] * s)
-        a2 += x[r, j + 2] * (pairs[c1, 0] * s)
-        a3 += x[r, j + 3] * (pairs[c1, 1] * s)
-        a4 += x[r, j + 4] * (pairs[c2, 0] * s)
-        a5 += x[r, j + 5] * (pairs[c2, 1] * s)
-        a6 += x[r, j + 6] * (pairs[c3, 0] * s)
-        a7 += x[r, j + 7] * (pairs[c3, 1] * s)
-    return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+def _mv4_packed(x, packed, scodes, e, i, pairs, stab, out, o):
+    """out[o + q] = sum_j x[j] * W[e, i + q, j] for q < 4, weights decoded on the fly (one row sharing the
+    expert): the same products (x * (E2M1 value * scale)) added in the same input order as _dequant_row then
+    _mv_rows give, so bit for bit the same; four weight rows at once are four independent add chains."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for b in range(packed.shape[2]):
+        xl, xh = x[2 * b], x[2 * b + 1]
+        g = b >> 4
+        s0, s1, s2, s3 = stab[scodes[e, i, g]], stab[scodes[e, i + 1, g]], stab[scodes[e, i + 2, g]], \
+            stab[scodes[e, i + 3, g]]
+        c0, c1, c2, c3 = packed[e, i, b], packed[e, i + 1, b], packed[e, i + 2, b], packed[e, i + 3, b]
+        a0 += xl * (pairs[c0, 0] * s0)
+        a1 += xl * (pairs[c1, 0] * s1)
+        a2 += xl * (pairs[c2, 0] * s2)
+        a3 += xl * (pairs[c3, 0] * s3)
+        a0 += xh * (pairs[c0, 1] * s0)
+        a1 += xh * (pairs[c1, 1] * s1)
+        a2 += xh * (pairs[c2, 1] * s2)
+        a3 += xh * (pairs[c3, 1] * s3)
+    out[o], out[o + 1], out[o + 2], out[o + 3] = a0, a1, a2, a3
 
 
 @_njit(inline="always")
@@ -154,46 +163,66 @@ def routed_moe_kernel(z, ids, w, e0, p1, s1, p3, s3, p2, s2, pairs, stab, act, b
     most = 0
     for e in range(n_exp):
         most = max(most, count[e + 1] - count[e])
-    zr = np.empty((most, k_in), dtype=np.float32)  # the expert's rows, contiguous
-    gate = np.empty((most, inter), dtype=np.float32)
-    up = np.empty((most, inter), dtype=np.float32)
+    zt = np.empty((k_in, most), dtype=np.float32)  # the expert's rows, transposed
+    gt = np.empty((inter, most), dtype=np.float32)  # w1 products, then the glu, transposed
+    ut = np.empty((inter, most), dtype=np.float32)  # w3 products, transposed
     y = np.empty((total, k_in), dtype=np.float32)
-    wrow = np.empty(k_in, dtype=np.float32)
-    hrow = np.empty(inter, dtype=np.float32)
+    w4 = np.empty((4, k_in), dtype=np.float32)  # 4 decoded weight rows of w1 / w3
+    h4 = np.empty((4, inter), dtype=np.float32)  # of w2
+    acc4 = np.empty((4, most), dtype=np.float32)
+    vg = np.empty(inter, dtype=np.float32)  # one row (m == 1): w1 / glu products, w3 products, w2 products
+    vu = np.empty(inter, dtype=np.float32)
+    vy = np.empty(k_in, dtype=np.float32)
     for e in range(n_exp):
         a0, a1 = count[e], count[e + 1]
         m = a1 - a0
         if m == 0:
             continue
-        for r in range(m):
-            zr[r, :] = z[a_row[a0 + r], :]
-        for i in range(inter):
-            if m == 1:
-                gate[0, i] = _dot8_packed(zr, 0, p1, s1, e, i, pairs, stab)
-                up[0, i] = _dot8_packed(zr, 0, p3, s3, e, i, pairs, stab)
-                continue
-            _dequant_row(p1, s1, e, i, pairs, stab, wrow)
-            for r in range(m):
-                gate[r, i] = _dot8(zr, r, wrow)
-            _dequant_row(p3, s3, e, i, pairs, stab, wrow)
-            for r in range(m):
-                up[r, i] = _dot8(zr, r, wrow)
-        for r in range(m):
+        if m == 1:  # decode on the fly, four weight rows at a time
+            x = z[a_row[a0]]
+            for i in range(0, inter, 4):
+                _mv4_packed(x, p1, s1, e, i, pairs, stab, vg, i)
+                _mv4_packed(x, p3, s3, e, i, pairs, stab, vu, i)
             for i in range(inter):
-                g, u = gate[r, i], up[r, i]
+                g, u = vg[i], vu[i]
                 if round_bf16:
                     g, u = _bf16(g), _bf16(u)
                 h = _glu(g, u, act, beta1, beta2)
-                gate[r, i] = _bf16(h) if round_bf16 else h
-        for t in range(k_in):
-            if m == 1:
-                v = _dot8_packed(gate, 0, p2, s2, e, t, pairs, stab)
-                y[a0, t] = _bf16(v) if round_bf16 else v
-                continue
-            _dequant_row(p2, s2, e, t, pairs, stab, hrow)
+                vg[i] = _bf16(h) if round_bf16 else h
+            for t in range(0, k_in, 4):
+                _mv4_packed(vg, p2, s2, e, t, pairs, stab, vy, t)
+            for t in range(k_in):
+                y[a0, t] = _bf16(vy[t]) if round_bf16 else vy[t]
+            continue
+        for r in range(m):  # decode each weight row once, multiply it with all m rows
+            n = a_row[a0 + r]
+            for j in range(k_in):
+                zt[j, r] = z[n, j]
+        for i in range(0, inter, 4):
+            for q in range(4):
+                _dequant_row(p1, s1, e, i + q, pairs, stab, w4[q])
+            _mv_rows(zt, w4, m, acc4)
+            for q in range(4):
+                gt[i + q, :m] = acc4[q, :m]
+            for q in range(4):
+                _dequant_row(p3, s3, e, i + q, pairs, stab, w4[q])
+            _mv_rows(zt, w4, m, acc4)
+            for q in range(4):
+                ut[i + q, :m] = acc4[q, :m]
+        for i in range(inter):
             for r in range(m):
-                v = _dot8(gate, r, hrow)
-                y[a0 + r, t] = _bf16(v) if round_bf16 else v
+                g, u = gt[i, r], ut[i, r]
+                if round_bf16:
+                    g, u = _bf16(g), _bf16(u)
+                h = _glu(g, u, act, beta1, beta2)
+                gt[i, r] = _bf16(h) if round_bf16 else h
+        for t in range(0, k_in, 4):
+            for q in range(4):
+                _dequant_row(p2, s2, e, t + q, pairs, stab, h4[q])
+            _mv_rows(gt, h4, m, acc4)
+            for q in range(4):
+                for r in range(m):
+                    y[a0 + r, t + q] = _bf16(acc4[q, r]) if round_bf16 else acc4[q, r]
     for a in range(total):  # in expert order: a row's contributions are added in ascending expert order
         n, wa = a_row[a], a_w[a]
         for t in range(k_in):
