@@ -16,11 +16,17 @@ and the fp32 original. Measured:
   (routing, shared and routed experts; torch profiler, the best CPU-timed run); ``decode_weight_bytes_per_token``:
   weight bytes one step reads (non-expert weights once, the expected distinct experts of the batch) / batch;
 * ``expert_matmul_us`` {bf16, mxfp4} by rows: one expert's three matmuls alone (CPU microseconds of this
-  thread), alternated, best of each: the kernel-level difference.
+  thread), alternated, best of each: the per-matrix objects (the unfused path, and numerics mode
+  ``deterministic``'s);
+* ``routed_experts_us`` {bf16, mxfp4, mxfp4_unfused} by rows: the routed-expert part of the first MoE layer of
+  the two checkpoints (``MoE._routed_partial``: grouping, the experts, the weighted sum) on `rows` decode
+  tokens, bf16 through its stacked grouped GEMM, MXFP4 through the fused CPU kernel (``moe_mxfp4.py``, what
+  serving runs) and through the unfused per-expert loop; CPU microseconds, alternated, best of each.
 """
 
 from __future__ import annotations
 
+import copy
 import tempfile
 import time
 from pathlib import Path
@@ -77,6 +83,32 @@ def expert_matmul_us(cfg: ModelConfig, rows: int, iters: int = 200, rounds: int 
     return best
 
 
+def routed_experts_us(bf16: Path, ptq: Path, rows: int, iters: int = 200, rounds: int = 5) -> dict[str, float]:
+    """``routed_experts_us`` of the module doc for `rows` decode tokens (one per request)."""
+    from k3serve.model.layers.ffn import MoE
+    from k3serve.model.loader import load_model
+
+    moes = {name: next(layer.ffn for layer in load_model(path).layers if isinstance(layer.ffn, MoE))
+            for name, path in (("bf16", bf16), ("mxfp4", ptq))}
+    if moes["mxfp4"].fused is None:
+        raise RuntimeError("the MXFP4 checkpoint's MoE layer has no fused kernel (numba missing?)")
+    unfused = copy.copy(moes["mxfp4"])  # the same experts (per-expert views of the stacks), without the kernel
+    unfused.fused = None
+    moes["mxfp4_unfused"] = unfused
+    cfg = moes["bf16"].cfg
+    g = torch.Generator().manual_seed(0)
+    ids, w = moes["bf16"].route(torch.randn(rows, cfg.hidden_size, generator=g).bfloat16())
+    z = torch.randn(rows, cfg.expert_input_size, generator=g).bfloat16()
+    best = dict.fromkeys(moes, float("inf"))
+    for _ in range(rounds):
+        for name, moe in moes.items():
+            t = time.thread_time()
+            for _ in range(iters):
+                moe._routed_partial(z, ids, w, rows > 1)
+            best[name] = min(best[name], (time.thread_time() - t) / iters * 1e6)
+    return best
+
+
 def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat: Callable[[Path, Path, int, str, int], Path],
                     qat_dir: str | None = None, qat_steps: int = 20, rule: str = "ocp", eval_bytes: int = 32768,
                     context: int = 256, batches: tuple[int, ...] = (1, 8), decode_context: int = 64,
@@ -109,6 +141,7 @@ def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat
                             if clock is time.thread_time:
                                 moe_share[name][str(b)] = parts["fraction"]["moe"]
         cfg_bf16, cfg_mx = load_config(bf16), load_config(ptq)
+        routed = {str(b): routed_experts_us(bf16, ptq, b, iters=matmul_iters) for b in batches}
     matmul = {str(b): expert_matmul_us(cfg_bf16, b, iters=matmul_iters) for b in batches}
     return {
         "preset": PRESET, "scale_rule": rule, "threads": torch.get_num_threads(),
@@ -126,5 +159,6 @@ def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat
             "bf16": {str(b): weight_bytes_per_token(cfg_bf16, b) for b in batches},
             "mxfp4": {str(b): weight_bytes_per_token(cfg_mx, b) for b in batches}},
         "expert_matmul_us": matmul,
+        "routed_experts_us": routed,
         "decode_context_tokens": decode_context, "decode_steps": decode_steps,
     }

@@ -56,6 +56,8 @@ def test_quant_bench_keys_side_by_side(tmp_path):
     for form in ("bf16", "mxfp4"):
         assert set(out["decode_tokens_per_s"][form]) == {"1"} and set(out["expert_matmul_us"]["1"]) >= {form}
         assert set(out["decode_tokens_per_cpu_s"][form]) == {"1"} and out["decode_tokens_per_cpu_s"][form]["1"] > 0
+    assert set(out["routed_experts_us"]["1"]) == {"bf16", "mxfp4", "mxfp4_unfused"}
+    assert all(v > 0 for v in out["routed_experts_us"]["1"].values())
     mx = out["decode_weight_bytes_per_token"]
     assert mx["mxfp4"]["1"] < mx["bf16"]["1"]
     cfg = preset("tiny-trained")

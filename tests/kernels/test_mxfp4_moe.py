@@ -132,7 +132,8 @@ def test_bf16_rounding_is_round_to_nearest_even():
 def test_what_the_fused_form_refuses_or_leaves_to_the_unfused_path():
     packed = _experts(seed=19)
     f = _fused(packed)
-    assert f.takes(torch.bfloat16) and not f.takes(torch.float16)
+    assert f.takes(torch.zeros(1, K_IN, dtype=torch.bfloat16)) and not f.takes(torch.zeros(1, K_IN).half())
+    assert not f.takes(torch.zeros(1, K_IN, requires_grad=True))  # forward only: autograd keeps the loop
     with pytest.raises(ValueError, match="takes activations in"):
         f(torch.zeros(1, K_IN, dtype=torch.float16), torch.tensor([[FIRST, FIRST + 1]]), torch.ones(1, 2))
     with pytest.raises(ValueError, match="ids must be int64"):

@@ -141,9 +141,12 @@ class MoE:
         (full-precision) experts run all of the rank's runs as one grouped GEMM per matrix instead of the loop
         (moe_grouped.py; the same GEMM per run, bit-identical), or, for decode-sized runs over many experts, as
         three bmm over zero-padded runs (last-bit rounding may then differ, as with any other batch). The
-        grouping is :func:`group_by_expert`.
+        grouping is :func:`group_by_expert`. MXFP4 experts on the CPU run all of this (grouping, experts, the
+        weighted sum in ascending expert order) as one fused kernel call (moe_mxfp4.py): its fixed per-row
+        order makes a token's result independent of the call's other tokens, and equal to the loop's within
+        fp32 rounding.
         """
-        if self.fused is not None and self.fused.takes(z.dtype):  # MXFP4 on the CPU: one fused call
+        if self.fused is not None and self.fused.takes(z):  # MXFP4 on the CPU: one fused call
             return self.fused(z, ids, w)
         c = self.cfg
         k = ids.shape[1]

@@ -66,9 +66,10 @@ class FusedMXFP4Experts:
         return [(MXFP4Linear(self.p1[i], self.s1[i]), MXFP4Linear(self.p3[i], self.s3[i]),
                  MXFP4Linear(self.p2[i], self.s2[i])) for i in range(self.p1.shape[0])]
 
-    def takes(self, dtype: torch.dtype) -> bool:
-        """Whether activations of `dtype` run here (fp32, bf16); others keep the unfused path."""
-        return dtype in FUSED_DTYPES
+    def takes(self, z: torch.Tensor) -> bool:
+        """Whether activations `z` run here: fp32 or bf16, and no gradient wanted through them (the kernel is
+        forward only); others keep the unfused path, which autograd follows."""
+        return z.dtype in FUSED_DTYPES and not (z.requires_grad and torch.is_grad_enabled())
 
     def __call__(self, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """z `[N, e_in]` (fp32 or bf16), ids `[N, k]` int64 global expert ids, w `[N, k]` routing weights ->
