@@ -21,7 +21,11 @@ and the fp32 original. Measured:
 * ``routed_experts_us`` {bf16, mxfp4, mxfp4_unfused} by rows: the routed-expert part of the first MoE layer of
   the two checkpoints (``MoE._routed_partial``: grouping, the experts, the weighted sum) on `rows` decode
   tokens, bf16 through its stacked grouped GEMM, MXFP4 through the fused CPU kernel (``moe_mxfp4.py``, what
-  serving runs) and through the unfused per-expert loop; CPU microseconds, alternated, best of each.
+  serving runs) and through the unfused per-expert loop; CPU microseconds, alternated, best of each;
+* ``decode_interleaved`` by batch: a bf16 and an MXFP4 decode engine built side by side, their steps
+  interleaved one by one (``decode_steps`` x 4 each), CPU and wall milliseconds per step summed over all
+  steps, and ``mxfp4_over_bf16`` (tokens per CPU-second, MXFP4 / bf16): both engines see the same background
+  load at the same moments, so this ratio scatters far less on a shared machine than separate timed runs.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from k3serve.bench.decode import _decode_rate
+from k3serve.bench.decode import _decode_rate, decoding_engine
 from k3serve.model.checkpoint import inspect_checkpoint, load_config
 from k3serve.model.config import ModelConfig
 from k3serve.model.names import SplitKind, checkpoint_specs
@@ -109,6 +113,26 @@ def routed_experts_us(bf16: Path, ptq: Path, rows: int, iters: int = 200, rounds
     return best
 
 
+def interleaved_decode(bf16: Path, ptq: Path, batch: int, context: int, steps: int) -> dict[str, float]:
+    """``decode_interleaved`` of the module doc for one batch size."""
+    engines = {name: decoding_engine(str(path), load_config(path), batch, context, steps + 4)
+               for name, path in (("bf16", bf16), ("mxfp4", ptq))}
+    cpu, wall = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0.0)
+    for e in engines.values():
+        e.step()  # warm-up
+    for i in range(steps):
+        for name in (("bf16", "mxfp4") if i % 2 == 0 else ("mxfp4", "bf16")):  # neither always goes first
+            t, w = time.thread_time(), time.perf_counter()
+            engines[name].step()
+            cpu[name] += time.thread_time() - t
+            wall[name] += time.perf_counter() - w
+    for e in engines.values():
+        e.executor.close()
+    return {"bf16_cpu_ms_per_step": cpu["bf16"] / steps * 1e3, "mxfp4_cpu_ms_per_step": cpu["mxfp4"] / steps * 1e3,
+            "bf16_wall_ms_per_step": wall["bf16"] / steps * 1e3, "mxfp4_wall_ms_per_step": wall["mxfp4"] / steps * 1e3,
+            "mxfp4_over_bf16": cpu["bf16"] / cpu["mxfp4"], "mxfp4_over_bf16_wall": wall["bf16"] / wall["mxfp4"]}
+
+
 def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat: Callable[[Path, Path, int, str, int], Path],
                     qat_dir: str | None = None, qat_steps: int = 20, rule: str = "ocp", eval_bytes: int = 32768,
                     context: int = 256, batches: tuple[int, ...] = (1, 8), decode_context: int = 64,
@@ -142,6 +166,7 @@ def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat
                                 moe_share[name][str(b)] = parts["fraction"]["moe"]
         cfg_bf16, cfg_mx = load_config(bf16), load_config(ptq)
         routed = {str(b): routed_experts_us(bf16, ptq, b, iters=matmul_iters) for b in batches}
+        interleaved = {str(b): interleaved_decode(bf16, ptq, b, decode_context, 4 * decode_steps) for b in batches}
     matmul = {str(b): expert_matmul_us(cfg_bf16, b, iters=matmul_iters) for b in batches}
     return {
         "preset": PRESET, "scale_rule": rule, "threads": torch.get_num_threads(),
@@ -160,5 +185,6 @@ def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat
             "mxfp4": {str(b): weight_bytes_per_token(cfg_mx, b) for b in batches}},
         "expert_matmul_us": matmul,
         "routed_experts_us": routed,
+        "decode_interleaved": interleaved,
         "decode_context_tokens": decode_context, "decode_steps": decode_steps,
     }
