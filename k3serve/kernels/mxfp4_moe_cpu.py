@@ -228,3 +228,18 @@ def routed_moe_kernel(z, ids, w, e0, p1, s1, p3, s3, p2, s2, pairs, stab, act, b
         for t in range(k_in):
             out[n, t] += y[a, t] * wa
     return out
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) the one signature the MoE layer calls, on tiny inputs, so that the
+    first model forward of a fresh checkout, or several Ray rank actors starting at once, do not each spend
+    seconds compiling it (``scripts/setup.sh`` runs this once)."""
+    if numba is None:
+        raise RuntimeError(NUMBA_ERROR)
+    pairs = np.zeros((256, 2), dtype=np.float32)
+    stab = np.ones(256, dtype=np.float32)
+    p13, s13 = np.zeros((1, 4, 16), dtype=np.uint8), np.zeros((1, 4, 1), dtype=np.uint8)
+    p2, s2 = np.zeros((1, 32, 2), dtype=np.uint8), np.zeros((1, 32, 1), dtype=np.uint8)
+    routed_moe_kernel(np.zeros((1, 32), dtype=np.float32), np.zeros((1, 1), dtype=np.int64),
+                      np.ones((1, 1), dtype=np.float32), 0, p13, s13, p13, s13, p2, s2, pairs, stab,
+                      ACT_SITU, np.float32(4.0), np.float32(25.0), True)
