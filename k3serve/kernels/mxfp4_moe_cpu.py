@@ -15,18 +15,20 @@ its arithmetic on the small decode matrices, docs/mxfp4.md)::
 Numerics (why the result of a token never depends on its batch): every dot product of a row with a weight row
 is one fp32 sum in input order, ``((0 + x_0 w_0) + x_1 w_1) + ... + x_{K-1} w_{K-1}``, with ``w_j`` the exact
 dequantised weight. A row alone (``_mv4_packed``: decoded on the fly, four weight rows as four add chains)
-and a row among m sharing the expert (``_dequant_row`` once per weight row, then ``_mv_rows``: vectorised across
-the m rows, each lane its own row's sum) do the same operations in the same order, so nothing depends on how many rows
-share the expert or the call, nor on the machine's vector width: numba compiles without fast-math, so LLVM
-may not reassociate or contract to FMA (the bits are those of the source, on every x86/ARM CPU). The
+and a row among m sharing the expert (``_dequant_row`` once per weight row, then ``_mv_rows``: vectorised
+across the m rows, each lane its own row's sum) do the same operations in the same order, so nothing depends
+on how many rows share the expert or the call, nor on the machine's vector width: numba compiles without
+fast-math, so LLVM may not reassociate or contract to FMA (the dot products' bits are those of the source on
+every CPU; the glu's exp / tanh are the platform libm's, the same on one machine image). The
 weights are the exact values of :func:`k3serve.kernels.mxfp4.dequantize_mxfp4`; against ``F.linear`` on them
 (the unfused path) only the summation order differs: equal within fp32 rounding, not bit for bit. With
 ``round_bf16`` the intermediates are rounded to bf16 where the unfused path casts to the activations' dtype
 (after w1 / w3, after the glu, after w2), round to nearest even, so a bf16 model keeps its rounding points.
 The glu's tanh / exp are libm's (fp32), not torch's vectorised ones: a last-ulp difference to ``norm.glu``.
 
-Compile time: ~2-4 s on the first call of a process without a cache; ``cache=True`` writes the machine code
-next to this file (``__pycache__``), later processes load it in ~0.1 s. numba is a pinned dependency; where it
+Compile time: 5-7 s on the first call of a process without a cache (10-18 s on the loaded 2-core machine);
+``cache=True`` writes the machine code next to this file (``__pycache__``), later processes load it in ~0.4 s;
+``scripts/setup.sh`` compiles it once (:func:`warm_up`). numba is a pinned dependency; where it
 cannot be imported, :data:`NUMBA_ERROR` says why and the MoE layer keeps the unfused path (``moe_mxfp4.py``).
 """
 
