@@ -17,6 +17,9 @@ receiver processes (one TransferReceiver each) on loopback. One repetition of ea
  raw mooncake: the same byte ranges written by the engine to the same offsets of a registered sink, same
             batches, no CRC / control / staging state: the engine's own cost (baselines.py)
 ```
+After the pairs, `layerwise_handoff` (transfer_handoff.py): the time from a prompt's last prefill chunk to its
+first decode token through a real prefill and decode group, layer-wise export off and on.
+
 The paths alternate within each repetition (so background load hits all alike). The senders' states sit in
 their registered send regions (as a prefill rank exporting into registered memory would), for every path. GB/s and `ratio` are best of
 the repetitions (the run least disturbed by other load on a shared machine); `ratio_median` is the median
@@ -42,6 +45,7 @@ from k3serve.auth import AuthConfig
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.mooncake.plane import MooncakeConfig, mooncake_available
 from k3serve.transfer.plan import reshard_kda
+from k3serve.bench.transfer_handoff import HandoffBenchConfig, run_handoff_bench
 from k3serve.bench.transfer_procs import ReceiverProc, SenderProc, SendJob
 from k3serve.transfer.receiver import ReceiverConfig
 from k3serve.transfer.sender import SenderConfig, SendResult
@@ -63,6 +67,8 @@ class TransferBenchConfig:
     layerwise: bool = False
     host: str = "127.0.0.1"
     mooncake: bool = True  # also measure the Mooncake plane and raw Mooncake (skipped, and said so, if absent)
+    # the last-chunk-to-first-decode-token time with layer-wise export off and on (transfer_handoff.py); None: not run
+    handoff: HandoffBenchConfig | None = HandoffBenchConfig()
 
 
 def _random_state(g: StateGeometry, p: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -217,6 +223,7 @@ def run_transfer_bench(cfg: TransferBenchConfig = TransferBenchConfig()) -> dict
             s.close()
     order = {pair: i for i, pair in enumerate(cfg.pairs)}
     runs.sort(key=lambda r: order[(r["p"], r["d"])])
+    handoff = run_handoff_bench(cfg.handoff) if cfg.handoff is not None else None
     return {
         "preset": cfg.preset, "tokens": cfg.tokens, "chunk_bytes": cfg.chunk_bytes, "reps": cfg.reps,
         "layerwise": cfg.layerwise, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -224,4 +231,5 @@ def run_transfer_bench(cfg: TransferBenchConfig = TransferBenchConfig()) -> dict
         "kda_bytes": g.kda_layers * g.kda_heads * g.kda_row_bytes,
         "mla_bytes_per_decode_rank": g.mla_layers * g.num_tokens * g.mla_row_bytes,
         "runs": runs,
+        "layerwise_handoff": handoff,
     }

@@ -34,15 +34,29 @@ def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="p
              host: str = typer.Option("127.0.0.1", "--host", help="interface the receivers bind"),
              mooncake: bool = typer.Option(True, "--mooncake/--no-mooncake",
                                            help="also our Mooncake plane and raw Mooncake (when installed)"),
+             handoff: bool = typer.Option(True, "--handoff/--no-handoff",
+                                          help="also the last-chunk-to-first-decode-token time, layer-wise export "
+                                               "off and on (a real prefill and decode group)"),
+             handoff_preset: str = typer.Option("tiny", "--handoff-preset"),
+             handoff_tokens: int = typer.Option(4096, "--handoff-tokens", help="prompt length of the handoff run"),
+             handoff_last_chunk: int = typer.Option(256, "--handoff-last-chunk", help="tokens of its last chunk"),
+             handoff_tp: str = typer.Option("2x1", "--handoff-tp", help="prefill x decode TP of the handoff run"),
              as_json: bool = typer.Option(False, "--json")) -> None:
     """Move a realistic request state P -> D over our gRPC path, bare gRPC-Python, our Mooncake plane, raw
     Mooncake and a raw TCP socket, side by side; report GB/s, the ratios and CPU seconds per GB."""
     from k3serve.bench.transfer import TransferBenchConfig, run_transfer_bench
+    from k3serve.bench.transfer_handoff import HandoffBenchConfig
     from k3serve.transfer.plan import PlanError
 
     try:
+        tps = _pairs(handoff_tp)
+        if len(tps) != 1:
+            raise typer.BadParameter(f"--handoff-tp takes one P x D pair, got {handoff_tp!r}")
+        (hp, hd), = tps
+        hcfg = HandoffBenchConfig(handoff_preset, handoff_tokens, handoff_last_chunk, hp, hd, reps,
+                                  chunk_kib << 10) if handoff else None
         cfg = TransferBenchConfig(_pairs(pairs), tokens, preset, chunk_kib << 10, page_tokens, reps, layerwise, host,
-                                  mooncake)
+                                  mooncake, hcfg)
         result = run_transfer_bench(cfg)
     except (PlanError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
@@ -65,3 +79,9 @@ def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="p
                    f"{r['framing_share']:>8.1%}")
     typer.echo("GB/s; ours/bare = ours over gRPC / bare gRPC-Python, MC/raw = ours over Mooncake / raw Mooncake; "
                "crc, reshard, framing = shares of the gRPC path's CPU time")
+    h = result.get("layerwise_handoff")
+    if h:
+        typer.echo(f"last prefill chunk -> first decode token ({h['preset']}, {h['tokens']} tokens, last chunk "
+                   f"{h['last_chunk_tokens']}, TP {h['prefill_tp']}x{h['decode_tp']}): layer-wise export off "
+                   f"{h['off']['last_chunk_to_first_decode_s']:.4f} s, on {h['on']['last_chunk_to_first_decode_s']:.4f}"
+                   f" s (median of {h['reps']}; paired saving {h['saved_s_median']:.4f} s)")
