@@ -49,7 +49,7 @@ from k3serve.bench.transfer_handoff import HandoffBenchConfig, run_handoff_bench
 from k3serve.bench.transfer_procs import ReceiverProc, SenderProc, SendJob
 from k3serve.transfer.receiver import ReceiverConfig
 from k3serve.transfer.sender import SenderConfig, SendResult
-from k3serve.transfer.spec import DTYPES, StateGeometry, TransferSpec
+from k3serve.transfer.spec import DEFAULT_CHUNK_BYTES, DTYPES, StateGeometry, TransferSpec
 from k3serve.transfer.staging import StagingLimits
 from k3serve.transfer.wire import byte_view, crc32c
 
@@ -61,7 +61,7 @@ class TransferBenchConfig:
     pairs: tuple[tuple[int, int], ...] = DEFAULT_PAIRS
     tokens: int = 32768
     preset: str = "bench"
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     page_tokens: int = 64
     reps: int = 5
     layerwise: bool = False

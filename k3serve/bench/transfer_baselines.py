@@ -112,12 +112,22 @@ class GrpcSink:
 
 
 def grpc_source(host: str, ports: Sequence[int], pieces: Sequence[Sequence[np.ndarray]],
-                max_message: int = 64 << 20) -> None:
-    """One bare gRPC stream per decode rank (in parallel), one bytes message per piece."""
+                max_message: int = 64 << 20, channels: dict[str, grpc.Channel] | None = None) -> None:
+    """One bare gRPC stream per decode rank (in parallel), one bytes message per piece.
+
+    channels: where to keep the channels between calls (the caller closes them); None: one per call."""
     def one(d: int) -> None:
-        with grpc.insecure_channel(f"{host}:{ports[d]}",
-                                   options=[("grpc.max_send_message_length", max_message)]) as ch:
+        target = f"{host}:{ports[d]}"
+        ch = channels.get(target) if channels is not None else None
+        if ch is None:
+            ch = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", max_message)])
+            if channels is not None:
+                channels[target] = ch
+        try:
             ch.stream_unary(_RAW_METHOD)((p.tobytes() for p in pieces[d]), timeout=600)
+        finally:
+            if channels is None:
+                ch.close()
 
     _parallel(one, range(len(ports)))
 

@@ -42,7 +42,7 @@ from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 from k3serve.transfer.decode_host import ReceivingExecutor
 from k3serve.transfer.handoff_send import GrpcChannel, GrpcSendHooks
 from k3serve.transfer.receiver import ReceiverConfig
-from k3serve.transfer.spec import StateGeometry
+from k3serve.transfer.spec import DEFAULT_CHUNK_BYTES, StateGeometry
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class HandoffBenchConfig:
     prefill_tp: int = 2
     decode_tp: int = 1
     reps: int = 3
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         if not 0 < self.last_chunk_tokens <= self.tokens // 2:

@@ -27,7 +27,8 @@ def _pairs(text: str) -> tuple[tuple[int, int], ...]:
 def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="prefill x decode TP pairs"),
              tokens: int = typer.Option(32768, "--tokens", help="context length of the state moved"),
              preset: str = typer.Option("bench", "--preset"),
-             chunk_kib: int = typer.Option(1024, "--chunk-kib", help="chunk payload size"),
+             chunk_kib: int = typer.Option(0, "--chunk-kib",
+                                           help="chunk payload size (0: the transfer default, DEFAULT_CHUNK_BYTES)"),
              page_tokens: int = typer.Option(64, "--page-tokens"),
              reps: int = typer.Option(5, "--reps", help="repetitions per path (best and median reported)"),
              layerwise: bool = typer.Option(False, "--layerwise", help="mark layers ready one by one"),
@@ -47,15 +48,17 @@ def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="p
     from k3serve.bench.transfer import TransferBenchConfig, run_transfer_bench
     from k3serve.bench.transfer_handoff import HandoffBenchConfig
     from k3serve.transfer.plan import PlanError
+    from k3serve.transfer.spec import DEFAULT_CHUNK_BYTES
 
+    chunk_bytes = chunk_kib << 10 if chunk_kib > 0 else DEFAULT_CHUNK_BYTES
     try:
         tps = _pairs(handoff_tp)
         if len(tps) != 1:
             raise typer.BadParameter(f"--handoff-tp takes one P x D pair, got {handoff_tp!r}")
         (hp, hd), = tps
         hcfg = HandoffBenchConfig(handoff_preset, handoff_tokens, handoff_last_chunk, hp, hd, reps,
-                                  chunk_kib << 10) if handoff else None
-        cfg = TransferBenchConfig(_pairs(pairs), tokens, preset, chunk_kib << 10, page_tokens, reps, layerwise, host,
+                                  chunk_bytes) if handoff else None
+        cfg = TransferBenchConfig(_pairs(pairs), tokens, preset, chunk_bytes, page_tokens, reps, layerwise, host,
                                   mooncake, hcfg)
         result = run_transfer_bench(cfg)
     except (PlanError, ValueError) as e:

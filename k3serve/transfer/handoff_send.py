@@ -32,7 +32,7 @@ from k3serve.engine.ops import InstallStaged, SendState
 from k3serve.engine.worker import WorkerHooks
 from k3serve.transfer.client import ReceiverClient
 from k3serve.transfer.sender import SenderConfig, SendSession, TransferFailed, TransferSender
-from k3serve.transfer.spec import StateGeometry, TransferSpec
+from k3serve.transfer.spec import DEFAULT_CHUNK_BYTES, StateGeometry, TransferSpec
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class GrpcChannel:
     layerwise = True  # stream_job / streamed: the prefill ranks' GrpcSendHooks have begin_send
 
     def __init__(self, cluster_id: str, cfg, endpoints: tuple[str, ...], secret: str, prefill_tp: int,
-                 decode_tp: int, page_size: int, chunk_bytes: int = 1 << 20) -> None:
+                 decode_tp: int, page_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.cfg, self.endpoints = cfg, endpoints
         self.prefill_tp, self.decode_tp, self.page_size, self.chunk_bytes = prefill_tp, decode_tp, page_size, chunk_bytes
         self.auth = AuthConfig(secret, peer=f"prefill-{cluster_id}")
