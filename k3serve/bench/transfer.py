@@ -8,7 +8,8 @@ receiver processes (one TransferReceiver each) on loopback. One repetition of ea
             verification); timed from the first send to the last ack; the staged bytes are then checked
             against reshard_kda / the MLA rows (CRC of the whole staging) and dropped
  bare gRPC: the same byte ranges as plain bytes messages on plain streams (no CRC, no checks, no staging):
-            what the gRPC stack itself costs (baselines.py)
+            what the gRPC stack itself costs (baselines.py); "kept": the same with a sink that keeps what it
+            received until the repetition ends (the memory traffic of any staging receiver)
  socket:    the same byte ranges over one plain TCP connection per (sender, receiver), recv_into() one
             preallocated buffer: the ceiling
  mooncake:  our Mooncake plane (transfer/mooncake/): Open over gRPC, the engine writes every chunk into the
@@ -126,7 +127,7 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
     eps = tuple(rx.endpoint for rx in receivers)
     t: dict[str, list[float]] = {k: [] for k in ("grpc", "bare", "socket", "crc", "place", "framing", "cpu",
                                                  "bare_cpu", "socket_cpu", "mooncake", "mooncake_cpu",
-                                                 "raw_mooncake", "raw_mooncake_cpu")}
+                                                 "raw_mooncake", "raw_mooncake_cpu", "bare_keep", "bare_keep_cpu")}
     retried = 0
     for rep in range(cfg.reps):
         spec = TransferSpec(f"bench-{key}-{rep}", f"req-{key}-{rep}", g, p, d, cfg.page_tokens, cfg.chunk_bytes)
@@ -153,6 +154,12 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
         t["bare"].append(_on_all(senders, "grpc_send", jobs, ports, cfg.host)[0])
         t["bare_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
         bare_got = [rx.call("grpc_received") for rx in receivers]
+        ports = tuple(rx.call("grpc_listen", True) for rx in receivers)
+        cpu0 = [x.call("cpu") for x in senders + receivers]
+        t["bare_keep"].append(_on_all(senders, "grpc_send", jobs, ports, cfg.host)[0])
+        t["bare_keep_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
+        if [rx.call("grpc_received") for rx in receivers] != per_rank:
+            raise RuntimeError(f"P={p} D={d}: the keeping bare gRPC sink got other byte counts than {per_rank}")
         ports = tuple(rx.call("socket_listen", p, n, timeout=600) for rx, n in zip(receivers, per_rank))
         cpu0 = [x.call("cpu") for x in senders + receivers]
         t0 = time.perf_counter()
@@ -164,7 +171,7 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
             raise RuntimeError(f"P={p} D={d}: baselines moved {bare_got} / {socket_got} bytes, expected {per_rank}")
         if mc is not None:
             _mooncake_rep(p, d, key, rep, senders, receivers, g, cfg, sender_cfg, mc, want, t)
-    b = {k: min(t[k]) for k in ("grpc", "bare", "socket")}  # best of reps: the least disturbed by other load
+    b = {k: min(t[k]) for k in ("grpc", "bare", "socket", "bare_keep")}  # best of reps: least disturbed by load
     m = {k: statistics.median(v) for k, v in t.items() if v}
     nbytes = sum(per_rank)
     per_gb = lambda key: round(m[key] / nbytes * 1e9, 3) if key in m else None  # noqa: E731
@@ -173,6 +180,8 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
         "bare_grpc_s_per_rep": [round(x, 4) for x in t["bare"]], "grpc_s_per_rep": [round(x, 4) for x in t["grpc"]],
         "ours_over_bare_grpc": round(b["bare"] / b["grpc"], 3),
         "ours_over_bare_grpc_median": round(statistics.median(x / y for x, y in zip(t["bare"], t["grpc"])), 3),
+        "bare_grpc_keep_gbps": round(nbytes / b["bare_keep"] / 1e9, 3),
+        "ours_over_bare_grpc_keep": round(b["bare_keep"] / b["grpc"], 3),
         "mooncake_gbps": _gbps(nbytes, t["mooncake"]), "raw_mooncake_gbps": _gbps(nbytes, t["raw_mooncake"]),
         "ours_mooncake_over_raw": mc_ratio,
         "ours_mooncake_over_raw_median": round(statistics.median(
@@ -185,7 +194,8 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
         "cpu_s": round(m["cpu"], 4),
         # CPU seconds (all sender + receiver processes) per GB moved: what each path costs, whatever the cores
         "cpu_s_per_gb": {name: per_gb(key) for name, key in (
-            ("grpc", "cpu"), ("bare_grpc", "bare_cpu"), ("socket", "socket_cpu"), ("mooncake", "mooncake_cpu"),
+            ("grpc", "cpu"), ("bare_grpc", "bare_cpu"), ("bare_grpc_keep", "bare_keep_cpu"), ("socket", "socket_cpu"),
+            ("mooncake", "mooncake_cpu"),
             ("raw_mooncake", "raw_mooncake_cpu"))},
         "crc_share": round(m["crc"] / m["cpu"], 3),
         "reshard_share": round(m["place"] / m["cpu"], 3), "framing_share": round(m["framing"] / m["cpu"], 3),

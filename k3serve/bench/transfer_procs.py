@@ -255,11 +255,14 @@ def _receiver_main(conn, config: ReceiverConfig, mooncake: MooncakeConfig | None
         sinks["socket"] = SocketSink(config.host, conns, nbytes)
         return sinks["socket"].port
 
-    def grpc_listen() -> int:
-        if "grpc" not in sinks:
-            sinks["grpc"] = GrpcSink(config.host)
-        sinks["grpc"].reset()
-        return sinks["grpc"].port
+    def grpc_listen(keep: bool = False) -> int:
+        """A bare gRPC sink's port (keep: one that holds what it received until the next listen)."""
+        key = "grpc_keep" if keep else "grpc"
+        if key not in sinks:
+            sinks[key] = GrpcSink(config.host, keep=keep)
+        sinks[key].reset()
+        sinks["grpc_last"] = sinks[key]
+        return sinks[key].port
 
     def mooncake_listen(spec: TransferSpec) -> tuple[str, int, int]:
         """Raw Mooncake baseline: staging-shaped kda + mla buffers in a second registered region (no transfer
@@ -290,10 +293,11 @@ def _receiver_main(conn, config: ReceiverConfig, mooncake: MooncakeConfig | None
                       "region_used": lambda: rx.store.region.used_bytes if rx.store.region else 0,
                       "registrations": lambda: plane.registrations if plane else 0,
                       "socket_listen": socket_listen, "socket_wait": lambda t: sinks["socket"].wait(t),
-                      "grpc_listen": grpc_listen, "grpc_received": lambda: sinks["grpc"].received})
+                      "grpc_listen": grpc_listen, "grpc_received": lambda: sinks["grpc_last"].received})
     finally:
-        if "grpc" in sinks:
-            sinks["grpc"].close()
+        for key in ("grpc", "grpc_keep"):
+            if key in sinks:
+                sinks[key].close()
         rx.stop(0)
         if plane is not None:
             plane.close()

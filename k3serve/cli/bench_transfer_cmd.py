@@ -72,15 +72,18 @@ def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="p
                f"{result['cpus']} CPUs")
     typer.echo(f"mooncake: {result['mooncake']}; load average {result['load_avg_1m']}")
     num = lambda v, w, f=".3f": f"{v:>{w}{f}}" if v is not None else f"{'-':>{w}}"  # noqa: E731
-    typer.echo(f"{'P':>2} {'D':>2} {'MB':>8} {'ours gRPC':>10} {'bare gRPC':>10} {'ours/bare':>10} {'ours MC':>8} "
+    typer.echo(f"{'P':>2} {'D':>2} {'MB':>8} {'ours gRPC':>10} {'bare gRPC':>10} {'ours/bare':>10} {'ours/kept':>10} "
+               f"{'ours MC':>8} "
                f"{'raw MC':>8} {'MC/raw':>7} {'socket':>8} {'crc':>6} {'reshard':>8} {'framing':>8}")
     for r in result["runs"]:
         typer.echo(f"{r['p']:>2} {r['d']:>2} {r['bytes'] / 1e6:>8.1f} {r['grpc_gbps']:>10.3f} "
-                   f"{r['bare_grpc_gbps']:>10.3f} {r['ours_over_bare_grpc']:>10.2f} {num(r['mooncake_gbps'], 8)} "
+                   f"{r['bare_grpc_gbps']:>10.3f} {r['ours_over_bare_grpc']:>10.2f} {r['ours_over_bare_grpc_keep']:>10.2f} "
+                   f"{num(r['mooncake_gbps'], 8)} "
                    f"{num(r['raw_mooncake_gbps'], 8)} {num(r['ours_mooncake_over_raw'], 7, '.2f')} "
                    f"{r['socket_gbps']:>8.3f} {r['crc_share']:>6.1%} {r['reshard_share']:>8.1%} "
                    f"{r['framing_share']:>8.1%}")
-    typer.echo("GB/s; ours/bare = ours over gRPC / bare gRPC-Python, MC/raw = ours over Mooncake / raw Mooncake; "
+    typer.echo("GB/s; ours/bare = ours over gRPC / bare gRPC-Python (ours/kept: over bare gRPC whose sink keeps "
+               "what it got), MC/raw = ours over Mooncake / raw Mooncake; "
                "crc, reshard, framing = shares of the gRPC path's CPU time")
     h = result.get("layerwise_handoff")
     if h:
