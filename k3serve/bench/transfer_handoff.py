@@ -11,10 +11,10 @@ off and on, through a real prefill group and a real decode group over our gRPC p
    t_handoff ─ the handoff (first token sampled, state verified on every decode rank)
    decode.submit: InstallStaged ; decode.step() ─ t1: the first decode token
 ```
-`last_chunk_to_first_decode_s` = t1 - t0, split into `last_step_s` (t_handoff -
-t0: the last chunk's forward and whatever of the transfer does not overlap it) and `install_and_step_s`
-(t_handoff -> t1). Modes alternate within each repetition (background load hits both alike); medians reported, and the median
-of the per-repetition difference (`saved_s_median`, off - on). A long prompt with a short last chunk is where
+`last_chunk_to_first_decode_s` = t1 - t0, split into `last_step_s` (t_handoff - t0: the last chunk's forward
+and whatever of the transfer does not overlap it) and `install_and_step_s` (t_handoff -> t1). Modes alternate
+within each repetition (background load hits both alike); medians reported, and the median of the
+per-repetition difference (`saved_s_median`, off - on). A long prompt with a short last chunk is where
 the overlap matters: the state moved is the whole prompt's, the forward it can hide behind is the last chunk's.
 Every repetition's first decode token must be the same in both modes (the streamed state is the exported one).
 """

@@ -77,8 +77,8 @@ def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="p
                f"{'raw MC':>8} {'MC/raw':>7} {'socket':>8} {'crc':>6} {'reshard':>8} {'framing':>8}")
     for r in result["runs"]:
         typer.echo(f"{r['p']:>2} {r['d']:>2} {r['bytes'] / 1e6:>8.1f} {r['grpc_gbps']:>10.3f} "
-                   f"{r['bare_grpc_gbps']:>10.3f} {r['ours_over_bare_grpc']:>10.2f} {r['ours_over_bare_grpc_keep']:>10.2f} "
-                   f"{num(r['mooncake_gbps'], 8)} "
+                   f"{r['bare_grpc_gbps']:>10.3f} {r['ours_over_bare_grpc']:>10.2f} "
+                   f"{r['ours_over_bare_grpc_keep']:>10.2f} {num(r['mooncake_gbps'], 8)} "
                    f"{num(r['raw_mooncake_gbps'], 8)} {num(r['ours_mooncake_over_raw'], 7, '.2f')} "
                    f"{r['socket_gbps']:>8.3f} {r['crc_share']:>6.1%} {r['reshard_share']:>8.1%} "
                    f"{r['framing_share']:>8.1%}")
