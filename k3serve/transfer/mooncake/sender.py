@@ -186,9 +186,7 @@ class LandingSession(SendSession):
                 ops = [(self._src[c.kind] + c.src_byte, dst_base[c.kind] + c.dst_byte, c.length) for c in group]
                 try:
                     job = plane.submit(reply.segment, ops)
-                    t0 = time.thread_time()
-                    crcs = [self._crc(c, self._views[c.kind][c.src_byte: c.src_byte + c.length]) for c in group]
-                    stats[0] += time.thread_time() - t0
+                    crcs = [j.result() for j in [self._crc_job(c, dst) for c in group]]  # while the write flies
                     plane.wait(job)
                 except DataPlaneError as e:
                     holder["error"] = e
@@ -207,7 +205,7 @@ class LandingSession(SendSession):
                 yield head
             if last:
                 break
-        crcs = [self._crcs[(c.kind, c.src_byte, c.length)] for c in self._plans[dst]]
+        crcs = self._manifest_crcs(dst)
         stats[2] = nbytes
         yield encode(pb.PushMessage(manifest=pb.Manifest(
             transfer_id=spec.transfer_id, src_rank=self.sender.rank, dst_rank=dst, num_chunks=i,
