@@ -77,12 +77,13 @@ def _pair(p: int, d: int, senders, rx: dict, g: StateGeometry, cfg: OverlapBench
                     raise RuntimeError(f"P={p} D={d}: bare gRPC moved {got} bytes, expected {nbytes}")
             else:
                 dt, results = _on_all(senders, "send", jobs)
+            cpu[path].append(sum(x.call("cpu") - c for x, c in zip(procs, cpu0)))  # before the check's own CRC
+            secs[path].append(dt)
+            if path != "bare":
                 if not all(isinstance(res, SendResult) for res in results):
                     raise RuntimeError(f"P={p} D={d} {path}: transfer failed: {results}")
                 if [x.call("digest", spec.transfer_id, timeout=600) for x in group] != want:
                     raise RuntimeError(f"P={p} D={d} {path}: received state differs from reshard_kda")
-            secs[path].append(dt)
-            cpu[path].append(sum(x.call("cpu") - c for x, c in zip(procs, cpu0)))
     ratio = lambda a, b: round(statistics.median(y / x for x, y in zip(secs[a], secs[b])), 3)  # noqa: E731
     return {
         "p": p, "d": d, "bytes": nbytes,

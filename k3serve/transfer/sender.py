@@ -9,8 +9,9 @@
 ```
 Payloads are memoryview slices of the state tensors (``chunks.py`` gives the byte offsets), joined once into
 the gRPC message. Their CRC32Cs are computed ahead on the sender's CRC workers (google_crc32c releases the GIL),
-so a stream thread frames chunk i+1 while grpcio sends chunk i and a worker CRCs chunks i+2...: on a CPU-bound
-host with an idle core the CRC leaves the stream's critical path. Each stream attempt has a deadline; a failed attempt with a retryable code is replayed from
+so a stream thread frames chunk i while grpcio sends chunk i-1 and a worker CRCs chunks i+1, i+2
+(``CRC_LOOKAHEAD``): on a CPU-bound host with an idle core the CRC leaves the stream's critical path.
+Each stream attempt has a deadline; a failed attempt with a retryable code is replayed from
 its first chunk after an exponential backoff (the receiver rewrites identical bytes; a verified transfer is
 acknowledged as a duplicate). A stream that fails for good aborts the session's other streams and cancels the
 transfer on every receiver, so no staging is left behind; the caller retries with a new transfer id.
@@ -41,6 +42,7 @@ from k3serve.transfer.staging import INSTALLED, VERIFIED
 from k3serve.transfer.wire import STATE_NAMES, byte_view, chunk_header, crc32c, digest_crcs, encode, encode_chunk, \
     spec_to_pb
 
+CRC_LOOKAHEAD = 2  # chunks whose CRC32C a stream's worker computes ahead of the one it frames (crc_ahead)
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS,
                        grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
 
@@ -169,6 +171,9 @@ class SendSession:
         # (kind, src_byte, length) -> the chunk's CRC32C job, shared by streams (MLA rows go to every decode rank)
         self._crcs: dict[tuple[str, int, int], Future] = {}
         self._crc_lock = threading.Lock()
+        # chunks CRC'd ahead of the one being framed: a few, so a chunk's bytes are still in the last-level cache
+        # when the frame copies them (a CRC pass over the whole state first would read it from memory twice)
+        self._lookahead = CRC_LOOKAHEAD if sender.config.crc_ahead else 0
         self._calls: dict[int, grpc.Future] = {}
         self._stats = {d: [0.0, 0.0, 0] for d in self._plans}  # crc_s, encode_s, bytes (per stream thread)
         self._results: dict[int, StreamResult] = {}
@@ -334,10 +339,12 @@ class SendSession:
             if ready is None:
                 return
             batch, last = ready
-            ahead = self.sender.config.crc_ahead  # the CRC workers run ahead of this thread; else CRC, frame, ...
-            jobs = [self._crc_job(c, dst) if ahead else None for c in batch]
-            for c, job in zip(batch, jobs):
-                crc = (job or self._crc_job(c, dst)).result()
+            jobs: dict[int, Future] = {}
+            for j, c in enumerate(batch):
+                for k in range(j, min(j + 1 + self._lookahead, len(batch))):
+                    if k not in jobs:
+                        jobs[k] = self._crc_job(batch[k], dst)
+                crc = jobs.pop(j).result()
                 t0 = time.thread_time()
                 data = encode_chunk(chunk_header(spec, c, crc), self._views[c.kind][c.src_byte: c.src_byte + c.length])
                 stats[1] += time.thread_time() - t0
