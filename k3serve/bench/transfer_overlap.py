@@ -3,10 +3,10 @@
 ```
  per (P, D), one run, the three paths interleaved (their order rotates every repetition):
    overlap: senders CRC ahead on CRC workers (SenderConfig.crc_ahead), receivers copy + CRC on placement
-            workers (ReceiverConfig.place_depth 2)                         -> D receiver processes "on"
-   inline:  the same code with both off: CRC, frame, send in the stream thread; copy + CRC in the handler
-                                                                           -> D receiver processes "off"
-   bare:    bare gRPC-Python on the same bytes (transfer_baselines.py), into the "on" receivers' sink
+            workers (ReceiverConfig.place_depth 2)                         -> D receiver processes "overlap"
+   inline:  both off (the defaults): CRC, frame, send in the stream thread; copy + CRC in the handler
+                                                                           -> D receiver processes "inline"
+   bare:    bare gRPC-Python on the same bytes (transfer_baselines.py), into the "overlap" receivers' sink
 ```
 Both of our variants keep every check (CRC32C over source and landed bytes, manifest, verify); each
 repetition's staged state is compared with reshard_kda of the same state. Reported per pair: medians of the
@@ -103,8 +103,8 @@ def run_overlap_bench(cfg: OverlapBenchConfig = OverlapBenchConfig()) -> dict:
     for p, d in cfg.pairs:  # configuration errors before any process starts
         TransferSpec("check", "check", g, p, d, cfg.page_tokens, cfg.chunk_bytes)
     auth = AuthConfig(secrets.token_hex(16), peer="bench")
-    on = SenderConfig(auth, stream_timeout_s=600.0)
-    scfg = {"overlap": on, "inline": dataclasses.replace(on, crc_ahead=False)}
+    inline = SenderConfig(auth, stream_timeout_s=600.0, crc_ahead=False)
+    scfg = {"overlap": dataclasses.replace(inline, crc_ahead=True), "inline": inline}
     limits = StagingLimits(max_chunk_bytes=max(4 << 20, 2 * cfg.chunk_bytes),
                            max_staging_bytes=4 * g.rank_bytes(1) + (1 << 30), ttl_s=600.0)
     load0 = os.getloadavg()[0]
@@ -113,9 +113,8 @@ def run_overlap_bench(cfg: OverlapBenchConfig = OverlapBenchConfig()) -> dict:
     try:
         for d in sorted({d for _, d in cfg.pairs}):
             base = ReceiverConfig(auth, host=cfg.host, limits=limits)
-            rx = {"overlap": [ReceiverProc(base.for_rank(r, d)) for r in range(d)],
-                  "inline": [ReceiverProc(dataclasses.replace(base, place_depth=0).for_rank(r, d))
-                             for r in range(d)]}
+            rx = {name: [ReceiverProc(dataclasses.replace(base, place_depth=depth).for_rank(r, d)) for r in range(d)]
+                  for name, depth in (("overlap", 2), ("inline", 0))}
             try:
                 runs += [_pair(p, d, senders, rx, g, cfg, scfg) for p, dd in cfg.pairs if dd == d]
             finally:

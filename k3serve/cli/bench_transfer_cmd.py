@@ -100,7 +100,7 @@ def transfer_overlap(pairs: str = typer.Option("1x1,2x2,4x2", "--pairs", help="p
                      reps: int = typer.Option(8, "--reps", help="repetitions of each path (medians reported)"),
                      host: str = typer.Option("127.0.0.1", "--host", help="interface the receivers bind"),
                      as_json: bool = typer.Option(False, "--json")) -> None:
-    """Our gRPC path with CRC and placement overlapped (the default), inline, and bare gRPC-Python, interleaved
+    """Our gRPC path with CRC and placement overlapped, inline (the default), and bare gRPC-Python, interleaved
     in one run (k3serve.bench.transfer_overlap): paired ratios and CPU seconds per GB."""
     from k3serve.bench.transfer_overlap import OverlapBenchConfig, run_overlap_bench
     from k3serve.transfer.plan import PlanError

@@ -46,7 +46,9 @@ class ReceiverConfig:
     tp: int = 1  # decode TP degree
     limits: StagingLimits = StagingLimits()
     max_workers: int = 16  # concurrent streams served
-    place_depth: int = 2  # a stream's chunks copied + CRC'd beside its handler thread at once (placer.py; 0: inline)
+    # a stream's chunks copied + CRC'd on placement workers beside its handler thread at once (placer.py); 0:
+    # inline in the handler thread (measured side by side on 2 shared cores, 2 was no gain: docs/transfer.md)
+    place_depth: int = 0
     gc_interval_s: float = 1.0  # how often idle transfers are expired
 
     def for_rank(self, rank: int, tp: int) -> "ReceiverConfig":

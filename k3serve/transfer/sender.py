@@ -8,9 +8,9 @@
    result = session.finish()                manifests sent, acks in; TransferFailed on a clean failure
 ```
 Payloads are memoryview slices of the state tensors (``chunks.py`` gives the byte offsets), joined once into
-the gRPC message. Their CRC32Cs are computed ahead on the sender's CRC workers (google_crc32c releases the GIL),
-so a stream thread frames chunk i while grpcio sends chunk i-1 and a worker CRCs chunks i+1, i+2
-(``CRC_LOOKAHEAD``): on a CPU-bound host with an idle core the CRC leaves the stream's critical path.
+the gRPC message. With ``SenderConfig.crc_ahead`` their CRC32Cs are computed ahead on the sender's CRC workers
+(google_crc32c releases the GIL), so a stream thread frames chunk i while grpcio sends chunk i-1 and a worker
+CRCs chunks i+1, i+2 (``CRC_LOOKAHEAD``); off (the default) the stream thread CRCs each chunk, then frames it.
 Each stream attempt has a deadline; a failed attempt with a retryable code is replayed from
 its first chunk after an exponential backoff (the receiver rewrites identical bytes; a verified transfer is
 acknowledged as a duplicate). A stream that fails for good aborts the session's other streams and cancels the
@@ -55,7 +55,9 @@ class SenderConfig:
     backoff_max_s: float = 1.0
     stream_timeout_s: float = 60.0  # deadline of one Push attempt (from its open to its ack)
     rpc_timeout_s: float = 5.0  # deadline of Cancel / Status
-    crc_ahead: bool = True  # CRC32C of the source on the sender's CRC workers, ahead of the streams (False: inline)
+    # CRC32C of the source on the sender's CRC workers, ahead of the streams; off: inline in the stream thread
+    # (measured side by side on 2 shared cores it was no gain: docs/transfer.md "Fourth pass")
+    crc_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.stream_timeout_s <= 0 or self.rpc_timeout_s <= 0 or self.backoff_s < 0:
