@@ -6,7 +6,7 @@
    for each ready batch of chunks (~batch_bytes):
        engine write  src = send_region + chunk.src_byte  ──▶  dst = kda_addr|mla_addr + chunk.dst_byte
        CRC32C of the source bytes (while the write is in flight)
-       the next batch's engine write starts (one in flight while this batch's headers go out)
+       (the next batch's engine write was started before this one is waited for: two in flight)
        Push stream ◀── the batch's chunk headers in one message (no payload): the receiver CRCs what landed
    Push: manifest  ──▶  verified when every prefill rank's manifest matched (as on the gRPC plane)
 ```
@@ -191,10 +191,10 @@ class LandingSession(SendSession):
                 for k, group in enumerate(groups):
                     try:
                         job, nxt = nxt or plane.submit(reply.segment, ops(group)), None
+                        if not faulty and k + 1 < len(groups):  # two writes in flight (faults: one at a time)
+                            nxt = plane.submit(reply.segment, ops(groups[k + 1]))
                         crcs = [j.result() for j in [self._crc_job(c, dst) for c in group]]  # while the write flies
                         plane.wait(job)
-                        if not faulty and k + 1 < len(groups):  # faults: one batch at a time, as injected
-                            nxt = plane.submit(reply.segment, ops(groups[k + 1]))
                     except DataPlaneError as e:
                         holder["error"] = e
                         cancel()
