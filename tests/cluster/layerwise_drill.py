@@ -18,7 +18,8 @@ from live_clients import two_cluster_kill_drill  # run as a script: its folder, 
 
 
 def main() -> int:
-    out = two_cluster_kill_drill(load_deploy("configs/local.yaml"), transfer="grpc", layerwise_export=True)
+    transfer = sys.argv[1] if len(sys.argv) > 1 else "grpc"  # or "mooncake" (needs the Mooncake wheel)
+    out = two_cluster_kill_drill(load_deploy("configs/local.yaml"), transfer=transfer, layerwise_export=True)
     keys = ("failed", "mismatches", "completed_before_fault_by_cluster", "failed_cluster_sessions",
             "survivor_sessions")
     print(json.dumps({k: out.get(k) for k in keys}))
