@@ -3,8 +3,8 @@
     .venv/bin/python tests/cluster/layerwise_drill.py [grpc | mooncake]
 
 configs/local.yaml (tiny-trained, prefill TP 2 -> decode TP 1, the plane given, gRPC by default) with 2
-clusters and layer-wise export on: every prompt's last chunk runs as PrefillStreamed in the Ray rank actors; a cluster-kill drill then
-fails c0's sessions over. Exits non-zero unless 0 failed and 0 mismatches (every token equal to the reference).
+clusters and layer-wise export on: every prompt's last chunk runs as PrefillStreamed in the Ray rank actors;
+a cluster-kill drill then fails c0's sessions over. Exits non-zero unless 0 failed and 0 mismatches (every token equal to the reference).
 The same path is checked in the suite below the service (tests/transfer/test_layerwise_prefill.py).
 """
 
