@@ -156,8 +156,10 @@ class DeterministicOps(DefaultOps):
         tile = self._one_tile(flat) if n >= BMM_MIN_OUT else None
         if tile is not None:
             # one tile: the units' partial GEMMs [R, K/U] x [K/U, n] as one bmm over contiguous unit slices
-            xs = tile.view(tile.shape[0], ul, width).transpose(0, 1).contiguous()  # [U_local, R, K/U]
-            ws = w.view(n, ul, width).transpose(0, 1).contiguous()  # [U_local, n, K/U]
+            # (strided views, no copies: a GEMM's bits do not depend on its operands' leading dimensions,
+            # tests/model/test_numerics_invariants.py)
+            xs = tile.view(tile.shape[0], ul, width).transpose(0, 1)  # [U_local, R, K/U]
+            ws = w.view(n, ul, width).transpose(0, 1)  # [U_local, n, K/U]
             parts = torch.bmm(xs, ws.transpose(1, 2))[:, : flat.shape[0]]  # [U_local, N, n]
         else:
             parts = torch.stack([self._tiled(flat[:, u * width: (u + 1) * width].contiguous(),

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import BMM_MIN_OUT, ELEMENTWISE_VEC, MIN_TILE, DefaultOps, tile_rows
 from k3serve.model.layers.expert_weights import expert_linear
-from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, grouped_experts,
+from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, StackedExperts, grouped_experts,
                                                padded_experts, stack_dense_experts)
 from k3serve.model.layers.moe_mxfp4 import fuse_mxfp4_experts
 from k3serve.model.layers.norm import glu, rms_norm
@@ -307,17 +307,25 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
         lo = sum(counts[:e0])
         mine = order[lo: lo + sum(local)]
         rows, slot = mine // k, mine % k
-        # run i of the padded buffer: its n_i rows, then zero rows up to MIN_TILE (idle experts: empty runs)
-        padded = [max(n, MIN_TILE) if n else 0 for n in local]
+        # only the active experts (the CPU grouped GEMM issues one mm per group, empty ones included): their
+        # weights gathered (an exact copy) unless all are active; run i of the padded buffer holds active expert
+        # i's n_i rows, then zero rows up to MIN_TILE
         dev = z.device
-        run = counts_t[e0:e1]
-        expert = ids.reshape(-1)[mine] - e0
-        pos = torch.arange(mine.shape[0], device=dev) - (run.cumsum(0) - run)[expert]
-        ends = torch.tensor(padded, device=dev).cumsum(0)
-        dest = (ends - torch.tensor(padded, device=dev))[expert] + pos
-        buf = z.new_zeros(sum(padded), z.shape[1])
+        stacked = moe.stacked
+        if len(active) < len(local):
+            at = torch.tensor(active, device=dev)
+            stacked = StackedExperts(*(t.index_select(0, at) for t in (stacked.w1, stacked.w3, stacked.w2)))
+        n_act = torch.tensor([local[i] for i in active], device=dev)
+        slot_of = torch.zeros(len(local), dtype=torch.long, device=dev)
+        slot_of[torch.tensor(active, device=dev)] = torch.arange(len(active), device=dev)
+        padded = n_act.clamp(min=MIN_TILE)
+        ends = padded.cumsum(0)
+        expert = slot_of[ids.reshape(-1)[mine] - e0]  # active index of each assignment
+        pos = torch.arange(mine.shape[0], device=dev) - (n_act.cumsum(0) - n_act)[expert]
+        dest = (ends - padded)[expert] + pos
+        buf = z.new_zeros(int(ends[-1]), z.shape[1])
         buf[dest] = z[rows]
-        out = grouped_experts(buf, ends.to(torch.int32), moe.stacked, *act)[dest]
+        out = grouped_experts(buf, ends.to(torch.int32), stacked, *act)[dest]
     y[rows, slot] = out.float() * w[rows, slot].unsqueeze(-1)
     return True
 
