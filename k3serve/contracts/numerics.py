@@ -8,11 +8,12 @@ are equal except at near-ties (tests/exactness.py states the rule).
 divisible (prefill TP, decode TP), because every operation is computed in shapes and orders that do not depend
 on batching, chunking, cache hits or TP (docs/numerics.md):
 
-* linear layers and expert matmuls in row tiles of 4, 8 .. ``row_tile`` rows (the last padded), split into the
-  ``shard_units`` column / reduction units of the largest supported TP; partial sums of row-parallel layers are
-  gathered and added in unit order on every TP (including 1);
-* MLA attention over fixed ``key_block``-key blocks at absolute positions, one online-softmax order for prefill
-  and decode (the decompressed form on both);
+* linear layers and expert matmuls with each row's bits those of a fixed row tile (one GEMM of at least 4 rows,
+  measured to give a row the bits of its 4 .. ``row_tile``-row tile), split into the ``shard_units`` column /
+  reduction units of the largest supported TP; partial sums of row-parallel layers are gathered and added in
+  unit order on every TP (including 1);
+* MLA attention over fixed ``key_block``-key blocks at absolute positions, one softmax order for prefill and
+  decode (the absorbed form on both: scores against the cached latent rows);
 * prefill chunk ends (budgets, cache checkpoints) on the ``grid`` of absolute positions, a multiple of the KDA
   chunk size, so the chunked KDA kernel sees the same chunks as one-shot prefill;
 * ``threads`` intra-op threads during every forward (a GEMM of a fixed shape still rounds by thread count);

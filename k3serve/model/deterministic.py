@@ -6,18 +6,20 @@ former code (``F.linear`` and one all-reduce), :class:`DeterministicOps` compute
 and orders that do not depend on how many rows share the call or on the TP degree:
 
 ```
- rows     x [N, K] ──pad to a multiple of R──▶ [N/R, R, K] ──bmm with W^T──▶ one [R, K] x [K, n] GEMM per tile
-          (R = 4, 8 or 16 = numerics.row_tile: the smallest that holds N; a row's bits are the same for all three)
+ rows     x [N, K] ──pad to >= 4 rows──▶ one [N, K] x [K, n] GEMM: each row has the bits of its [R, K] x [K, n]
+          tile GEMM (R = 4, 8 or 16 = numerics.row_tile; measured: from 4 rows on a row's bits do not depend on
+          the row count); weights narrower than BMM_MIN_OUT (n = 1 does depend on it) run one mm per R-row tile
  columns  W [n_local, K] = units_local x [n/U, K]: one GEMM per unit (U = shard units: the largest TP)
  reduce   row-parallel W [N, K_local], K_local = units_local x K/U:
           partial_u = x[:, K_u] W[:, K_u]^T     (u = this rank's units)
           all-gather the partials of all U units (in rank order = unit order), then
           out = ((p_0 + p_1) + p_2) + ... + p_{U-1}     on every TP, including 1
 ```
-Measured on this CPU (tests/model/test_numerics_invariants.py): a row of a fixed-shape GEMM does not depend on
-the other rows of its tile nor on its place in it, and a batch of tiles equals separate calls; a GEMM with
-fewer than 4 rows takes another kernel (a ~1e-5 different result), and 1 vs 2 threads differ; that is why the
-tiles are fixed and the thread count is fixed during a forward.
+Measured on this CPU at one thread (tests/model/test_numerics_invariants.py): a row of a GEMM does not depend on
+the other rows nor on its place, and from 4 rows on not on the row count either (up to 4096 rows for the model's
+shapes; 1-column weights excepted), and a batch of tiles equals separate calls; a GEMM with fewer than 4 rows
+takes another kernel (a ~1e-5 different result), and 1 vs 2 threads differ (with 2 threads the row count does
+change a row's bits); that is why calls are padded to 4 rows and the thread count is fixed during a forward.
 """
 
 from __future__ import annotations
@@ -104,22 +106,24 @@ class DeterministicOps(DefaultOps):
 
     # ------------------------------------------------------------------------------------------- tiles
     def _tiled(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x `[N, K]` (any N), w `[n, K]` -> `[N, n]`: one [R, K] x [K, n] GEMM per row tile.
+        """x `[N, K]` (any N), w `[n, K]` -> `[N, n]` with each row's bits those of a [R, K] x [K, n] tile GEMM.
 
-        Weights with at least BMM_MIN_OUT rows run all tiles in one bmm (measured equal, bit for bit, to
-        separate calls whatever the tile count); narrower ones (a 1-head unit of b_proj) call mm per tile,
-        because a bmm with n = 1 takes another kernel when it has more than one tile."""
+        Weights with at least BMM_MIN_OUT rows run as one GEMM over all N rows (zero-padded to MIN_TILE when
+        fewer): from MIN_TILE rows on a row's bits do not depend on the GEMM's row count (measured up to 4096
+        rows for the model's shapes, and equal to a bmm over tiles: tests/model/test_numerics_invariants.py),
+        so this is the tile loop's result without the tiles. Narrower ones (a 1-head unit of b_proj) call mm
+        per tile, because there the row count does change the bits (n = 1 at 5, 6, 7 .. rows)."""
         rows, k = x.shape
+        if w.shape[0] >= BMM_MIN_OUT:
+            if rows < MIN_TILE:
+                x = torch.cat([x, x.new_zeros(MIN_TILE - rows, k)])
+            return torch.mm(x, w.t())[:rows]
         size = tile_rows(rows, self.tile)
         tiles = -(-rows // size)
         if tiles * size != rows:
             x = torch.cat([x, x.new_zeros(tiles * size - rows, k)])
-        if w.shape[0] < BMM_MIN_OUT:
-            wt = w.t()
-            out = torch.cat([torch.mm(x[i * size: (i + 1) * size], wt) for i in range(tiles)])
-            return out[:rows]
-        out = torch.bmm(x.view(tiles, size, k), w.t().unsqueeze(0).expand(tiles, k, w.shape[0]))
-        return out.view(tiles * size, -1)[:rows]
+        wt = w.t()
+        return torch.cat([torch.mm(x[i * size: (i + 1) * size], wt) for i in range(tiles)])[:rows]
 
     def _one_tile(self, x: torch.Tensor) -> torch.Tensor | None:
         """x `[N, K]` padded to its single tile `[R, K]`, or None when N needs more than one tile."""
@@ -152,8 +156,10 @@ class DeterministicOps(DefaultOps):
         tile = self._one_tile(flat) if n >= BMM_MIN_OUT else None
         if tile is not None:
             # one tile: the units' partial GEMMs [R, K/U] x [K/U, n] as one bmm over contiguous unit slices
-            xs = tile.view(tile.shape[0], ul, width).transpose(0, 1).contiguous()  # [U_local, R, K/U]
-            ws = w.view(n, ul, width).transpose(0, 1).contiguous()  # [U_local, n, K/U]
+            # (strided views, no copies: a GEMM's bits do not depend on its operands' leading dimensions,
+            # tests/model/test_numerics_invariants.py)
+            xs = tile.view(tile.shape[0], ul, width).transpose(0, 1)  # [U_local, R, K/U]
+            ws = w.view(n, ul, width).transpose(0, 1)  # [U_local, n, K/U]
             parts = torch.bmm(xs, ws.transpose(1, 2))[:, : flat.shape[0]]  # [U_local, N, n]
         else:
             parts = torch.stack([self._tiled(flat[:, u * width: (u + 1) * width].contiguous(),

@@ -1,7 +1,8 @@
 """The single-process reference generator: the oracle every serving path is tested against.
 
 No prefix cache, no pages, no TP, no transfer: the whole prompt is prefilled at once from a zero state into a
-dense latent cache, then one token at a time is decoded with MLA attention in the decompressed form.
+dense latent cache, then one token at a time is decoded with MLA attention in the decompressed form (numerics
+mode deterministic: the absorbed form over fixed key blocks, layers/mla_blocked.py, as every other path).
 """
 
 from __future__ import annotations

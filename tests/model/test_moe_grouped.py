@@ -69,10 +69,12 @@ def test_weights_held_once_and_training_keeps_the_loop() -> None:
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-linear"])
-@pytest.mark.parametrize("rows", [1, 8, 32])
+@pytest.mark.parametrize("rows", [1, 8, 32, 100])
 def test_deterministic_padded_tiles_equal_the_deterministic_loop_bitwise(name: str, rows: int) -> None:
-    """Numerics mode deterministic: the experts as three bmm over runs padded to one row tile (and the
-    stacked input projections) give the bits of the per-expert tiled loop over the separate weights."""
+    """Numerics mode deterministic: the experts as three bmm over runs padded to one row tile (many active
+    experts, decode-sized runs) or as the grouped GEMMs over runs padded to MIN_TILE rows (few experts: 1 row;
+    prefill runs: 100 rows), and the stacked input projections, give the bits of the per-expert tiled loop over
+    the separate weights."""
     from k3serve.contracts.numerics import DETERMINISTIC
     from k3serve.model.deterministic import make_ops
 
@@ -84,5 +86,5 @@ def test_deterministic_padded_tiles_equal_the_deterministic_loop_bitwise(name: s
     assert fast.w_in is not None and fast.stacked is not None
     plain.w_in, plain.stacked = None, None  # separate projections, per-expert loop
     x = torch.randn(rows, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(rows))
-    with torch.inference_mode():
+    with torch.inference_mode(), fast.ops.threads():  # the mode's thread count, as every model forward runs it
         assert torch.equal(fast.forward(x), plain.forward(x))

@@ -93,23 +93,55 @@ def test_unit_split_linears_are_independent_of_the_row_count(one_thread, out):
         assert torch.equal(ops.row_linear(x[-rows:], w), row[-rows:]), rows
 
 
-# (rank, out) of the MLA decompression GEMMs (kv_b_proj's key and value halves): tiny and bench presets, K3
-DECOMPRESS_SHAPES = [(64, 32), (64, 48), (512, 128)]
+# (K, n) of the absorbed MLA GEMMs (q_nope W_UK, the score against [c | k_pe] rows, the context p c and
+# ctx W_UV^T): tiny and bench presets, K3
+ABSORBED_SHAPES = [(32, 64), (80, 64), (64, 64), (64, 32), (48, 512), (576, 64), (512, 128), (128, 512)]
 
 
-@pytest.mark.parametrize("rank,out", DECOMPRESS_SHAPES)
-def test_a_decompressed_row_has_the_same_bits_in_any_gemm_from_min_tile_rows(one_thread, rank, out):
-    """Why the key-block pool may decompress a growing block's new rows in 4-row tiles and all blocks of a
-    call in one GEMM per head (layers/mla_key_pool.py): a row of c W^T has the bits of the per-block
-    [KB, rank] GEMM in a GEMM of any row count from MIN_TILE on, alone or in a bmm over heads."""
-    from k3serve.model.layers.mla_key_pool import _decompress
+@pytest.mark.parametrize("k,n", ABSORBED_SHAPES)
+def test_an_absorbed_mla_row_has_the_same_bits_in_any_gemm_from_min_tile_rows(one_thread, k, n):
+    """Why the absorbed blocked attention may batch any rows (layers/mla_blocked.py): a row of [M, K] x [K, n]
+    has the bits of a 16-row tile for every M >= MIN_TILE, whether the call is an mm, a bmm over heads or
+    groups (any batch count), or takes A or B as a strided view (the score columns of one key block, the
+    latent part of a [c | k_pe] row)."""
+    from k3serve.model.deterministic import MIN_TILE
+    from k3serve.model.layers.mla_blocked import per_head_gemm
 
-    g = torch.Generator().manual_seed(rank + out)
-    c, w = torch.randn(40 * 64, rank, generator=g), torch.randn(4, out, rank, generator=g)
-    per_block = torch.stack([torch.bmm(c[b * 64: (b + 1) * 64].unsqueeze(0).expand(4, 64, rank), w.transpose(1, 2))
-                             for b in range(40)], 1).flatten(1, 2)  # [H, 40 * 64, out]
-    for rows, at in ((4, 0), (4, 61), (8, 100), (12, 7), (128, 64), (2560, 0)):
-        assert torch.equal(_decompress(c[at: at + rows], w), per_block[:, at: at + rows]), (rows, at)
+    g = torch.Generator().manual_seed(k + n)
+    x, w = torch.randn(3, 1024, k, generator=g), torch.randn(3, n, k, generator=g)
+    tiles = torch.stack([torch.cat([torch.mm(x[h, i: i + 16], w[h].t()) for i in range(0, 1024, 16)])
+                         for h in range(3)])  # [3, 1024, n]
+    for rows, at in ((MIN_TILE, 0), (5, 61), (12, 7), (100, 64), (1024, 0)):
+        assert torch.equal(per_head_gemm(x[:, at: at + rows], w), tiles[:, at: at + rows]), (rows, at)
+        got = torch.bmm(x[:1, at: at + rows], w[:1].transpose(1, 2))
+        assert torch.equal(got[0], tiles[0, at: at + rows]), (rows, at)
+    wide = torch.randn(3, 1024, k + 16, generator=g)
+    wide[..., :k] = x
+    assert torch.equal(torch.bmm(wide[..., :k], w.transpose(1, 2)), tiles)  # A a strided view (row stride K + 16)
+    b_wide = torch.randn(3, k, n + 48, generator=g)
+    b_wide[..., :n] = w.transpose(1, 2)
+    assert torch.equal(torch.bmm(x, b_wide[..., :n]), tiles)  # B a strided view
+
+
+@pytest.mark.parametrize("k,n", GEMM_SHAPES[:-1] + [(128, 64), (64, 128)])
+def test_a_wide_linear_row_has_the_same_bits_in_one_gemm_of_any_row_count(one_thread, k, n):
+    """Why DeterministicOps._tiled may run all rows of a linear as one GEMM (and the MoE's grouped GEMMs one mm
+    per expert run): from MIN_TILE rows on, a row of one [M, K] x [K, n] GEMM has the bits of its 16-row tile
+    for M up to 4096 (mm, and the grouped GEMM's per-run mm). Not so for n = 1 (b_proj's unit), which keeps
+    the tiles."""
+    g = torch.Generator().manual_seed(k * n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(4096, k, generator=g)
+    want = torch.cat([torch.mm(x[i: i + 16], w.t()) for i in range(0, 4096, 16)])
+    for m in (4, 5, 7, 13, 63, 100, 257, 1000, 4096):
+        assert torch.equal(torch.mm(x[:m], w.t()), want[:m]), m
+    runs = torch.tensor([4, 4, 0, 100, 7, 300], dtype=torch.int32)
+    grouped = F.grouped_mm(x[: int(runs.sum())], w.t().unsqueeze(0).expand(6, k, n).contiguous(),
+                           offs=runs.cumsum(0).to(torch.int32))
+    assert torch.equal(grouped, want[: int(runs.sum())])
+    narrow = torch.randn(1, k, generator=g)
+    assert not all(torch.equal(torch.mm(x[:m], narrow.t()), torch.cat([torch.mm(x[i: i + 16], narrow.t())
+                                                                      for i in range(0, m, 16)])[:m])
+                   for m in (5, 6, 7, 9, 10, 11))
 
 
 @pytest.mark.parametrize("k", [64, 96, 128, 256, 512])

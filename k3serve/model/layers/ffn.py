@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.model.config import ModelConfig
-from k3serve.model.deterministic import BMM_MIN_OUT, ELEMENTWISE_VEC, DefaultOps, tile_rows
+from k3serve.model.deterministic import BMM_MIN_OUT, ELEMENTWISE_VEC, MIN_TILE, DefaultOps, tile_rows
 from k3serve.model.layers.expert_weights import expert_linear
-from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, grouped_experts,
+from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, StackedExperts, grouped_experts,
                                                padded_experts, stack_dense_experts)
 from k3serve.model.layers.moe_mxfp4 import fuse_mxfp4_experts
 from k3serve.model.layers.norm import glu, rms_norm
@@ -269,14 +269,19 @@ def moe_deterministic(moe: MoE, flat: torch.Tensor) -> torch.Tensor:
 
 def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
                    order: torch.Tensor, counts_t: torch.Tensor, counts: list[int]) -> bool:
-    """The expert products of :func:`moe_deterministic` as three ``bmm`` over the span of this rank's active
-    (stacked, full-precision) experts, every run zero-padded to one row tile R (``tile_rows`` of the longest
-    run): each batch entry is the `[R, e_in] x [e_in, I]` GEMM that expert's ``ops.linear`` runs for a run of
-    up to R rows, and from MIN_TILE rows on a row's bits do not depend on R (tests/model/test_numerics_
-    invariants.py), so y is bit-identical to the per-expert loop. Fills y `[N, k, e_in]`; False (nothing done)
-    where it does not apply: MXFP4 or trained experts, fewer than PADDED_MIN_ACTIVE active experts (as in the
-    default mode), a run longer than the largest tile (prefill), weights narrower than the bmm floor, or an
-    intermediate width off the elementwise vector grid."""
+    """The expert products of :func:`moe_deterministic` without the per-expert loop, for this rank's stacked
+    (full-precision, not trained) experts. Fills y `[N, k, e_in]` and returns True, or False (nothing done)
+    where it does not apply: MXFP4 or trained experts, weights narrower than the bmm floor, or an intermediate
+    width off the elementwise vector grid (the activation's bits would then depend on the row count).
+
+    Each expert's run has the bits of that expert's ``ops.linear`` (the loop's GEMMs): from MIN_TILE rows on a
+    GEMM row does not depend on the GEMM's row count (tests/model/test_numerics_invariants.py), so
+
+    * many active experts (``PADDED_MIN_ACTIVE``, decode-sized runs): every run zero-padded to one row tile R
+      (``tile_rows`` of the longest run) and the span of active experts as three ``bmm``
+      (`[R, e_in] x [e_in, I]` per entry);
+    * otherwise (few experts, prefill runs): every run padded to at least MIN_TILE rows and the three grouped
+      GEMMs (``grouped_experts``: one mm per run on the CPU, in C++, not a Python loop of tiles)."""
     c, ops = moe.cfg, moe.ops
     e0, e1 = moe.expert_ids.start, moe.expert_ids.stop
     local = counts[e0:e1]
@@ -285,19 +290,42 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
         return moe.stacked is not None  # no local assignment: y stays zero
     longest = max(local)
     inter, e_in = moe.stacked.w1.shape[1], moe.stacked.w1.shape[2]
-    if longest > ops.tile or min(inter, e_in) < BMM_MIN_OUT or inter % ELEMENTWISE_VEC or \
-            len(active) < PADDED_MIN_ACTIVE:  # few experts: the loop multiplies no idle expert of the span
+    if min(inter, e_in) < BMM_MIN_OUT or inter % ELEMENTWISE_VEC:
         return False
-    first, last = active[0], active[-1] + 1
-    lo, hi = sum(counts[:e0 + first]), sum(counts[:e0 + last])
-    mine = order[lo:hi]
+    act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
     k = ids.shape[1]
-    rows, slot = mine // k, mine % k
-    run = counts_t[e0 + first: e0 + last]
-    expert = ids.reshape(-1)[mine] - (e0 + first)
-    pos = torch.arange(hi - lo, device=z.device) - (run.cumsum(0) - run)[expert]
-    out = padded_experts(z[rows], expert, pos, tile_rows(longest, ops.tile), moe.stacked.span(first, last),
-                         c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
+    if longest <= ops.tile and len(active) >= PADDED_MIN_ACTIVE:
+        first, last = active[0], active[-1] + 1
+        lo, hi = sum(counts[:e0 + first]), sum(counts[:e0 + last])
+        mine = order[lo:hi]
+        rows, slot = mine // k, mine % k
+        run = counts_t[e0 + first: e0 + last]
+        expert = ids.reshape(-1)[mine] - (e0 + first)
+        pos = torch.arange(hi - lo, device=z.device) - (run.cumsum(0) - run)[expert]
+        out = padded_experts(z[rows], expert, pos, tile_rows(longest, ops.tile), moe.stacked.span(first, last), *act)
+    else:
+        lo = sum(counts[:e0])
+        mine = order[lo: lo + sum(local)]
+        rows, slot = mine // k, mine % k
+        # only the active experts (the CPU grouped GEMM issues one mm per group, empty ones included): their
+        # weights gathered (an exact copy) unless all are active; run i of the padded buffer holds active expert
+        # i's n_i rows, then zero rows up to MIN_TILE
+        dev = z.device
+        stacked = moe.stacked
+        if len(active) < len(local):
+            at = torch.tensor(active, device=dev)
+            stacked = StackedExperts(*(t.index_select(0, at) for t in (stacked.w1, stacked.w3, stacked.w2)))
+        n_act = torch.tensor([local[i] for i in active], device=dev)
+        slot_of = torch.zeros(len(local), dtype=torch.long, device=dev)
+        slot_of[torch.tensor(active, device=dev)] = torch.arange(len(active), device=dev)
+        padded = n_act.clamp(min=MIN_TILE)
+        ends = padded.cumsum(0)
+        expert = slot_of[ids.reshape(-1)[mine] - e0]  # active index of each assignment
+        pos = torch.arange(mine.shape[0], device=dev) - (n_act.cumsum(0) - n_act)[expert]
+        dest = (ends - padded)[expert] + pos
+        buf = z.new_zeros(int(ends[-1]), z.shape[1])
+        buf[dest] = z[rows]
+        out = grouped_experts(buf, ends.to(torch.int32), stacked, *act)[dest]
     y[rows, slot] = out.float() * w[rows, slot].unsqueeze(-1)
     return True
 

@@ -17,7 +17,6 @@ from k3serve.kernels.mla_decode import mla_decode
 from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import DefaultOps
 from k3serve.model.layers.mla_blocked import attend_blocks
-from k3serve.model.layers.mla_key_pool import KeyBlockPool
 from k3serve.model.layers.norm import rms_norm
 from k3serve.model.layers.stacked import stack_rows
 from k3serve.model.state import ForwardBatch
@@ -47,8 +46,6 @@ class MLAAttention:
         self.w_gate = w("g_proj.weight") if cfg.mla_use_output_gate else None
         self.w_o = w("o_proj.weight")
         self.scale = 1.0 / math.sqrt(cfg.qk_head_dim)
-        # deterministic mode: decompressed full key blocks, reused across decode steps (mla_key_pool.py)
-        self.key_pool = KeyBlockPool() if self.ops.deterministic else None
         self._stack_input_projections()
 
     def _stack_input_projections(self) -> None:
@@ -120,9 +117,7 @@ class MLAAttention:
         starts, kb = list(batch.start_positions), ops.numerics.key_block
         lengths = [s + t for s in starts]
         blocks = batch.latent.read_blocks(self.mla_idx, lengths, kb).float()  # [sum nb, KB, rank + rope]
-        pool = self.key_pool if torch.is_inference_mode_enabled() else None  # training: no cached tensors
-        outs = attend_blocks(list(q.unbind(0)), blocks, lengths, starts, self.w_uk.float(), self.w_uv.float(), kb,
-                             ops.numerics.row_tile, pool)
+        outs = attend_blocks(list(q.unbind(0)), blocks, lengths, starts, self.w_uk.float(), self.w_uv.float(), kb)
         attn = torch.stack(outs).flatten(2)  # [B, T, H_local * v]
         if self.w_gate is not None:
             gate = ops.linear(x, self.w_gate, ops.col_units) if gate is None else gate

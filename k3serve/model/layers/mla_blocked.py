@@ -1,157 +1,179 @@
-"""MLA attention in numerics mode ``deterministic``: fixed key blocks at absolute positions, one order for all.
+"""MLA attention in numerics mode ``deterministic``: the absorbed form over fixed key blocks, one order for all.
 
-Prefill chunks, one-shot prefill, the reference's decode and batched engine decode all call
-:func:`blocked_attention`, so a query at position i gets the same bits whichever call it is in::
+Prefill chunks, one-shot prefill, the reference's decode, batched engine decode and speculative verify all call
+:func:`attend_blocks`, so a query at position i gets the same bits whichever call it is in. The keys are the
+cached latent rows themselves (``[c | k_pe]``, one row per position shared by all heads): nothing is
+decompressed, kept or compared::
 
-    keys (absolute)   [0, KB) [KB, 2KB) ... [j KB, (j+1) KB) ...      KB = numerics.key_block, last block zero-padded
-    per key block j   k_j, v_j = decompress(c[j KB : (j+1) KB])       one [KB, rank] x [rank, n] GEMM per head
-    queries           tiles of R rows (R = 4, 8 or 16 = numerics.row_tile, the smallest that holds the longest
-                      request: the same row bits; padding rows repeat the last query's position)
-    per block j       s = q_tile k_j^T (scale folded into q), keys past the query's position -> -inf
-                      m' = max(m, rowmax s); p = exp(s - m'); l = l e^(m - m') + sum p; acc = acc e^(m - m') + p v_j
-    out               acc / l
+    absorb    q_lat_h = q_nope_h W_UK_h          one [N, nope] x [nope, rank] GEMM per head over all N query rows
+              qa = [q_lat | q_pe]                `[H, N, rank + rope]` (scale folded into q)
+    keys      [0, KB) [KB, 2KB) ... [j KB, (j+1) KB) ...    KB = numerics.key_block, at absolute positions;
+              block j = the latent rows [c | k_pe][j KB : (j+1) KB] (a request's last block zero-padded)
+    scores    s = qa [c | k_pe]^T = q_nope W_UK c^T + q_pe k_pe^T     rows: (head, query) pairs of the group,
+              keys past a row's position -> -inf                        columns: the blocks it may see
+    softmax   m = rowmax s (exact);  p = exp(s - m)
+              l   = ((sum p_0 + sum p_1) + sum p_2) + ...                p_j: the KB columns of block j
+              ctx = ((p_0 c_0 + p_1 c_1) + p_2 c_2) + ...               one [M, KB] x [KB, rank] GEMM per block
+    out       out_h = (ctx_h / l_h) W_UV_h^T     one [N, rank] x [rank, v] GEMM per head over all N rows
 
-A block that lies wholly after a query's position is an exact no-op for that row (p = 0, e^0 = 1, acc + 0),
-so a prefill row that also sees later blocks of its chunk gets the bits of the decode row that stops at its
-own block. Every GEMM has a fixed shape ([R, D] x [D, KB] and [R, KB] x [KB, v] per head, batched over tiles).
+Why a row gets the same bits in every call (measured facts, tests/model/test_numerics_invariants.py): from
+MIN_TILE rows on, a GEMM row's bits do not depend on how many rows share the call, and a GEMM column's bits do
+not depend on the other columns; the score GEMM's entries are therefore those of a per-block
+``[M, rank + rope] x [rank + rope, KB]`` GEMM for any batch, chunk or row count, and the per-block context GEMM
+has a fixed reduction length KB. A block wholly after a row's position is an exact no-op for it (p = 0: it adds
+exact zeros to l and ctx), and the max ignores -inf, so a prefill row that also sees later blocks of its chunk
+gets the bits of the decode row that stops at its own block. Every exp runs on whole rows of KB-multiples
+(vector code; a tensor whose size is off the vector grid is padded, as ``DeterministicOps.unary``).
 
-Decode re-reads every key block at every step; a full block's rows never change, so its decompressed keys and
-values (a function of those rows alone, computed by the same fixed-shape GEMMs) are kept in a
-:class:`~k3serve.model.layers.mla_key_pool.KeyBlockPool` and reused bit for bit. Without it the per-step
-decompression was most of a deterministic decode step (72% of it at batch 32, context 256, tiny preset;
-docs/numerics.md).
+Why absorbed (docs/numerics.md, fourth wave): the decompressed form read every request's per-head keys and
+values at every decode step (4 heads x (48 + 32) floats per position on the tiny preset, against the latent
+row's 80 shared by all heads) and needed a pool of decompressed blocks, each confirmed by comparing its rows;
+here a step reads each latent block once, as the default mode's paged kernel does. Prefill pays rank + rope
+score FLOPs per (head, query, key) instead of nope + rope (measured side by side:
+``python -m k3serve.bench.numerics_cpu``).
 
-What the loop skips is exactly what would not change a row's bits:
-
-* query tiles are ordered by their request's block count (most first, stable), so the tiles that have a block
-  j are a prefix and column j updates ``m, l, acc[:count_j]`` in place: a block past a request's end (the
-  former fully masked no-op) is never computed;
-* the causal mask is applied only in a column where some tile's first row lies before the block's last key
-  (masking nothing is a no-op): in decode only the column of each request's last block;
-* each column's keys and values are gathered from one store (the pool, or the call's own decompression) with
-  one ``index_select``, and a column of the pool whose slots did not change since the last call is not
-  gathered again (``KeyBlockPool.column``; decode re-gathers the column of the growing blocks only); every
-  GEMM keeps its shape, and a tile's bits do not depend on how many tiles share the ``bmm``
-  (tests/model/test_numerics_invariants.py).
+Grouping (what is batched): requests with the same query count and block count form one group whose score and
+context GEMMs are one ``bmm`` each (a decode step: one group per block count); the keys are a view of the call's
+blocks when the group's requests are consecutive, else one gather. A request with many queries (a prefill chunk)
+(more than ``_GROUP_MAX_QUERIES``) is cut into row chunks inside one absolute key block of positions each,
+seeing only the blocks up to its own (the causal skip), its rows (head x query) one GEMM's rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from k3serve.model.deterministic import tile_rows
-from k3serve.model.layers.mla_key_pool import KeyBlockPool, key_blocks
+from k3serve.model.deterministic import ELEMENTWISE_VEC, MIN_TILE
 from k3serve.model.state import blocks_of
+
+# Most fp32 score elements one row chunk of a long request materialises (as mla.py's decompressed path).
+_SCORE_BUDGET = 1 << 22
+# Requests of at most this many queries (decode steps, verify windows) are batched with others of the same shape;
+# longer ones (prefill chunks) run alone, in row chunks of one key block of positions: a chunk sees only the
+# blocks up to its own (measured on the tiny preset, 256-token prefill, one MLA layer: 2.1 ms against 4.6 ms for
+# the whole chunk against all its blocks).
+_GROUP_MAX_QUERIES = 16
 
 
 def blocked_attention(queries: list[torch.Tensor], rows: list[torch.Tensor], starts: list[int],
-                      w_uk: torch.Tensor, w_uv: torch.Tensor, key_block: int, tile: int,
-                      pool: KeyBlockPool | None = None) -> list[torch.Tensor]:
-    """Causal MLA attention for a batch of requests, in the decompressed form.
+                      w_uk: torch.Tensor, w_uv: torch.Tensor, key_block: int) -> list[torch.Tensor]:
+    """Causal MLA attention for a batch of requests, in the absorbed form over fixed key blocks.
 
     queries[b]: `[T_b, H, nope + rope]` fp32, scale folded in, at positions starts[b] .. starts[b] + T_b - 1;
     rows[b]: `[starts[b] + T_b, rank + rope]` fp32, the request's cached latent rows ([c | k_pe]);
-    w_uk `[H, nope, rank]`, w_uv `[H, v, rank]` fp32; pool: decompressed full key blocks to reuse (the same
-    bits: a block's keys depend on its rows only). Returns per request `[T_b, H, v]` fp32.
+    w_uk `[H, nope, rank]`, w_uv `[H, v, rank]` fp32. Returns per request `[T_b, H, v]` fp32.
     """
     lengths = [r.shape[0] for r in rows]
-    return attend_blocks(queries, blocks_of(rows, key_block), lengths, starts, w_uk, w_uv, key_block, tile,
-                         pool)
+    return attend_blocks(queries, blocks_of(rows, key_block), lengths, starts, w_uk, w_uv, key_block)
 
 
-def _query_tiles(queries: list[torch.Tensor], starts: list[int], order: list[int], tile: int,
-                 heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The query tiles of the requests in `order`: (`[n_tiles, H, R, Dq]`, each row's absolute position
-    `[n_tiles, R]`); a request's last tile is padded with copies of its last query (at its position). When all
-    requests have the same number of queries (a decode step), a few batched ops instead of a few per request."""
-    dev = queries[0].device
-    t0 = queries[0].shape[0]
-    if all(q.shape[0] == t0 for q in queries):
-        nt = -(-t0 // tile)
-        q = torch.stack([queries[b] for b in order]) if len(order) > 1 else queries[order[0]].unsqueeze(0)
-        if nt * tile > t0:
-            q = torch.cat([q, q[:, -1:].expand(-1, nt * tile - t0, -1, -1)], dim=1)  # [B, nt R, H, Dq]
-        s = torch.tensor([starts[b] for b in order], device=dev).unsqueeze(1)
-        pos = torch.minimum(s + torch.arange(nt * tile, device=dev), s + (t0 - 1))
-        return (q.view(-1, tile, heads, q.shape[-1]).transpose(1, 2).contiguous(), pos.view(-1, tile))
-    q_tiles, pos_tiles = [], []
-    for b in order:
-        q, s = queries[b], starts[b]
-        t = q.shape[0]
-        nt = -(-t // tile)
-        pos = torch.arange(s, s + nt * tile, device=dev).clamp_(max=s + t - 1)
-        qp = torch.cat([q, q[-1:].expand(nt * tile - t, -1, -1)]) if nt * tile > t else q
-        q_tiles.append(qp.view(nt, tile, heads, -1).transpose(1, 2))
-        pos_tiles.append(pos.view(nt, tile))
-    return torch.cat(q_tiles).contiguous(), torch.cat(pos_tiles)
+def per_head_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x `[H, M, K]`, w `[H, n, K]` -> `[H, M, n]`: one `[M, K] x [K, n]` GEMM per head (B transposed), rows
+    zero-padded to MIN_TILE (fewer rows take another kernel; from MIN_TILE on a row's bits do not depend on M)."""
+    m = x.shape[1]
+    if m < MIN_TILE:
+        x = torch.cat([x, x.new_zeros(x.shape[0], MIN_TILE - m, x.shape[2])], dim=1)
+    return torch.bmm(x, w.transpose(1, 2))[:, :m]
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp in vector code for every element: a size off the vector grid is padded (its tail would be scalar
+    code, an ulp away, at places that depend on the batch)."""
+    pad = -x.numel() % ELEMENTWISE_VEC
+    if not pad:
+        return torch.exp(x)
+    flat = torch.cat([x.reshape(-1), x.new_zeros(pad)])
+    return torch.exp(flat)[: x.numel()].view(x.shape)
+
+
+def _attend(qa: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, key_block: int, rank: int) -> torch.Tensor:
+    """One group: qa `[g, M, D]` (rows: (head, query) pairs), keys `[g, nb KB, D]` (each entry's blocks 0 ..
+    nb-1, contiguous rows), pos `[g, M]` each row's absolute position -> ctx / l `[g, M, rank]`."""
+    g, m, _ = qa.shape
+    length = keys.shape[1]
+    nb = length // key_block
+    pad = MIN_TILE - m if m < MIN_TILE else 0  # a GEMM of fewer rows takes another kernel
+    if pad:
+        qa = torch.cat([qa, qa.new_zeros(g, pad, qa.shape[2])], dim=1)
+        pos = torch.cat([pos, pos[:, -1:].expand(g, pad)], dim=1)
+    s = torch.bmm(qa, keys.transpose(1, 2))  # [g, M, nb KB]
+    lo = int(pos.min()) + 1  # keys before lo are visible to every row
+    if lo < length:
+        hidden = torch.arange(lo, length, device=qa.device).view(1, 1, -1) > pos.unsqueeze(-1)
+        s[..., lo:].masked_fill_(hidden, float("-inf"))
+    p = _exp(s - s.amax(-1, keepdim=True)).view(g, -1, nb, key_block)  # [g, M, nb, KB]
+    sums = p.sum(-1)  # [g, M, nb]: one KB-element row sum per block
+    values = keys.view(g * nb, key_block, -1)[..., :rank]  # [g nb, KB, rank] (a view: c of each block)
+    pv = torch.bmm(p.transpose(1, 2).reshape(g * nb, -1, key_block), values).view(g, nb, -1, rank)
+    l_sum, ctx = sums[..., 0:1], pv[:, 0]
+    for j in range(1, nb):  # block order, one rounding per block, the same in every call
+        l_sum = l_sum + sums[..., j: j + 1]
+        ctx = ctx + pv[:, j]
+    out = ctx / l_sum
+    return out[:, : m] if pad else out
 
 
 def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: list[int], starts: list[int],
-                  w_uk: torch.Tensor, w_uv: torch.Tensor, key_block: int, tile: int,
-                  pool: KeyBlockPool | None = None) -> list[torch.Tensor]:
+                  w_uk: torch.Tensor, w_uv: torch.Tensor, key_block: int) -> list[torch.Tensor]:
     """:func:`blocked_attention` over key blocks already gathered: blocks `[sum_b ceil(lengths[b] / KB), KB,
     rank + rope]` fp32 (request order, zero-padded: ``LatentCache.read_blocks``)."""
-    heads = w_uk.shape[0]
+    heads, nope, rank = w_uk.shape
     dev = queries[0].device
-    tile = tile_rows(max(q.shape[0] for q in queries), tile)  # decode: 4-row tiles (same row bits as 16)
+    d = blocks.shape[-1]
+    ts = [q.shape[0] for q in queries]
     nbs = [-(-n // key_block) for n in lengths]
     firsts = [sum(nbs[:b]) for b in range(len(nbs))]
-    slots = None
-    if pool is not None:  # per block: its real rows, and how many of them existed before this call
-        valid = [min(key_block, n - j * key_block) for n, nb in zip(lengths, nbs) for j in range(nb)]
-        prev = [min(key_block, max(0, s - j * key_block)) for s, nb in zip(starts, nbs) for j in range(nb)]
-        slots = pool.slots(blocks, valid, prev, w_uk, w_uv)
-    if slots is None:
-        k_store, v_store = key_blocks(blocks, w_uk, w_uv)  # [sum nb, H, KB, Dq], [sum nb, H, KB, v]
-        slots = list(range(blocks.shape[0]))
-    else:
-        k_store = v_store = None  # gathered by pool.column
-    # query tiles, most blocks first: tiles[i] = (request, tile index in it); the tiles with a block j are a prefix
-    ntiles = [-(-q.shape[0] // tile) for q in queries]
-    order = sorted(range(len(queries)), key=lambda b: -nbs[b])
-    tile_req = [b for b in order for _ in range(ntiles[b])]
-    q_all, pos_all = _query_tiles(queries, starts, order, tile, heads)  # [n_tiles, H, R, Dq], [n_tiles, R]
-    first_pos = [starts[b] + i * tile for b in order for i in range(ntiles[b])]  # each tile's first row
-    n_tiles = q_all.shape[0]
-    dq, dv = q_all.shape[-1], w_uv.shape[1]
-    grad = torch.is_grad_enabled()
-    m = torch.full((n_tiles, heads, tile, 1), float("-inf"), device=dev)
-    l_sum = torch.zeros(n_tiles, heads, tile, 1, device=dev)
-    acc = torch.zeros(n_tiles, heads, tile, dv, device=dev)
-    key_off = torch.arange(key_block, device=dev)
-    for j in range(max(nbs)):
-        c = sum(1 for b in tile_req if nbs[b] > j)  # tiles with a block j: a prefix
-        idx = [slots[firsts[b] + j] for b in tile_req[:c]]
-        if k_store is None:
-            k_j, v_j = pool.column(j, idx)  # [c, H, KB, Dq], [c, H, KB, v]
+    offs = [sum(ts[:b]) for b in range(len(ts))]
+    q = torch.cat(queries) if len(queries) > 1 else queries[0]  # [N, H, Dq]
+    q = q.transpose(0, 1)  # [H, N, Dq]
+    q_lat = per_head_gemm(q[..., :nope], w_uk.transpose(1, 2))  # [H, N, rank]
+    qa = torch.cat([q_lat, q[..., nope:]], dim=-1)  # [H, N, D]
+    ctx = qa.new_empty(heads, qa.shape[1], rank)
+    # groups: requests with the same (queries, blocks) run as one bmm; long requests are cut into row chunks
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b, (t, nb) in enumerate(zip(ts, nbs)):
+        if t <= _GROUP_MAX_QUERIES:
+            groups.setdefault((t, nb), []).append(b)
         else:
-            at = torch.tensor(idx, device=dev)
-            k_j, v_j = k_store.index_select(0, at), v_store.index_select(0, at)
-        s = torch.bmm(q_all[:c].view(-1, tile, dq), k_j.view(-1, key_block, dq).transpose(1, 2))
-        s = s.view(c, heads, tile, key_block)
-        last_key = (j + 1) * key_block - 1
-        if any(p < last_key for p in first_pos[:c]):  # some row sees only part of this block
-            hidden = (j * key_block + key_off).view(1, 1, -1) > pos_all[:c].unsqueeze(-1)  # [c, R, KB]
-            s.masked_fill_(hidden.unsqueeze(1), float("-inf"))
-        m_c, l_c, acc_c = m[:c], l_sum[:c], acc[:c]
-        m_new = torch.maximum(m_c, s.amax(-1, keepdim=True))
-        p = torch.exp(s - m_new)
-        corr = torch.exp(m_c - m_new)
-        pv = torch.bmm(p.view(-1, tile, key_block), v_j.view(-1, key_block, dv)).view(c, heads, tile, dv)
-        if grad:  # training: the same roundings out of place (autograd keeps the old values)
-            m, l_sum, acc = (torch.cat([new, old[c:]]) if c < n_tiles else new for new, old in
-                             ((m_new, m), (l_c * corr + p.sum(-1, keepdim=True), l_sum), (acc_c * corr + pv, acc)))
+            _attend_long(qa, ctx, blocks, b, offs[b], t, starts[b], firsts[b], key_block, rank)
+    kv = blocks.view(-1, key_block * d)
+    for (t, nb), reqs in groups.items():
+        g = len(reqs)
+        if g == 1 or all(reqs[i + 1] == reqs[i] + 1 for i in range(g - 1)):  # consecutive: a view
+            keys = blocks[firsts[reqs[0]]: firsts[reqs[0]] + g * nb].view(g, nb * key_block, d)
+        else:
+            at = torch.tensor([firsts[b] + j for b in reqs for j in range(nb)], device=dev)
+            keys = kv.index_select(0, at).view(g, nb * key_block, d)
+        if t == 1:  # one query each: rows are the heads
+            rows_at = torch.tensor([offs[b] for b in reqs], device=dev)
+            q_g = qa.index_select(1, rows_at).transpose(0, 1)  # [g, H, D]
+            pos = torch.tensor([starts[b] for b in reqs], device=dev).unsqueeze(1).expand(g, heads)
+            out = _attend(q_g, keys, pos, key_block, rank)  # [g, H, rank]
+            ctx.index_copy_(1, rows_at, out.transpose(0, 1))
             continue
-        l_c.mul_(corr).add_(p.sum(-1, keepdim=True))  # l = l e^(m - m') + sum p, in place (same roundings)
-        acc_c.mul_(corr).add_(pv)
-        m_c.copy_(m_new)
-    if k_store is None:
-        pool.keep_columns(max(nbs))
-    out = (acc / l_sum).transpose(1, 2)  # [n_tiles, R, H, v]
-    res: list[torch.Tensor | None] = [None] * len(queries)
-    at = 0
-    for b in order:
-        nt = ntiles[b]
-        res[b] = out[at: at + nt].reshape(nt * tile, heads, dv)[: queries[b].shape[0]]
-        at += nt
-    return res
+        q_g = torch.stack([qa[:, offs[b]: offs[b] + t] for b in reqs]).view(g, heads * t, d)  # rows (h, i)
+        pos = torch.stack([torch.arange(starts[b], starts[b] + t, device=dev) for b in reqs])
+        out = _attend(q_g, keys, pos.repeat(1, heads), key_block, rank).view(g, heads, t, rank)
+        for i, b in enumerate(reqs):
+            ctx[:, offs[b]: offs[b] + t] = out[i]
+    out = per_head_gemm(ctx, w_uv).transpose(0, 1)  # [N, H, v]
+    return [out[o: o + t] for o, t in zip(offs, ts)]
+
+
+def _attend_long(qa: torch.Tensor, ctx: torch.Tensor, blocks: torch.Tensor, b: int, off: int, t: int, start: int,
+                 first: int, key_block: int, rank: int) -> None:
+    """One request's t queries (rows off .. off+t-1 of qa `[H, N, D]`) in row chunks inside one absolute key
+    block of positions (at most KB rows, fewer where the score budget asks), each against the blocks up to its
+    own (the causal skip); writes ctx."""
+    heads, d = qa.shape[0], qa.shape[-1]
+    dev = qa.device
+    per_chunk = max(1, min(key_block, _SCORE_BUDGET // (heads * (start + t))))
+    a = 0
+    while a < t:
+        e = min(t, a + per_chunk, ((start + a) // key_block + 1) * key_block - start)  # inside one block
+        nb = (start + e - 1) // key_block + 1
+        keys = blocks[first: first + nb].view(1, nb * key_block, d)
+        q_c = qa[:, off + a: off + e].reshape(1, heads * (e - a), d)
+        pos = torch.arange(start + a, start + e, device=dev).repeat(heads).unsqueeze(0)
+        ctx[:, off + a: off + e] = _attend(q_c, keys, pos, key_block, rank).view(heads, e - a, rank)
+        a = e

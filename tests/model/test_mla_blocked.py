@@ -1,0 +1,108 @@
+"""The deterministic MLA attention (model/layers/mla_blocked.py, the absorbed form over fixed key blocks): close to
+the naive decompressed softmax attention, and bit for bit the same row whatever call it is in (one-shot or
+chunked prefill, single or batched decode of mixed lengths, verify windows, row chunks of a long request, 1, 2
+or 4 heads per rank), with autograd; and the paged cache's key blocks equal the dense cache's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import k3serve.model.layers.mla_blocked as mla_blocked
+from k3serve.model.layers.mla_blocked import blocked_attention
+from k3serve.model.state import DenseLatentCache, PagedLatentCache
+
+NOPE, ROPE, RANK, V, KB = 32, 16, 64, 32, 64
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _case(heads: int, length: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w_uk = torch.randn(heads, NOPE, RANK, generator=g) * 0.1
+    w_uv = torch.randn(heads, V, RANK, generator=g) * 0.1
+    rows = torch.randn(length, RANK + ROPE, generator=g)
+    q = torch.randn(length, heads, NOPE + ROPE, generator=g) * 0.2
+    return w_uk, w_uv, rows, q
+
+
+def _naive(q, rows, w_uk, w_uv):
+    """Causal softmax attention in the decompressed form, all keys at once (positions 0 .. L-1)."""
+    heads, length = w_uk.shape[0], rows.shape[0]
+    c, k_pe = rows[:, :RANK], rows[:, RANK:]
+    k = torch.cat([torch.einsum("lr,hnr->hln", c, w_uk), k_pe.unsqueeze(0).expand(heads, -1, -1)], -1)
+    v = torch.einsum("lr,hvr->hlv", c, w_uv)
+    s = torch.einsum("thd,hld->htl", q, k).masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1),
+                                                       float("-inf"))
+    return torch.einsum("htl,hlv->thv", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_every_call_gives_a_row_the_same_bits_and_the_naive_values(one_thread, heads):
+    w_uk, w_uv, rows, q = _case(heads, 300, heads)
+    one = blocked_attention([q], [rows], [0], w_uk, w_uv, KB)[0]
+    assert torch.allclose(one, _naive(q, rows, w_uk, w_uv), atol=1e-5, rtol=1e-5)
+    for split in (64, 100, 200, 299):  # chunked prefill, chunks ending on and off the key blocks
+        a = blocked_attention([q[:split]], [rows[:split]], [0], w_uk, w_uv, KB)[0]
+        b = blocked_attention([q[split:]], [rows], [split], w_uk, w_uv, KB)[0]
+        assert torch.equal(torch.cat([a, b]), one), split
+    # batched decode of mixed lengths (groups by block count, one of them not consecutive: a gather)
+    ps = [0, 5, 63, 130, 64, 299, 200, 7]
+    outs = blocked_attention([q[p: p + 1] for p in ps], [rows[: p + 1] for p in ps], ps, w_uk, w_uv, KB)
+    assert all(torch.equal(o, one[p: p + 1]) for o, p in zip(outs, ps))
+    # verify windows of 4 rows next to decode rows, and a prefill chunk in the same call
+    starts = [60, 127, 10, 250]
+    ts = [4, 4, 1, 50]
+    outs = blocked_attention([q[s: s + t] for s, t in zip(starts, ts)], [rows[: s + t] for s, t in zip(starts, ts)],
+                             starts, w_uk, w_uv, KB)
+    assert all(torch.equal(o, one[s: s + t]) for o, s, t in zip(outs, starts, ts))
+
+
+def test_row_chunks_under_a_small_score_budget_keep_the_bits(one_thread, monkeypatch):
+    """A long request is cut into row chunks inside one key block each; a budget that cuts them smaller (long
+    contexts) gives the same bits."""
+    w_uk, w_uv, rows, q = _case(4, 260, 7)
+    want = blocked_attention([q[40:]], [rows], [40], w_uk, w_uv, KB)[0]
+    monkeypatch.setattr(mla_blocked, "_SCORE_BUDGET", 4 * 260 * 5)  # 5 rows per chunk
+    assert torch.equal(blocked_attention([q[40:]], [rows], [40], w_uk, w_uv, KB)[0], want)
+
+
+def test_blocked_attention_trains_with_the_inference_bits(one_thread):
+    """Outside inference mode (training) backward works, and the forward has the serving bits."""
+    w_uk, w_uv, rows, q = _case(4, 150, 5)
+    rows2, q2 = rows[:90], q[50:90]
+    with torch.no_grad():
+        want = blocked_attention([q, q2], [rows, rows2], [0, 50], w_uk, w_uv, KB)
+    qs = [q.clone().requires_grad_(True), q2.clone().requires_grad_(True)]
+    got = blocked_attention(qs, [rows, rows2], [0, 50], w_uk, w_uv, KB)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    (got[0].sum() + got[1].sum()).backward()
+    assert qs[0].grad.abs().sum() > 0 and qs[1].grad.abs().sum() > 0
+
+
+def test_paged_read_blocks_equal_the_dense_cache_blocks_for_every_page_size():
+    """Blocks read from pages (whole-block copies when blocks tile pages, a row gather otherwise) equal the
+    dense cache's: the same rows, zeros past each request's end even where the page holds stale rows."""
+    g = torch.Generator().manual_seed(4)
+    lengths = [1, 64, 130, 200]
+    rows = [torch.randn(n, RANK + ROPE, generator=g) for n in lengths]
+    dense = DenseLatentCache(2, len(lengths))
+    for b, r in enumerate(rows):
+        for layer in (0, 1):
+            dense._rows[layer][b] = r + layer
+    for page in (32, 64, 128):
+        per_req = -(-256 // page)
+        pool = torch.randn(len(lengths) * per_req + 3, 2, page, RANK + ROPE, generator=g)  # stale rows
+        order = torch.randperm(pool.shape[0], generator=g)[: len(lengths) * per_req].view(len(lengths), per_req)
+        paged = PagedLatentCache(pool, order)
+        for layer in (0, 1):
+            for b, r in enumerate(rows):
+                pos = torch.arange(lengths[b])
+                pool[order[b, pos // page], layer, pos % page] = r + layer
+            assert torch.equal(paged.read_blocks(layer, lengths, KB), dense.read_blocks(layer, lengths, KB)), page
