@@ -94,24 +94,32 @@ def _gbps(nbytes: int, secs: list[float]) -> float | None:
 
 def _mooncake_rep(p: int, d: int, key: str, rep: int, senders, receivers, g, cfg, sender_cfg, mc, want,
                   t: dict) -> None:
-    """Ours over Mooncake, then raw Mooncake, on the same bytes and processes (appends to t)."""
+    """Ours over Mooncake and raw Mooncake on the same bytes and processes, in alternating order (ours first
+    on even repetitions, raw first on odd ones: neither always runs on the other's warm caches); appends to t."""
     spec = TransferSpec(f"bench-mc-{key}-{rep}", f"req-mc-{key}-{rep}", g, p, d, cfg.page_tokens, cfg.chunk_bytes)
     eps = tuple(rx.endpoint for rx in receivers)
     jobs = [SendJob(spec, r, eps, sender_cfg, key, layerwise=cfg.layerwise, mooncake=mc) for r in range(p)]
-    cpu0 = [x.call("cpu") for x in senders + receivers]
-    secs, results = _on_all(senders, "send", jobs)
-    t["mooncake"].append(secs)
-    t["mooncake_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
-    if not all(isinstance(res, SendResult) for res in results):
-        raise RuntimeError(f"P={p} D={d}: Mooncake transfer failed: {results}")
-    if [x.call("digest", spec.transfer_id, timeout=600) for x in receivers] != want:
-        raise RuntimeError(f"P={p} D={d}: state received over Mooncake differs from reshard_kda")
-    targets = [rx.call("mooncake_listen", spec, timeout=600) for rx in receivers]
-    cpu0 = [x.call("cpu") for x in senders + receivers]
-    t["raw_mooncake"].append(_on_all(senders, "mooncake_send", jobs, targets)[0])
-    t["raw_mooncake_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
-    if [rx.call("mooncake_digest", timeout=600) for rx in receivers] != want:
-        raise RuntimeError(f"P={p} D={d}: raw Mooncake moved different bytes")
+
+    def ours() -> None:
+        cpu0 = [x.call("cpu") for x in senders + receivers]
+        secs, results = _on_all(senders, "send", jobs)
+        t["mooncake"].append(secs)
+        t["mooncake_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
+        if not all(isinstance(res, SendResult) for res in results):
+            raise RuntimeError(f"P={p} D={d}: Mooncake transfer failed: {results}")
+        if [x.call("digest", spec.transfer_id, timeout=600) for x in receivers] != want:
+            raise RuntimeError(f"P={p} D={d}: state received over Mooncake differs from reshard_kda")
+
+    def raw() -> None:
+        targets = [rx.call("mooncake_listen", spec, timeout=600) for rx in receivers]
+        cpu0 = [x.call("cpu") for x in senders + receivers]
+        t["raw_mooncake"].append(_on_all(senders, "mooncake_send", jobs, targets)[0])
+        t["raw_mooncake_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
+        if [rx.call("mooncake_digest", timeout=600) for rx in receivers] != want:
+            raise RuntimeError(f"P={p} D={d}: raw Mooncake moved different bytes")
+
+    for path in (ours, raw) if rep % 2 == 0 else (raw, ours):
+        path()
 
 
 def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[ReceiverProc], g: StateGeometry,
@@ -178,6 +186,8 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
     mc_ratio = round(min(t["raw_mooncake"]) / min(t["mooncake"]), 3) if t["mooncake"] else None
     return {
         "bare_grpc_s_per_rep": [round(x, 4) for x in t["bare"]], "grpc_s_per_rep": [round(x, 4) for x in t["grpc"]],
+        "mooncake_s_per_rep": [round(x, 4) for x in t["mooncake"]],
+        "raw_mooncake_s_per_rep": [round(x, 4) for x in t["raw_mooncake"]],
         "ours_over_bare_grpc": round(b["bare"] / b["grpc"], 3),
         "ours_over_bare_grpc_median": round(statistics.median(x / y for x, y in zip(t["bare"], t["grpc"])), 3),
         "bare_grpc_keep_gbps": round(nbytes / b["bare_keep"] / 1e9, 3),

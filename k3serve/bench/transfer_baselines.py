@@ -11,7 +11,9 @@
             block; keeping them means a GB lands in memory that stays): the floor of a staging receiver
  raw Mooncake: the planned byte ranges written by the engine from registered memory straight to the same
             offsets of a registered sink on the receiver, one thread per decode rank, the same batches as our
-            Mooncake sender: no CRC, no control stream, no staging state (the engine's own cost)
+            Mooncake sender, two in flight at a time (at least the overlap of our sender, which starts the next
+            write while a landed batch's headers go out): no CRC, no control stream, no staging state (the
+            engine's own cost)
 ```
 """
 
@@ -144,13 +146,21 @@ def mooncake_source(plane, targets: Sequence[tuple[str, int, int]], plans: Seque
     def one(d: int) -> None:
         segment, kda, mla = targets[d]
         dst_bases = {"kda": kda, "mla": mla}
-        ops, size = [], 0
+        batches, ops, size = [], [], 0
         for c in plans[d]:  # batches cut like LandingSession._batches
             if ops and size + c.length > batch_bytes:
-                plane.write(segment, ops)
+                batches.append(ops)
                 ops, size = [], 0
             ops.append((src_bases[c.kind] + c.src_byte, dst_bases[c.kind] + c.dst_byte, c.length))
             size += c.length
-        plane.write(segment, ops)
+        batches.append(ops)
+        # two batches in flight (the next submitted before the previous is waited for): at least the overlap
+        # our sender gets, whose next write starts while a landed batch's headers go out
+        job = plane.submit(segment, batches[0])
+        for nxt in batches[1:]:
+            following = plane.submit(segment, nxt)
+            plane.wait(job)
+            job = following
+        plane.wait(job)
 
     _parallel(one, range(len(targets)))

@@ -91,3 +91,36 @@ def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="p
                    f"{h['last_chunk_tokens']}, TP {h['prefill_tp']}x{h['decode_tp']}): layer-wise export off "
                    f"{h['off']['last_chunk_to_first_decode_s']:.4f} s, on {h['on']['last_chunk_to_first_decode_s']:.4f}"
                    f" s (median of {h['reps']}; paired saving {h['saved_s_median']:.4f} s)")
+
+
+@app.command("transfer-overlap")
+def transfer_overlap(pairs: str = typer.Option("1x1,2x2,4x2", "--pairs", help="prefill x decode TP pairs"),
+                     tokens: int = typer.Option(8192, "--tokens", help="context length of the state moved"),
+                     preset: str = typer.Option("bench", "--preset"),
+                     reps: int = typer.Option(8, "--reps", help="repetitions of each path (medians reported)"),
+                     host: str = typer.Option("127.0.0.1", "--host", help="interface the receivers bind"),
+                     as_json: bool = typer.Option(False, "--json")) -> None:
+    """Our gRPC path with CRC and placement overlapped, inline (the default), and bare gRPC-Python, interleaved
+    in one run (k3serve.bench.transfer_overlap): paired ratios and CPU seconds per GB."""
+    from k3serve.bench.transfer_overlap import OverlapBenchConfig, run_overlap_bench
+    from k3serve.transfer.plan import PlanError
+
+    try:
+        result = run_overlap_bench(OverlapBenchConfig(_pairs(pairs), tokens, preset, reps=reps, host=host))
+    except (PlanError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return
+    typer.echo(f"preset {result['preset']}, {result['tokens']} tokens, {result['reps']} reps, load average "
+               f"{result['load_avg_1m_start']} -> {result['load_avg_1m_end']} on {result['cpus']} CPUs")
+    typer.echo(f"{'P':>2} {'D':>2} {'overlap':>8} {'inline':>8} {'bare':>8} {'ov/bare':>8} {'in/bare':>8} "
+               f"{'ov/in':>6}  CPU s/GB overlap / inline / bare")
+    for r in result["runs"]:
+        g, c = r["gbps_median"], r["cpu_s_per_gb"]
+        typer.echo(f"{r['p']:>2} {r['d']:>2} {g['overlap']:>8.3f} {g['inline']:>8.3f} {g['bare']:>8.3f} "
+                   f"{r['overlap_over_bare_median']:>8.3f} {r['inline_over_bare_median']:>8.3f} "
+                   f"{r['overlap_over_inline_median']:>6.3f}  {c['overlap']:.2f} / {c['inline']:.2f} / {c['bare']:.2f}")
+    typer.echo("GB/s of the median repetition; ratios: medians of the per-repetition ratios")

@@ -28,6 +28,7 @@ from k3serve.transfer.v1 import transfer_pb2 as pb
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
 from k3serve.transfer.buffers import RegionBuffers
 from k3serve.transfer.memory import tune_allocator
+from k3serve.transfer.placer import StreamPlacer
 from k3serve.transfer.plan import PlanError
 from k3serve.transfer.staging import INSTALLED, VERIFIED, StagingLimits, StagingStore, TransferRejected
 from k3serve.transfer.wire import STATE_CODES, WireError, decode, spec_from_pb
@@ -45,6 +46,9 @@ class ReceiverConfig:
     tp: int = 1  # decode TP degree
     limits: StagingLimits = StagingLimits()
     max_workers: int = 16  # concurrent streams served
+    # a stream's chunks copied + CRC'd on placement workers beside its handler thread at once (placer.py); 0:
+    # inline in the handler thread (measured side by side on 2 shared cores, 2 was no gain: docs/transfer.md)
+    place_depth: int = 0
     gc_interval_s: float = 1.0  # how often idle transfers are expired
 
     def for_rank(self, rank: int, tp: int) -> "ReceiverConfig":
@@ -60,6 +64,8 @@ class TransferReceiver:
         Mooncake "host:port") exposes to senders; without them Open is refused (gRPC payloads only)."""
         if not 0 <= config.rank < config.tp:
             raise ValueError(f"receiver rank {config.rank} not in [0, {config.tp})")
+        if config.place_depth < 0:
+            raise ValueError(f"ReceiverConfig.place_depth must be >= 0, got {config.place_depth}")
         if (region is None) != (not segment):
             raise ValueError("a receiver's data plane needs both its staging region and its segment name")
         tune_allocator()  # process-wide: message buffers reuse warm heap pages (memory.py)
@@ -82,6 +88,9 @@ class TransferReceiver:
         self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
         if self.port == 0:
             raise OSError(f"transfer receiver could not bind {config.host}:{config.port}")
+        # placement workers (copy + CRC32C of received chunks, placer.py): as many as streams can be served
+        self._place_pool = ThreadPoolExecutor(max_workers=config.max_workers,
+                                              thread_name_prefix=f"transfer-place{config.rank}")
         self._server.start()
         self._stop = threading.Event()
         self._gc = threading.Thread(target=self._gc_loop, name=f"transfer-gc{config.rank}", daemon=True)
@@ -94,6 +103,7 @@ class TransferReceiver:
     def stop(self, grace: float | None = 0.5) -> None:
         self._stop.set()
         self._server.stop(grace).wait()
+        self._place_pool.shutdown(wait=True)
         self._gc.join(timeout=5)
 
     def __enter__(self) -> "TransferReceiver":
@@ -140,6 +150,14 @@ class TransferReceiver:
         if state in (VERIFIED, INSTALLED):  # idempotent: acknowledge, apply nothing
             ack.state, ack.duplicate = STATE_CODES[state], True
             return ack
+        placer = StreamPlacer(self._place_pool, self.config.place_depth)
+        try:
+            return self._serve_chunks(it, spec, src, landed, ack, placer)
+        finally:
+            placer.close()
+
+    def _serve_chunks(self, it, spec, src: int, landed: bool, ack: pb.PushAck, placer: StreamPlacer) -> pb.PushAck:
+        """The stream after its open: chunks (placed on workers, `placer`) until the manifest."""
         for raw in it:
             m, payload = decode(raw)
             body = m.WhichOneof("body")
@@ -148,16 +166,18 @@ class TransferReceiver:
                     raise TransferRejected("INVALID_ARGUMENT", "payload: a landed stream's chunks carry headers "
                                            "only (the data plane wrote the bytes)")
                 for h in (m.chunk,) if body == "chunk" else m.landed.chunks:
-                    ack.chunks_applied += self.store.land(spec, src, h)
+                    placer.submit(lambda h=h: self.store.land(spec, src, h))
             elif body == "landed":
                 raise TransferRejected("INVALID_ARGUMENT", "message.landed: only in a stream opened as landed")
             elif body == "chunk":
-                ack.chunks_applied += self.store.write(spec, src, m.chunk, payload)
+                placer.submit(lambda h=m.chunk, p=payload: self.store.write(spec, src, h, p))
             elif body == "manifest":
+                ack.chunks_applied = placer.drain()
                 ack.state = STATE_CODES[self.store.finish(spec, src, m.manifest)]
                 return ack
             else:
                 raise TransferRejected("INVALID_ARGUMENT", f"message.body: expected chunk or manifest, got {body}")
+        placer.drain()  # a chunk's own error (DATA_LOSS, INVALID_ARGUMENT) before the stream's
         raise TransferRejected("ABORTED", f"stream from prefill rank {src} ended before its manifest")
 
     def _open(self, req: pb.StreamOpen, context: grpc.ServicerContext) -> pb.OpenReply:

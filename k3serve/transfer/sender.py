@@ -8,7 +8,10 @@
    result = session.finish()                manifests sent, acks in; TransferFailed on a clean failure
 ```
 Payloads are memoryview slices of the state tensors (``chunks.py`` gives the byte offsets), joined once into
-the gRPC message. Each stream attempt has a deadline; a failed attempt with a retryable code is replayed from
+the gRPC message. With ``SenderConfig.crc_ahead`` their CRC32Cs are computed ahead on the sender's CRC workers
+(google_crc32c releases the GIL), so a stream thread frames chunk i while grpcio sends chunk i-1 and a worker
+CRCs chunks i+1, i+2 (``CRC_LOOKAHEAD``); off (the default) the stream thread CRCs each chunk, then frames it.
+Each stream attempt has a deadline; a failed attempt with a retryable code is replayed from
 its first chunk after an exponential backoff (the receiver rewrites identical bytes; a verified transfer is
 acknowledged as a duplicate). A stream that fails for good aborts the session's other streams and cancels the
 transfer on every receiver, so no staging is left behind; the caller retries with a new transfer id.
@@ -21,6 +24,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +42,7 @@ from k3serve.transfer.staging import INSTALLED, VERIFIED
 from k3serve.transfer.wire import STATE_NAMES, byte_view, chunk_header, crc32c, digest_crcs, encode, encode_chunk, \
     spec_to_pb
 
+CRC_LOOKAHEAD = 2  # chunks whose CRC32C a stream's worker computes ahead of the one it frames (crc_ahead)
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS,
                        grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
 
@@ -50,6 +55,9 @@ class SenderConfig:
     backoff_max_s: float = 1.0
     stream_timeout_s: float = 60.0  # deadline of one Push attempt (from its open to its ack)
     rpc_timeout_s: float = 5.0  # deadline of Cancel / Status
+    # CRC32C of the source on the sender's CRC workers, ahead of the streams; off: inline in the stream thread
+    # (measured side by side on 2 shared cores it was no gain: docs/transfer.md "Fourth pass")
+    crc_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.stream_timeout_s <= 0 or self.rpc_timeout_s <= 0 or self.backoff_s < 0:
@@ -112,6 +120,8 @@ class TransferSender:
         self._channels = [open_channel(e) for e in self.endpoints]
         self._push = [c.stream_unary(PUSH, None, pb.PushAck.FromString) for c in self._channels]
         self._client = ReceiverClient(self.endpoints, config.auth, config.rpc_timeout_s)
+        # CRC32C of the source chunks, ahead of the stream threads (one worker per decode rank's stream)
+        self._crc_pool = ThreadPoolExecutor(max_workers=len(self.endpoints), thread_name_prefix=f"transfer-crc{rank}")
 
     def begin(self, spec: TransferSpec, kda: torch.Tensor, mla: torch.Tensor) -> "SendSession":
         return SendSession(self, spec, kda, mla)
@@ -130,6 +140,7 @@ class TransferSender:
         self._client.close()
         for c in self._channels:
             c.close()
+        self._crc_pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> "TransferSender":
         return self
@@ -159,7 +170,12 @@ class SendSession:
         self._all_marked = False
         self._cond = threading.Condition()
         self._aborted = threading.Event()
-        self._crcs: dict[tuple[str, int, int], int] = {}  # (kind, src_byte, length) -> crc, shared by streams
+        # (kind, src_byte, length) -> the chunk's CRC32C job, shared by streams (MLA rows go to every decode rank)
+        self._crcs: dict[tuple[str, int, int], Future] = {}
+        self._crc_lock = threading.Lock()
+        # chunks CRC'd ahead of the one being framed: a few, so a chunk's bytes are still in the last-level cache
+        # when the frame copies them (a CRC pass over the whole state first would read it from memory twice)
+        self._lookahead = CRC_LOOKAHEAD if sender.config.crc_ahead else 0
         self._calls: dict[int, grpc.Future] = {}
         self._stats = {d: [0.0, 0.0, 0] for d in self._plans}  # crc_s, encode_s, bytes (per stream thread)
         self._results: dict[int, StreamResult] = {}
@@ -202,6 +218,7 @@ class SendSession:
         if self._failure is not None:
             for t in self._threads:
                 t.join(self.sender.config.stream_timeout_s)
+            self._stop_crcs()
             self.sender.cancel(self.spec.transfer_id)
             raise self._failure
         crc_s, enc_s, nbytes = (sum(s[i] for s in self._stats.values()) for i in range(3))
@@ -213,6 +230,7 @@ class SendSession:
         self._fail(TransferFailed(self.spec.transfer_id, "CANCELLED", reason))
         for t in self._threads:
             t.join(self.sender.config.stream_timeout_s)
+        self._stop_crcs()
         self.sender.cancel(self.spec.transfer_id)
 
     # -------------------------------------------------------------------------------------- internals
@@ -268,12 +286,37 @@ class SendSession:
         started.set()
         return call.result()
 
-    def _crc(self, c: ChunkRef, payload) -> int:
-        key = (c.kind, c.src_byte, c.length)
-        crc = self._crcs.get(key)
-        if crc is None:
-            crc = self._crcs[key] = crc32c(payload)
+    def _crc_job(self, c: ChunkRef, dst: int) -> Future:
+        """The CRC32C of chunk `c`'s source bytes, computed once per session on a CRC worker."""
+        key, ahead = (c.kind, c.src_byte, c.length), self.sender.config.crc_ahead
+        view = self._views[c.kind][c.src_byte: c.src_byte + c.length]
+        with self._crc_lock:
+            job, mine = self._crcs.get(key), False
+            if job is None:
+                job = self._crcs[key] = self.sender._crc_pool.submit(self._timed_crc, view, dst) if ahead else Future()
+                mine = True
+        if mine and not ahead:  # inline, in this stream's thread (another stream of the chunk waits for it)
+            job.set_result(self._timed_crc(view, dst))
+        return job
+
+    def _timed_crc(self, view, dst: int) -> int:
+        t0 = time.thread_time()
+        crc = crc32c(view)
+        dt = time.thread_time() - t0
+        with self._crc_lock:
+            self._stats[dst][0] += dt
         return crc
+
+    def _manifest_crcs(self, dst: int) -> list[int]:
+        return [self._crcs[(c.kind, c.src_byte, c.length)].result() for c in self._plans[dst]]
+
+    def _stop_crcs(self) -> None:
+        """A failed or aborted session: no CRC job may read the tensors once the caller gets control back."""
+        with self._crc_lock:
+            jobs = list(self._crcs.values())
+        for j in jobs:
+            j.cancel()
+        wait(jobs)
 
     def _next_ready(self, dst: int, i: int):
         """Wait until stream `dst` has chunks past its first `i` (or every chunk is marked): (the new chunks,
@@ -298,13 +341,15 @@ class SendSession:
             if ready is None:
                 return
             batch, last = ready
-            for c in batch:
+            jobs: dict[int, Future] = {}
+            for j, c in enumerate(batch):
+                for k in range(j, min(j + 1 + self._lookahead, len(batch))):
+                    if k not in jobs:
+                        jobs[k] = self._crc_job(batch[k], dst)
+                crc = jobs.pop(j).result()
                 t0 = time.thread_time()
-                payload = self._views[c.kind][c.src_byte: c.src_byte + c.length]
-                crc = self._crc(c, payload)
-                t1 = time.thread_time()
-                data = encode_chunk(chunk_header(spec, c, crc), payload)
-                stats[0], stats[1] = stats[0] + t1 - t0, stats[1] + time.thread_time() - t1
+                data = encode_chunk(chunk_header(spec, c, crc), self._views[c.kind][c.src_byte: c.src_byte + c.length])
+                stats[1] += time.thread_time() - t0
                 if faulty:
                     data = faults.inject(i, c, data, lambda: started.wait(5.0) and holder["call"].cancel(),
                                          self._aborted.wait)
@@ -316,7 +361,7 @@ class SendSession:
                 yield data
             if last:
                 break
-        crcs = [self._crcs[(c.kind, c.src_byte, c.length)] for c in self._plans[dst]]
+        crcs = self._manifest_crcs(dst)
         stats[2] = nbytes
         yield encode(pb.PushMessage(manifest=pb.Manifest(
             transfer_id=spec.transfer_id, src_rank=self.sender.rank, dst_rank=dst, num_chunks=len(sent),

@@ -2,7 +2,7 @@
 
 ```
  open(spec, src)   first stream of a transfer allocates  kda [L_kda, H/D, block] fp32 + mla [L_mla, n, D]
- write(chunk)      header == plan[src][seq] and CRC32C ok  ->  payload copied at chunk.dst_byte
+ write(chunk)      header == plan[src][seq]; payload copied at chunk.dst_byte, CRC32C of what landed ok
  finish(manifest)  every chunk of src present, manifest matches  ->  src done;  all P srcs done -> VERIFIED
  take(tid)         VERIFIED only: hands the buffers to InstallStaged and forgets them (tombstone INSTALLED)
  cancel / expire   drop the buffers (tombstone CANCELLED / EXPIRED: later streams of that id are refused)
@@ -27,12 +27,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from k3serve.transfer.v1 import transfer_pb2 as pb
 from k3serve.transfer.buffers import HeapBuffers, RegionBuffers
 from k3serve.transfer.chunks import KDA, ChunkRef, stream_plan
+from k3serve.transfer.copy_crc import copy_crc32c
 from k3serve.transfer.spec import DTYPES, TransferSpec
 from k3serve.transfer.wire import PB_TO_KIND, crc32c, digest_crcs
 
@@ -85,8 +85,8 @@ class StagingCounters:
     cancelled: int = 0
     expired: int = 0
     landed: int = 0  # chunks written by a data plane and checked in place
-    crc_s: float = 0.0  # CPU seconds (thread time) checking CRC32C
-    place_s: float = 0.0  # CPU seconds copying payloads to their resharded offsets
+    crc_s: float = 0.0  # CPU seconds (thread time) checking CRC32C of landed chunks (data planes)
+    place_s: float = 0.0  # CPU seconds copying payloads to their resharded offsets + their CRC32C (one pass)
 
 
 @dataclass
@@ -187,34 +187,30 @@ class StagingStore:
         if found is None:
             return False
         t, c = found
-        t0 = time.thread_time()
-        got = crc32c(payload)
-        t1 = time.thread_time()
-        if got != h.crc32c:
-            with self._lock:
-                self.counters.crc_failures += 1
-                self.counters.crc_s += t1 - t0
-            raise TransferRejected("DATA_LOSS", f"chunk.crc32c mismatch for seq {h.seq} from prefill rank {src}: "
-                                   f"header {h.crc32c:#010x}, payload {got:#010x}")
         with self._lock:
             if self._live.get(spec.transfer_id) is not t:
                 raise self._reject("FAILED_PRECONDITION", f"transfer {spec.transfer_id} was dropped mid-stream")
             t.writers += 1
-        try:
+        t0 = time.thread_time()
+        try:  # copy, then CRC32C over the bytes that landed, in one pass (copy_crc.py)
             dst = t.kda if c.kind == KDA else t.mla
-            dst.reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length] = np.frombuffer(
-                payload, dtype=np.uint8)
+            got = copy_crc32c(dst.reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length], payload)
         finally:
             with self._lock:
                 t.writers -= 1
-        t2 = time.thread_time()
+        t1 = time.thread_time()
         with self._lock:
+            k = self.counters
+            k.place_s += t1 - t0
+            if got != h.crc32c:  # the chunk stays missing: a retry rewrites it, nothing installs before
+                k.crc_failures += 1
+                raise TransferRejected("DATA_LOSS", f"chunk.crc32c mismatch for seq {h.seq} from prefill rank "
+                                       f"{src}: header {h.crc32c:#010x}, landed {got:#010x}")
             if self._live.get(spec.transfer_id) is not t:
                 raise self._reject("FAILED_PRECONDITION", f"transfer {spec.transfer_id} was dropped mid-stream")
             t.crcs[src][h.seq] = got
             t.touched = self._clock()
-            k = self.counters
-            k.chunks, k.bytes, k.crc_s, k.place_s = k.chunks + 1, k.bytes + n, k.crc_s + t1 - t0, k.place_s + t2 - t1
+            k.chunks, k.bytes = k.chunks + 1, k.bytes + n
         return True
 
     def _chunk_plan(self, spec: TransferSpec, src: int, h: pb.ChunkHeader):

@@ -1,10 +1,10 @@
 """Manual check (not collected by pytest; 50-120 s here): the service with `clusters.layerwise_export: true`.
 
-    .venv/bin/python tests/cluster/layerwise_drill.py
+    .venv/bin/python tests/cluster/layerwise_drill.py [grpc | mooncake]
 
-configs/local.yaml (tiny-trained, prefill TP 2 -> decode TP 1, gRPC plane) with 2 clusters and layer-wise
-export on: every prompt's last chunk runs as PrefillStreamed in the Ray rank actors; a cluster-kill drill then
-fails c0's sessions over. Exits non-zero unless 0 failed and 0 mismatches (every token equal to the reference).
+configs/local.yaml (tiny-trained, prefill TP 2 -> decode TP 1, the plane given, gRPC by default) with 2
+clusters and layer-wise export on: every prompt's last chunk runs as PrefillStreamed in the Ray rank actors;
+a cluster-kill drill then fails c0's sessions over. Exits non-zero unless 0 failed and 0 mismatches (every token equal to the reference).
 The same path is checked in the suite below the service (tests/transfer/test_layerwise_prefill.py).
 """
 
@@ -18,7 +18,8 @@ from live_clients import two_cluster_kill_drill  # run as a script: its folder, 
 
 
 def main() -> int:
-    out = two_cluster_kill_drill(load_deploy("configs/local.yaml"), transfer="grpc", layerwise_export=True)
+    transfer = sys.argv[1] if len(sys.argv) > 1 else "grpc"  # or "mooncake" (needs the Mooncake wheel)
+    out = two_cluster_kill_drill(load_deploy("configs/local.yaml"), transfer=transfer, layerwise_export=True)
     keys = ("failed", "mismatches", "completed_before_fault_by_cluster", "failed_cluster_sessions",
             "survivor_sessions")
     print(json.dumps({k: out.get(k) for k in keys}))

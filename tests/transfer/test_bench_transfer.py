@@ -53,3 +53,17 @@ def test_cli_json_and_bad_layouts():
     assert out["mooncake"].startswith("not measured") and out["layerwise_handoff"] is None
     res = runner.invoke(app, ["bench", "transfer", "--pairs", "3x1", "--preset", "tiny", "--json"])
     assert res.exit_code == 2 and "divisible" in res.output
+
+
+def test_overlap_bench_interleaves_overlap_inline_and_bare_on_the_same_bytes():
+    """`bench transfer-overlap` at toy size: every path verified (the bench raises otherwise), documented keys."""
+    res = CliRunner().invoke(app, ["bench", "transfer-overlap", "--pairs", "1x2", "--tokens", "300", "--preset",
+                                   "tiny", "--reps", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    (r,) = out["runs"]
+    assert (r["p"], r["d"]) == (1, 2) and out["reps"] == 3
+    for key in ("gbps_best", "gbps_median", "cpu_s_per_gb", "s_per_rep"):
+        assert set(r[key]) == {"overlap", "inline", "bare"}
+    assert all(len(v) == 3 for v in r["s_per_rep"].values())
+    assert min(r["overlap_over_bare_median"], r["inline_over_bare_median"], r["overlap_over_inline_median"]) > 0

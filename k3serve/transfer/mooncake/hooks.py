@@ -3,6 +3,8 @@
 ```
  prefill rank: MooncakeSendHooks      DataPlane + send region (registered once) + SenderCache(MooncakeSender)
                                       SendState -> send_state(job) as on the gRPC plane, payload by the engine
+                                      PrefillStreamed -> begin_send: layer-wise, through the send region
+                                      (layerwise.py)
  decode rank:  MooncakeReceiverHooks  DataPlane + staging region (registered once) + TransferReceiver(region)
                                       InstallStaged takes verified staging, as on the gRPC plane
  driver:       MooncakeChannel        the gRPC channel's export / install / discard (control is gRPC)
@@ -19,6 +21,7 @@ from k3serve.engine.worker import WorkerHooks
 from k3serve.netaddr import WILDCARDS, advertised_host
 from k3serve.transfer.buffers import RegionBuffers
 from k3serve.transfer.handoff_send import GrpcChannel, SenderCache, send_state
+from k3serve.transfer.mooncake.layerwise import begin_send
 from k3serve.transfer.mooncake.plane import DataPlane, MooncakeConfig
 from k3serve.transfer.mooncake.sender import MooncakeSender
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
@@ -56,6 +59,7 @@ class MooncakeSendHooks:
         cache = SenderCache(lambda r, eps, c: MooncakeSender(r, eps, c, plane, region,
                                                              batch_bytes=self.config.batch_bytes))
         return WorkerHooks(send_state=lambda job, r, kda, mla: send_state(job, r, kda, mla, cache),
+                           begin_send=lambda job, r, kda, mla: begin_send(job, r, kda, mla, cache),
                            close=lambda: _close_all(cache.close, plane.close))
 
 
@@ -82,4 +86,4 @@ class MooncakeChannel(GrpcChannel):
     the payload with the engine instead of in the gRPC messages)."""
 
     name = "mooncake"
-    layerwise = False  # its senders stage the state in the registered send region: no PrefillStreamed yet
+    layerwise = True  # PrefillStreamed: each final layer is copied into the send region and written (layerwise.py)

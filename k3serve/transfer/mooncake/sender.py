@@ -6,6 +6,7 @@
    for each ready batch of chunks (~batch_bytes):
        engine write  src = send_region + chunk.src_byte  ──▶  dst = kda_addr|mla_addr + chunk.dst_byte
        CRC32C of the source bytes (while the write is in flight)
+       (the next batch's engine write was started before this one is waited for: two in flight)
        Push stream ◀── the batch's chunk headers in one message (no payload): the receiver CRCs what landed
    Push: manifest  ──▶  verified when every prefill rank's manifest matched (as on the gRPC plane)
 ```
@@ -182,36 +183,51 @@ class LandingSession(SendSession):
             if ready is None:
                 return
             batch, last = ready
-            for group in self._batches(batch, faulty):
-                ops = [(self._src[c.kind] + c.src_byte, dst_base[c.kind] + c.dst_byte, c.length) for c in group]
-                try:
-                    job = plane.submit(reply.segment, ops)
-                    t0 = time.thread_time()
-                    crcs = [self._crc(c, self._views[c.kind][c.src_byte: c.src_byte + c.length]) for c in group]
-                    stats[0] += time.thread_time() - t0
-                    plane.wait(job)
-                except DataPlaneError as e:
-                    holder["error"] = e
-                    cancel()
-                    return
-                for c in group:
-                    if faulty and not faults.landed(i, c, lambda c=c: self._corrupt(reply, dst, c), cancel,
-                                                    self._aborted.wait):
+            groups = self._batches(batch, faulty)
+            ops = lambda g: [(self._src[c.kind] + c.src_byte, dst_base[c.kind] + c.dst_byte, c.length)  # noqa: E731
+                             for c in g]
+            nxt = None  # the next batch's engine write, started before this batch's headers go out
+            try:
+                for k, group in enumerate(groups):
+                    try:
+                        job, nxt = nxt or plane.submit(reply.segment, ops(group)), None
+                        if not faulty and k + 1 < len(groups):  # two writes in flight (faults: one at a time)
+                            nxt = plane.submit(reply.segment, ops(groups[k + 1]))
+                        crcs = [j.result() for j in [self._crc_job(c, dst) for c in group]]  # while the write flies
+                        plane.wait(job)
+                    except DataPlaneError as e:
+                        holder["error"] = e
+                        cancel()
                         return
-                    i += 1
-                    nbytes += c.length
-                t1 = time.thread_time()  # the batch's headers in one control message
-                head = encode(pb.PushMessage(landed=pb.LandedChunks(
-                    chunks=[chunk_header(spec, c, crc) for c, crc in zip(group, crcs)])))
-                stats[1] += time.thread_time() - t1
-                yield head
+                    for c in group:
+                        if faulty and not faults.landed(i, c, lambda c=c: self._corrupt(reply, dst, c), cancel,
+                                                        self._aborted.wait):
+                            return
+                        i += 1
+                        nbytes += c.length
+                    t1 = time.thread_time()  # the batch's headers in one control message
+                    head = encode(pb.PushMessage(landed=pb.LandedChunks(
+                        chunks=[chunk_header(spec, c, crc) for c, crc in zip(group, crcs)])))
+                    stats[1] += time.thread_time() - t1
+                    yield head
+            finally:  # a stream cut mid-batch: the write in flight must end before the send region is released
+                if nxt is not None:
+                    self._settle(nxt, holder)
             if last:
                 break
-        crcs = [self._crcs[(c.kind, c.src_byte, c.length)] for c in self._plans[dst]]
+        crcs = self._manifest_crcs(dst)
         stats[2] = nbytes
         yield encode(pb.PushMessage(manifest=pb.Manifest(
             transfer_id=spec.transfer_id, src_rank=self.sender.rank, dst_rank=dst, num_chunks=i,
             num_bytes=nbytes, crc32c=digest_crcs(crcs))))
+
+    def _settle(self, job, holder: dict) -> None:
+        """Wait for an engine write this stream no longer needs (it is ending); a failure is recorded for the
+        attempt's error (PlaneFailure), not raised over the error that ended the stream."""
+        try:
+            self.sender.plane.wait(job)
+        except DataPlaneError as e:
+            holder.setdefault("error", e)
 
     def _corrupt(self, reply: pb.OpenReply, dst: int, c: ChunkRef) -> None:
         """Fault injection: the first landed byte of `c` is overwritten with its complement (a bad wire)."""
