@@ -123,6 +123,8 @@ def _earlier(qs, ks, k, Gs, G):
     lhs = torch.cat((qs[:, 1:] * rowf, ks[:, 1:] * rowf), dim=2)     # [n, NS-1, 2 sub, K]
     # colf for columns of sub-chunks J = 0..NS-2 against their next boundary G_{r_{J+1}} = Gref[:, J].
     colf = _exp_flush(Gref - Gs[:, :-1])                             # [n, NS-1 (J), sub, K]
+    if NS == 2:  # one earlier sub-chunk: P[1, 0] = exp(0) = 1, so the factor is colf itself (bit for bit)
+        return lhs @ (colf.squeeze(1) * k[:, :sub]).unsqueeze(1).transpose(-1, -2)
     later = torch.ones(NS - 1, NS - 1, dtype=torch.bool, device=k.device).tril()   # [I-1, J]: J <= I-1
     P = _exp_flush(Gref - Gref.transpose(1, 2), keep=later[None, :, :, None])      # [n, NS-1 (I), NS-1 (J), K]
     fac = F.threshold_(colf.unsqueeze(1) * P.unsqueeze(3), _TINY, 0.0)             # [n, I, J, sub, K]
