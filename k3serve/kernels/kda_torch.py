@@ -44,6 +44,9 @@ _INTRA_BUDGET = 1 << 23
 # Centred diagonal blocks need every factor exp(+-(G_i - G_m)) inside fp32's normal range with
 # room for the product with q, k: exp(60) = 1.1e26, exp(-60) = 8.8e-27.
 _MAX_HALF_SPAN = 60.0
+# Upper bound on fp32 elements of the per-chunk states kept for one group of the sequential pass
+# (chunk_kda_torch): small enough to stay in cache until the group's batched Q e^G S matmul reads them back.
+_STATE_BUDGET = 1 << 20
 _LOG_TINY = -34.5
 _TINY = math.exp(_LOG_TINY)   # ~1.0e-15: products of two flushed factors stay >= 1e-30
 
@@ -120,6 +123,8 @@ def _earlier(qs, ks, k, Gs, G):
     lhs = torch.cat((qs[:, 1:] * rowf, ks[:, 1:] * rowf), dim=2)     # [n, NS-1, 2 sub, K]
     # colf for columns of sub-chunks J = 0..NS-2 against their next boundary G_{r_{J+1}} = Gref[:, J].
     colf = _exp_flush(Gref - Gs[:, :-1])                             # [n, NS-1 (J), sub, K]
+    if NS == 2:  # one earlier sub-chunk: P[1, 0] = exp(0) = 1, so the factor is colf itself (bit for bit)
+        return lhs @ (colf.squeeze(1) * k[:, :sub]).unsqueeze(1).transpose(-1, -2)
     later = torch.ones(NS - 1, NS - 1, dtype=torch.bool, device=k.device).tril()   # [I-1, J]: J <= I-1
     P = _exp_flush(Gref - Gref.transpose(1, 2), keep=later[None, :, :, None])      # [n, NS-1 (I), NS-1 (J), K]
     fac = F.threshold_(colf.unsqueeze(1) * P.unsqueeze(3), _TINY, 0.0)             # [n, I, J, sub, K]
@@ -127,14 +132,15 @@ def _earlier(qs, ks, k, Gs, G):
     return lhs @ kref.transpose(-1, -2)
 
 
-def _intra_chunk(q, k, v, g, beta, sub: int):
+def _intra_chunk(q, k, v, g, beta, sub: int, out=None):
     """Chunk-local quantities for n independent chunks (no dependence on the state).
 
     Args:
         q: [n, C, K] (already scaled), k: [n, C, K], v: [n, C, V], g: [n, C, K],
-        beta: [n, C, 1].
+        beta: [n, C, 1]; out: optional buffers (Aqk, WU, Qg, Kd) of the returned shapes, written in place
+        (no copy of the results into the caller's arrays).
     Returns:
-        Aqk [n, C, C], W [n, C, K], U [n, C, V], Qg [n, C, K] (= q * exp(G)),
+        Aqk [n, C, C], WU [n, C, K + V] (= [W | U]), Qg [n, C, K] (= q * exp(G)),
         Kd [n, C, K] (= k * exp(G_last - G)), decay [n, K] (= exp(G_last)).
     """
     n, C, K = q.shape
@@ -143,7 +149,7 @@ def _intra_chunk(q, k, v, g, beta, sub: int):
     Gs = G.view(n, NS, sub, K)
     qs, ks = q.view(n, NS, sub, K), k.view(n, NS, sub, K)
 
-    Aqk = q.new_zeros(n, C, C)
+    Aqk = q.new_zeros(n, C, C) if out is None else out[0].zero_()
     Akk = q.new_zeros(n, C, C)
     if NS > 1:
         off = _earlier(qs, ks, k, Gs, G)
@@ -169,7 +175,7 @@ def _intra_chunk(q, k, v, g, beta, sub: int):
     Aqk.view(n, NS, sub, NS, sub).diagonal(dim1=1, dim2=3).copy_(own[:, :, :sub].permute(0, 2, 3, 1))
     Akk.view(n, NS, sub, NS, sub).diagonal(dim1=1, dim2=3).copy_(own[:, :, sub:].permute(0, 2, 3, 1))
     del own
-    Aqk = _flush(Aqk.tril_())
+    torch.ops.aten.hardshrink.out(Aqk.tril_(), _TINY, out=Aqk)   # _flush in place
     # L is strictly lower, rows scaled by beta_i; the solve treats the diagonal as 1
     # (unitriangular), so this yields (I + L)^-1.
     L = _flush(Akk.tril_(-1).mul_(beta))
@@ -179,10 +185,11 @@ def _intra_chunk(q, k, v, g, beta, sub: int):
     Tinv = _flush(torch.linalg.solve_triangular(L, eye, upper=False, unitriangular=True))
 
     eG = _exp_flush(G)
-    X = Tinv @ torch.cat((k * eG, v), dim=-1).mul_(beta)            # (I+L)^-1 Diag(beta)[eG*K | V]
+    o_wu, o_qg, o_kd = (None, None, None) if out is None else out[1:]
+    X = torch.matmul(Tinv, torch.cat((k * eG, v), dim=-1).mul_(beta), out=o_wu)  # (I+L)^-1 Diag(beta)[eG*K | V]
     G_last = G[:, -1:, :]
-    Kd = k * _exp_flush(G_last - G)
-    return Aqk, X[..., :K], X[..., K:], q * eG, Kd, _exp_flush(G_last.squeeze(1))
+    Kd = torch.mul(k, _exp_flush(G_last - G), out=o_kd)
+    return Aqk, X, torch.mul(q, eG, out=o_qg), Kd, _exp_flush(G_last.squeeze(1))
 
 
 def chunk_kda_torch(
@@ -227,37 +234,49 @@ def chunk_kda_torch(
     N = NT * BH
     dev = qc.device
     Aqk = torch.empty(N, C, C, device=dev)
-    WQ = torch.empty(N, 2 * C, K, device=dev)     # [W ; Q*exp(G)]: one matmul with S per chunk
-    U = torch.empty(N, C, V, device=dev)
-    KdT = torch.empty(N, K, C, device=dev)
+    WU = torch.empty(N, C, K + V, device=dev)     # [W | U]; U becomes Vn in place below
+    Qg = torch.empty(N, C, K, device=dev)
+    Kd = torch.empty(N, C, K, device=dev)
     decay = torch.empty(N, K, 1, device=dev)
     per_chunk = C * sub_chunk * K * 2 + (C // sub_chunk) * C * K * 2 + 6 * C * C
     step = max(1, _INTRA_BUDGET // per_chunk)
     for s in range(0, N, step):
         e = min(N, s + step)
-        a, w, u, qg, kd, dec = _intra_chunk(qc[s:e], kc[s:e], vc[s:e], gc[s:e], bc[s:e], sub_chunk)
-        Aqk[s:e], WQ[s:e, :C], WQ[s:e, C:], U[s:e] = a, w, qg, u
-        KdT[s:e] = kd.transpose(-1, -2)
-        decay[s:e] = dec.unsqueeze(-1)
+        outs = (Aqk[s:e], WU[s:e], Qg[s:e], Kd[s:e])
+        decay[s:e] = _intra_chunk(qc[s:e], kc[s:e], vc[s:e], gc[s:e], bc[s:e], sub_chunk, outs)[-1].unsqueeze(-1)
     del qc, kc, gc
 
-    WQ, U, KdT, decay = (x.view(NT, BH, *x.shape[1:]) for x in (WQ, U, KdT, decay))
     if initial_state is not None:
-        S = initial_state.to(torch.float32).reshape(BH, K, V).clone()
+        S0 = initial_state.to(torch.float32).reshape(BH, K, V)
     else:
-        S = torch.zeros(BH, K, V, device=dev)
-    Vn = torch.empty(NT, BH, C, V, device=dev)
+        S0 = torch.zeros(BH, K, V, device=dev)
+    # The only sequential part, per chunk n with state S_n at its start (two matmuls, in place):
+    #     Vn = U - W S_n                     (U_n.baddbmm_(W_n, S_n, alpha=-1))
+    #     S_{n+1} = Diag(decay) S_n + Kd^T Vn
+    # The states of a group of chunks are kept, so Q e^G S_n for the whole group is one batched matmul after
+    # the group's sequential pass (it is not on the dependency chain). Groups bound the stored states to
+    # about _STATE_BUDGET floats.
     O = torch.empty(NT, BH, C, V, device=dev)
-    # The only sequential part: one [2C, K] x [K, V] and one [K, C] x [C, V] matmul per chunk.
-    for n in range(NT):
-        X = torch.bmm(WQ[n], S)
-        torch.sub(U[n], X[:, :C], out=Vn[n])
-        O[n] = X[:, C:]
-        S = torch.baddbmm(S * decay[n], KdT[n], Vn[n])
-    O = O.view(N, C, V).baddbmm_(Aqk, Vn.view(N, C, V))
+    grp = max(1, min(NT, _STATE_BUDGET // (BH * K * V)))
+    Sg = torch.empty(grp + 1, BH, K, V, device=dev)
+    Sg[0] = S0
+    WU4, Qg4, Kd4, dec4 = (x.view(NT, BH, *x.shape[1:]) for x in (WU, Qg, Kd, decay))
+    for g0 in range(0, NT, grp):
+        g1 = min(NT, g0 + grp)
+        for i, n in enumerate(range(g0, g1)):
+            W_n, U_n = WU4[n, :, :, :K], WU4[n, :, :, K:]
+            U_n.baddbmm_(W_n, Sg[i], alpha=-1.0)
+            torch.mul(Sg[i], dec4[n], out=Sg[i + 1]).baddbmm_(Kd4[n].transpose(-1, -2), U_n)
+        m = g1 - g0
+        torch.matmul(Qg4[g0:g1], Sg[:m], out=O[g0:g1])
+        if g1 < NT:
+            Sg[0] = Sg[m]
+    S = Sg[NT - g0]
+    Vn = WU[:, :, K:]
+    O = O.view(N, C, V).baddbmm_(Aqk, Vn)
 
     o = O.view(NT, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, NT * C, H, V)[:, :T]
-    final = S.view(B, H, K, V) if output_final_state else None
+    final = S.reshape(B, H, K, V).clone() if output_final_state else None
     return o.to(v.dtype).contiguous(), final
 
 

@@ -17,15 +17,12 @@ from k3serve.kernels.mla_decode import mla_decode
 from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import DefaultOps
 from k3serve.model.layers.mla_blocked import attend_blocks
+from k3serve.model.layers.mla_prefill import (absorbed_is_cheaper, attend_absorbed_flash_cpu, attend_blocked,
+                                              attend_flash_cpu, decompress_padded)
 from k3serve.model.layers.norm import rms_norm
 from k3serve.model.layers.stacked import stack_rows
 from k3serve.model.state import ForwardBatch
 from k3serve.model.tp import TPGroup
-
-# Most fp32 score elements one query block of the decompressed (prefill) attention materialises: 2^22 = 16 MiB,
-# small enough to stay near the caches, large enough that the per-block Python overhead is negligible.
-_SCORE_BUDGET = 1 << 22
-_MIN_QUERY_BLOCK = 16
 
 
 class MLAAttention:
@@ -40,7 +37,8 @@ class MLAAttention:
         else:
             self.w_q_a, self.q_a_norm, self.w_q = None, None, w("q_proj.weight")
         self.w_kv_a, self.kv_a_norm = w("kv_a_proj_with_mqa.weight"), w("kv_a_layernorm.weight")
-        kv_b = w("kv_b_proj.weight").view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        self.w_kv_b = w("kv_b_proj.weight")  # [H_local * (nope + v), rank]
+        kv_b = self.w_kv_b.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         self.w_uk = kv_b[:, : cfg.qk_nope_head_dim]  # [H_local, nope, rank]
         self.w_uv = kv_b[:, cfg.qk_nope_head_dim:]  # [H_local, v, rank]
         self.w_gate = w("g_proj.weight") if cfg.mla_use_output_gate else None
@@ -127,46 +125,30 @@ class MLAAttention:
     def _decompressed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, b: int) -> torch.Tensor:
         """One request: q_nope `[T, H, nope]`, q_pe `[T, H, rope]` -> attention output `[T, H, v]` fp32.
 
-        Keys are the L = start + T cached rows; the chunk's queries sit at positions start..start+T-1::
-
-                      keys 0 .. start-1 (cached prefix)   keys start .. start+T-1 (this chunk)
-            query i   all visible                         visible up to start+i (causal)
-
-        Queries run in blocks of ``bq`` rows so the fp32 scores never exceed ``_SCORE_BUDGET`` elements (the
-        former one-shot ``[H, T, L]`` tensor was 1.1 GB at T = L = 8K and its softmax dominated long prefills,
-        docs/profile.md). Block [a, b) sees keys 0 .. start+b-1; only its trailing bq x bq square needs the
-        causal mask, and keys past start+b-1 are never touched (half the chunk's causal work is skipped)::
-
-            keys:   0 ........ start-1 | start ... start+a-1 | start+a ... start+b-1 | (not read)
-            row i:  visible              visible               visible iff j' <= i
-
-        Each row's softmax and weighted sum see exactly its visible keys, as in the one-shot form."""
+        Keys are the L = start + T cached rows; the chunk's queries sit at positions start..start+T-1 (the
+        prefix fully visible, causal inside the chunk). Inference on the CPU: torch's flash kernel, in the
+        absorbed form for short chunks and over keys and values decompressed by one GEMM otherwise (the
+        choice by FLOP count, mla_prefill.py); autograd or another device: the query-blocked form over
+        explicit scores."""
         cfg = self.cfg
         t, heads = q_nope.shape[0], q_nope.shape[1]
         start = batch.start_positions[b]
         rows = batch.latent.read(self.mla_idx, b, start + t).float()  # [L, rank + rope]
+        needs_grad = torch.is_grad_enabled() and (q_nope.requires_grad or q_pe.requires_grad
+                                                  or rows.requires_grad or self.w_kv_b.requires_grad)
+        if rows.device.type == "cpu" and not needs_grad:
+            if absorbed_is_cheaper(t, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank):
+                return attend_absorbed_flash_cpu(q_nope, q_pe, rows, self.w_uk, self.w_uv, start, self.scale)
+            k, v = decompress_padded(rows, self.w_kv_b, heads, cfg.qk_nope_head_dim,
+                                     cfg.kv_lora_rank)  # [L, H, nope + rope] each
+            q = torch.cat([q_nope, q_pe], dim=-1).float()  # [T, H, nope + rope]
+            return attend_flash_cpu(q, k, v, start, self.scale, cfg.v_head_dim)
         c, k_pe = rows[:, : cfg.kv_lora_rank], rows[:, cfg.kv_lora_rank:]
         k_nope = torch.einsum("lr,hnr->hln", c, self.w_uk.float())  # [H, L, nope]
         v = torch.einsum("lr,hvr->hlv", c, self.w_uv.float())  # [H, L, v]
         k = torch.cat([k_nope, k_pe.unsqueeze(0).expand(heads, -1, -1)], dim=-1)  # [H, L, nope + rope]
         q = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1) * self.scale  # [H, T, nope + rope]
-        bq = max(_MIN_QUERY_BLOCK, _SCORE_BUDGET // (heads * (start + t)))
-        if bq >= t:
-            return self._attend_block(q, k, v, start, t).transpose(0, 1)
-        out = q.new_empty(heads, t, v.shape[-1])
-        for a in range(0, t, bq):
-            e = min(t, a + bq)
-            out[:, a:e] = self._attend_block(q[:, a:e], k[:, : start + e], v[:, : start + e], start + a, e - a)
-        return out.transpose(0, 1)  # [T, H, v]
-
-    @staticmethod
-    def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, n: int) -> torch.Tensor:
-        """q `[H, n, Dq]` (scale folded in) for positions first .. first+n-1; k `[H, first+n, Dq]`,
-        v `[H, first+n, Dv]` -> `[H, n, Dv]`. Keys first .. first+n-1 are causally masked."""
-        scores = torch.bmm(q, k.transpose(1, 2))  # [H, n, first + n]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)  # key j > query i
-        scores[:, :, first:].masked_fill_(causal, float("-inf"))
-        return torch.bmm(scores.softmax(-1), v)
+        return attend_blocked(q, k, v, start).transpose(0, 1)  # [T, H, v]
 
     def _verify_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Speculative verify: q_nope `[B, T, H, nope]`, q_pe `[B, T, H, rope]` -> `[B, T, H, v]` fp32.
