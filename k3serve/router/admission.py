@@ -14,6 +14,11 @@ Keys (``{...}`` is a Redis Cluster hash tag: all keys of one (cluster, class) sh
     k3s:{ns}:adm:{CLUSTER/CLASS}:qtok    HASH  request_id -> tokens wanted
     k3s:{ns}:adm:{CLUSTER/CLASS}:seq     STRING arrival counter
     k3s:{ns}:adm:{CLUSTER/CLASS}:end     HASH  request_id -> expected end (Redis ms)        retry-after source
+    k3s:{ns}:adm:{CLUSTER/CLASS}:tix     ZSET  ticket -> place (same counter as q)          held places (tickets)
+    k3s:{ns}:adm:{CLUSTER/CLASS}:tixexp  ZSET  ticket -> expiry (ms): hinted moment + grace
+    k3s:{ns}:adm:{CLUSTER/CLASS}:tixtok  HASH  ticket -> tokens
+    k3s:{ns}:adm:{CLUSTER/CLASS}:tixat   HASH  ticket -> "issued ms:hinted ms"
+    k3s:{ns}:adm:{CLUSTER/CLASS}:tixfree HASH  ticket -> first moment (ms) its place was seen free
     k3s:{ns}:adm:alive                   STRING PX a few renew intervals, refreshed by every router's renewer
     k3s:{ns}:adm:recover                 STRING PX grace: present = Redis lost its state, no new admissions
 
@@ -37,6 +42,39 @@ The admission rule, evaluated atomically with Redis's own clock after purging ex
   (with jitter) and renews its waiter lease each time, up to ``max_wait_s``; then ``AdmissionRejected`` with a
   retry hint (gRPC ``RESOURCE_EXHAUSTED``).
 
+Tickets: a refused client's place is held. Every refusal (queue full, waited ``max_wait_s``, no waiting allowed,
+or turned away before admission by a router's stream limit) takes, in the same Lua call, a *place in line*: a
+ticket whose place is the next arrival number (a waiter that times out keeps its queue place), stored under a
+random id. The hint is when that place is expected to come free: the holders' expected ends and everything ahead
+of it in line (queue entries and held places), as ``drain_wait_s`` computes it. The line is one order over queue
+entries and tickets, and the admission rule counts *held places ahead of a request as taken*:
+
+```
+   line (arrival numbers):   q:5   tix:6   tix:7   q:8        newcomer (no place yet: behind all of them)
+   request at place p fits iff fits(t, in-flight + held places before p) and the queue head, if before p,
+   still fits after it
+```
+So a burst that keeps arriving cannot take the room that frees up before the refused clients come back (the
+reason hints were early under a burst before tickets), and a ticket holder that comes back is admitted into its
+place when it is free, or waits in it (ahead of every later newcomer, whatever the queue limit) up to
+``max_wait_s``, and on timeout is refused again with a fresh hint and the same place. Hints for ticketed
+refusals are not scaled late: an early return only waits in its place, while a late one leaves the place empty
+and delays everyone behind it.
+
+* Expiry: a ticket lives until ``ticket_grace_s`` after its hinted moment (while its holder waits in it, as long
+  as it polls), so an abandoned ticket stops blocking the line; the ticket keys themselves expire after their
+  last ticket (keys of unadmitted requests do not linger).
+* Replicas and restarts: tickets live in Redis, so any router honours any router's ticket. A ticket Redis no
+  longer knows (expired, forged, lost in a flush or restart) makes its bearer a newcomer: not an error (the
+  client did nothing wrong, and the budget invariant never depends on tickets: they hold places, not tokens). A
+  ticket for another (cluster, class) than the request now maps to (its pin moved, its cache estimate changed) is
+  given up, freeing its place, and the request joins that budget's line as a newcomer. Classes have separate
+  budgets and lines, so tickets of one class never delay another.
+* At most ``ticket_limit`` places are held per (cluster, class); beyond it a refusal carries the old hint (drain
+  time, scaled late) and no ticket.
+* Each honoured ticket reports (``Reservation.waited``) its issue time, hinted moment and the first moment a
+  Lua call saw its place free, so the router exports how accurate its hints are.
+
 The class specs are passed with each call, so all router replicas must run with the same specs.
 """
 
@@ -58,6 +96,9 @@ from k3serve.router.admission_lua import RESERVE as _RESERVE
 from k3serve.router.admission_lua import STATS as _STATS
 from k3serve.router.retry_hint import HINT_JITTER, HINT_LATENESS, drain_wait_s  # noqa: F401 (re-exported)
 from k3serve.router.admission_lua import TOUCH as _TOUCH
+from k3serve.router.admission_lua import DROP_TICKET as _DROP_TICKET
+from k3serve.router.admission_lua import SET_HINT as _SET_HINT
+from k3serve.router.tickets import Ticket, TicketWait, new_ticket_id
 from k3serve.router.admission_types import (  # noqa: F401 (re-exported)
     AdmissionConfig, AdmissionRejected, ClassLoad, ClassSpec, RecoveryGuard, Reservation, classify, validate_classes)
 from k3serve.router.membership import check_id, key_prefix, ttl_ms
@@ -77,6 +118,8 @@ __all__ = [
 
 
 _OK, _NO, _QUEUED, _FULL = 1, 0, 2, 3
+_TRY, _WAIT, _REFUSE = 0, 1, 2  # RESERVE modes
+_TICKET_KEYS = ("tix", "tixexp", "tixtok", "tixat", "tixfree")
 MIN_RETRY_AFTER_S = 0.05  # a hint of 0 invites a tight retry loop
 
 
@@ -105,20 +148,27 @@ class Admission:
         self._sleep = sleep
         self._clock = clock
         self._recovering = False  # what the last reserve call saw (for the rejection's hint)
+        self.unknown_tickets = 0  # tickets presented that Redis did not know (expired, forged, flushed)
         self._reserve = client.register_script(_RESERVE)
         self._renew = client.register_script(_RENEW)
         self._reassert = client.register_script(_REASSERT)
         self._touch = client.register_script(_TOUCH)
         self._stats = client.register_script(_STATS)
         self._holders = client.register_script(_HOLDERS)
+        self._set_hint = client.register_script(_SET_HINT)
+        self._drop_ticket = client.register_script(_DROP_TICKET)
 
     # ------------------------------------------------------------------------------------------- keys
     def keys(self, cluster: str, cls: str) -> dict[str, str]:
-        """The seven keys of one (cluster, class) budget, by role."""
+        """The twelve keys of one (cluster, class) budget, by role."""
         check_id("cluster id", cluster)
         check_id("class name", cls)
         base = f"{self.prefix}adm:{{{cluster}/{cls}}}:"
-        return {k: base + k for k in ("lease", "tok", "q", "qlease", "qtok", "seq", "end")}
+        return {k: base + k for k in ("lease", "tok", "q", "qlease", "qtok", "seq", "end", *_TICKET_KEYS)}
+
+    def _tkeys(self, cluster: str, cls: str) -> list[str]:
+        k = self.keys(cluster, cls)
+        return [k[n] for n in _TICKET_KEYS]
 
     # ---------------------------------------------------------------------------------- reservations
     def _guard_args(self) -> tuple[list[str], list[int]]:
@@ -126,7 +176,10 @@ class Admission:
             return ["", ""], [0, 0]
         return self._guard_keys, [ttl_ms(self.guard.alive_ttl_s), ttl_ms(self.guard.grace_s)]
 
-    def _call_reserve(self, cluster, cls: ClassSpec, request_id, tokens, lease_ttl_s, mode, expected_s=0.0):
+    def _call_reserve(self, cluster, cls: ClassSpec, request_id, tokens, lease_ttl_s, mode, expected_s=0.0,
+                      ticket_id: str = "", issue: bool = True):
+        """One RESERVE call: (status, reservation or None, queue length, ticket id held after it ('' none),
+        presented ticket state 0 none / 1 honoured / 2 unknown)."""
         try:
             tokens = operator.index(tokens)  # ints, numpy ints; not floats
         except TypeError:
@@ -137,17 +190,23 @@ class Admission:
             raise ValueError("empty request_id")
         k = self.keys(cluster, cls.name)
         gkeys, gargs = self._guard_args()
+        cfg = self.config
         raw = self._reserve(
-            keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["seq"], k["end"], *gkeys],
+            keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["seq"], k["end"],
+                  *(k[n] for n in _TICKET_KEYS), *gkeys],
             args=[request_id, tokens, cls.inflight_token_budget, cls.max_concurrent, ttl_ms(lease_ttl_s), mode,
-                  cls.queue_limit, ttl_ms(self.config.queue_lease_s), int(max(expected_s, 0.0) * 1000), *gargs],
+                  cls.queue_limit, ttl_ms(cfg.queue_lease_s), int(max(expected_s, 0.0) * 1000), *gargs,
+                  ticket_id, new_ticket_id() if issue else "", ttl_ms(cfg.ticket_unhinted_s), cfg.ticket_limit],
         )  # fmt: skip
-        status, _sum, _count, qlen, expiry_ms, recovering = (int(x) for x in raw)
+        status, _sum, _count, qlen, expiry_ms, recovering = (int(x) for x in raw[:6])
+        held = raw[6].decode() if isinstance(raw[6], bytes) else str(raw[6])
+        tstate, issued, hinted, free = (int(x) for x in raw[7:11])
         res = None
         if status == _OK:
-            res = Reservation(cluster, cls.name, request_id, tokens, expiry_ms / 1000.0, lease_ttl_s)
+            waited = TicketWait(issued / 1000.0, hinted / 1000.0, free / 1000.0) if tstate == 1 else None
+            res = Reservation(cluster, cls.name, request_id, tokens, expiry_ms / 1000.0, lease_ttl_s, waited)
         self._recovering = bool(recovering)
-        return status, res, qlen
+        return status, res, qlen, held, tstate
 
     def try_reserve(
         self, cluster: str, cls: ClassSpec, request_id: str, tokens: int, lease_ttl_s: float
@@ -155,7 +214,7 @@ class Admission:
         """Reserve ``tokens`` of ``cls``'s budget on ``cluster`` now, or None (never waits, never queues).
 
         Idempotent per ``request_id``: calling again while the reservation is held renews it and returns it."""
-        _, res, _ = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, 0)
+        _, res, _, _, _ = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, _TRY, issue=False)
         return res
 
     def reserve_or_wait(
@@ -169,25 +228,32 @@ class Admission:
         max_wait_s: float | None = None,
         cancel: threading.Event | None = None,
         expected_s: float = 0.0,
+        ticket_id: str = "",
     ) -> Reservation:
         """Reserve, waiting in the class queue up to ``max_wait_s`` (default ``cls.max_wait_s``). ``expected_s``:
         how long the request is expected to hold the reservation (published as its expected end, for hints).
+        ``ticket_id``: the id of a retry ticket of this (cluster, class) the request came back with: it is admitted
+        into, or waits in, that place (an id Redis does not know: as a newcomer, ``unknown_tickets`` counts it).
 
         Raises AdmissionRejected: "queue_full" when the queue already holds ``queue_limit`` waiters, "timeout"
-        after the wait, "over_budget" when waiting is disabled (max wait 0), "cancelled" when ``cancel`` is set.
+        after the wait, "over_budget" when waiting is disabled (max wait 0), "cancelled" when ``cancel`` is set;
+        all but "cancelled" carry a ticket for the request's place in line (module docstring, "Tickets").
         The waiter leaves the queue on every exit path (and its lease clears it if this process dies).
         """
         wait = cls.max_wait_s if max_wait_s is None else max_wait_s
-        mode = 1 if wait > 0 else 0
-        status, res, qlen = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, mode,
-                                                 expected_s)
+        mode = _WAIT if wait > 0 else _TRY
+        status, res, qlen, held, tstate = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, mode,
+                                                             expected_s, ticket_id)
+        if tstate == 2:
+            self.unknown_tickets += 1  # plain int bumps are fine for a diagnostic count under the GIL
         if status == _OK:
             return res
         rej = functools.partial(self._rejected, cluster, cls, tokens, expected_s=expected_s)
         if status == _NO:
-            raise rej("over_budget", f"{cls.name} on {cluster}: over budget and no waiting allowed")
+            raise rej("over_budget", f"{cls.name} on {cluster}: over budget and no waiting allowed", ticket_id=held)
         if status == _FULL:
-            raise rej("queue_full", f"{cls.name} on {cluster}: queue full ({qlen} waiting)")
+            raise rej("queue_full", f"{cls.name} on {cluster}: queue full ({qlen} waiting)", ticket_id=held)
+        ticket_id = held  # '' for a plain waiter; the ticket it waits in for a returning holder
         deadline = self._clock() + wait
         try:
             while True:
@@ -196,19 +262,49 @@ class Admission:
                     raise AdmissionRejected(0.0, f"{request_id} cancelled while queued for {cls.name}", "cancelled",
                                             cluster, cls.name)
                 if now >= deadline:
-                    self._leave_queue(cluster, cls.name, request_id)  # the hint counts the waiters ahead, not us
-                    raise rej("timeout", f"{cls.name} on {cluster}: not admitted within {wait:.3g}s ({qlen} waiting)")
+                    # refused again, keeping its place: a plain waiter's queue entry becomes its ticket
+                    _, _, qlen, held, _ = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, _REFUSE,
+                                                             expected_s, ticket_id)
+                    ticket_id = ""  # handed to the client now: not ours to drop below
+                    raise rej("timeout", f"{cls.name} on {cluster}: not admitted within {wait:.3g}s ({qlen} waiting)",
+                              ticket_id=held)
                 self._sleep(min(self._jitter(), deadline - now))
-                status, res, qlen = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, 1, expected_s)
+                status, res, qlen, held, _ = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, _WAIT,
+                                                                expected_s, ticket_id)
                 if status == _OK:
                     return res
                 # _FULL here means our waiter lease lapsed (a stall longer than queue_lease_s) and the queue filled
-                # meanwhile: give up like any other newcomer would.
+                # meanwhile: give up like any other newcomer would (with a place at the end of the line).
                 if status == _FULL:
-                    raise rej("queue_full", f"{cls.name} on {cluster}: lost its place in a full queue")
+                    ticket_id = ""
+                    raise rej("queue_full", f"{cls.name} on {cluster}: lost its place in a full queue", ticket_id=held)
         except BaseException:
             self._leave_queue(cluster, cls.name, request_id)
+            if ticket_id:  # cancelled (or failed) while waiting in a held place: free it for those behind
+                self.drop_ticket(Ticket(cluster, cls.name, ticket_id))
             raise
+
+    def refuse(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int, message: str, *,
+               ticket_id: str = "", expected_s: float = 0.0, at_least_s: float = 0.0,
+               unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
+        """Turn a request away before admission (a router at its stream limit) with a place in this budget's line:
+        the presented ticket's, or a new one at the end. The hint is when the place is expected to come free, and
+        not before ``at_least_s`` (the router's own reason to refuse). ``unseen`` only matters when no place could
+        be held (see ``retry_after``)."""
+        _, _, _, held, tstate = self._call_reserve(cluster, cls, request_id, max(int(tokens), 0), 1.0, _REFUSE,
+                                                   expected_s, ticket_id)
+        if tstate == 2:
+            self.unknown_tickets += 1
+        return self._rejected(cluster, cls, tokens, "refused", message, expected_s=expected_s, unseen=unseen,
+                              ticket_id=held, at_least_s=at_least_s)
+
+    def drop_ticket(self, ticket: Ticket) -> bool:
+        """Give up a held place (its holder went elsewhere or away), so that those behind it move up. Best effort:
+        an unreachable Redis lets it expire instead. True if the ticket was held."""
+        try:
+            return bool(int(self._drop_ticket(keys=self._tkeys(ticket.cluster, ticket.cls), args=[ticket.id])))
+        except (redis.RedisError, OSError):
+            return False
 
     def renew(self, reservation: Reservation, lease_ttl_s: float | None = None) -> Reservation | None:
         """Extend the lease by ``lease_ttl_s`` (default: the reservation's) from now; None when the lease was
@@ -269,28 +365,34 @@ class Admission:
         return bool(removed)
 
     # ---------------------------------------------------------------------------------------- reads
-    def stats(self, cluster: str, cls: str) -> ClassLoad:
-        """In-flight tokens and requests and queue length of one (cluster, class), expired leases purged first."""
-        k = self.keys(cluster, cls)
-        tokens, count, queued = self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"]])
-        return ClassLoad(int(tokens), int(count), int(queued))
+    def stats(self, cluster: str, cls: str, spec: ClassSpec | None = None) -> ClassLoad:
+        """In-flight tokens and requests, queue length and held places of one (cluster, class), expired leases,
+        waiters and tickets purged first (with ``spec``, held places that came free are stamped, see RESERVE)."""
+        return self.stats_many([(cluster, cls)], {cls: spec} if spec else None)[0]
 
-    def stats_many(self, pairs: Sequence[tuple[str, str]]) -> list[ClassLoad]:
+    def stats_many(self, pairs: Sequence[tuple[str, str]],
+                   specs: dict[str, ClassSpec] | None = None) -> list[ClassLoad]:
         """``stats`` of many (cluster, class) pairs in one round trip (status and metrics read them all)."""
         pipe = self._r.pipeline(transaction=False)
         for cluster, cls in pairs:
             k = self.keys(cluster, cls)
-            self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"]], client=pipe)
-        return [ClassLoad(int(t), int(c), int(q)) for t, c, q in pipe.execute()]
+            spec = (specs or {}).get(cls)
+            self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"],
+                              *(k[n] for n in _TICKET_KEYS)],
+                        args=[spec.inflight_token_budget, spec.max_concurrent] if spec else [0, 0], client=pipe)
+        return [ClassLoad(int(t), int(c), int(q), int(h)) for t, c, q, h in pipe.execute()]
 
     def retry_after(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0,
-                    unseen: tuple[int, int] = (0, 0)) -> float:
-        """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends.
+                    unseen: tuple[int, int] = (0, 0), ticket_id: str = "") -> float:
+        """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends, behind
+        the waiters and held places ahead of ``ticket_id``'s place (none: ahead of the end of the line).
 
         ``unseen`` = (requests, tokens) ahead of this one that Redis does not show yet (a router's streams that
-        hold a stream slot but have not reached admission): they count as waiters ahead."""
+        hold a stream slot but have not reached admission): they count as waiters ahead. (A ticket's place is
+        ahead of them: they will line up behind it.)"""
         k = self.keys(cluster, cls.name)
-        raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"]])]
+        raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"], k["tix"],
+                                                   k["tixtok"]], args=[ticket_id])]
         now, queued, queued_tokens = raw[:3]
         queued, queued_tokens = queued + unseen[0], queued_tokens + unseen[1]
         # a holder that published no end (a caller without a duration estimate): assume the old rule of thumb,
@@ -322,24 +424,34 @@ class Admission:
         with self._rng_lock:
             return self._rng.uniform(self.config.poll_min_s, self.config.poll_max_s)
 
-    def rejection(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
-                  expected_s: float = 0.0, unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
-        """An AdmissionRejected with the honest hint, for callers that refuse on this budget's behalf
-        (``unseen``: waiters ahead that Redis does not show yet, see ``retry_after``)."""
-        return self._rejected(cluster, cls, tokens, reason, message, expected_s=expected_s, unseen=unseen)
-
     def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
-                  expected_s: float = 0.0, unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
-        """The rejection with its hint: the expected drain time of what holds the budget (the recovery grace while
-        Redis recovers from a state loss), jittered by +0-``HINT_JITTER`` so refused clients do not all return at
-        once."""
-        if self._recovering and self.guard is not None:
+                  expected_s: float = 0.0, unseen: tuple[int, int] = (0, 0), ticket_id: str = "",
+                  at_least_s: float = 0.0) -> AdmissionRejected:
+        """The rejection with its hint (the recovery grace while Redis recovers from a state loss).
+
+        With a held place (``ticket_id``): when that place is expected to come free, unscaled (an early return
+        waits in its place; a late one leaves it empty), written to the ticket so that it expires a grace after
+        it. Without one: the expected drain time of the budget, scaled late and jittered by +0-``HINT_JITTER``
+        (an early retry would be refused again, and refused clients should not all return at once)."""
+        recovering = self._recovering and self.guard is not None
+        if recovering:
             hint, message = self.guard.grace_s, f"{message} (admission state recovering after a Redis loss)"
         else:
             try:
-                hint = self.retry_after(cluster, cls, tokens, round_s=expected_s, unseen=unseen)
+                hint = self.retry_after(cluster, cls, tokens, round_s=expected_s,
+                                        unseen=(0, 0) if ticket_id else unseen, ticket_id=ticket_id)
             except (redis.RedisError, OSError):
                 hint = max(cls.max_wait_s, 0.1)  # no holders to read: the queue turns over in about max_wait_s
-        with self._rng_lock:  # late rather than early: an early retry is refused again, a late one only waits
-            hint = max(hint, MIN_RETRY_AFTER_S) * HINT_LATENESS * self._rng.uniform(1.0, 1.0 + HINT_JITTER)
-        return AdmissionRejected(round(hint, 3), message, reason, cluster, cls.name)
+        hint = max(hint, MIN_RETRY_AFTER_S, at_least_s)
+        if not ticket_id and not recovering:
+            with self._rng_lock:
+                hint *= HINT_LATENESS * self._rng.uniform(1.0, 1.0 + HINT_JITTER)
+        hint, ticket = round(hint, 3), None
+        if ticket_id:
+            try:
+                held = int(self._set_hint(keys=self._tkeys(cluster, cls.name),
+                                          args=[ticket_id, int(hint * 1000), ttl_ms(self.config.ticket_grace_s)]))
+            except (redis.RedisError, OSError):
+                held = 0  # the place lives its unhinted life (ticket_unhinted_s) and then lapses
+            ticket = Ticket(cluster, cls.name, ticket_id) if held else None
+        return AdmissionRejected(hint, message, reason, cluster, cls.name, ticket)

@@ -1,0 +1,78 @@
+"""Retry tickets: a refused request's place in line, held for it in Redis (admission.py, "Tickets").
+
+A ticket is handed out with every RESOURCE_EXHAUSTED that carries a retry-after (gRPC trailing metadata
+``retry-ticket``, next to ``retry-after-s``); a client that comes back with it (request metadata
+``retry-ticket``) is admitted into its held place. On the wire it names the budget it belongs to:
+
+```
+  retry-ticket: <cluster>/<class>/<id>        e.g.  c0/short/5f0c3a9e1b7d42c6a8e0f1d2
+                  check_id   check_id  24 hex digits (random: unguessable, so a place cannot be stolen by guessing)
+```
+
+Metadata rather than a request field: like ``retry-after-s`` it is flow control between the client and the
+router, not part of what is generated; any gRPC client can echo a trailer without a new proto, and a request
+body stays the same across its retries.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+
+from k3serve.router.membership import check_id
+
+METADATA_KEY = "retry-ticket"
+MAX_TICKET_CHARS = 200
+_ID_RE = re.compile(r"^[0-9a-f]{24}$")
+
+
+class MalformedTicket(ValueError):
+    """A ``retry-ticket`` that is not one this router could have issued (gRPC INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A held place in the line of one (cluster, class) budget."""
+
+    cluster: str
+    cls: str
+    id: str
+
+    def __str__(self) -> str:
+        return f"{self.cluster}/{self.cls}/{self.id}"
+
+
+def new_ticket_id() -> str:
+    return secrets.token_hex(12)
+
+
+def parse_ticket(text: str) -> Ticket:
+    """The ticket a client presented; MalformedTicket naming the field when it is not well formed. A well-formed
+    ticket that Redis does not know (forged, expired, lost in a flush) is not an error here: admission treats its
+    bearer as a newcomer (admission.py)."""
+    if len(text) > MAX_TICKET_CHARS:
+        raise MalformedTicket(f"{METADATA_KEY}: at most {MAX_TICKET_CHARS} characters, got {len(text)}")
+    parts = text.split("/")
+    if len(parts) != 3 or not _ID_RE.match(parts[2]):
+        raise MalformedTicket(f"{METADATA_KEY}: expected <cluster>/<class>/<24 hex digits>, got {text[:80]!r}")
+    try:
+        check_id("cluster id", parts[0])
+        check_id("class name", parts[1])
+    except ValueError as e:
+        raise MalformedTicket(f"{METADATA_KEY}: {e}") from None
+    return Ticket(*parts)
+
+
+@dataclass(frozen=True)
+class TicketWait:
+    """What an honoured ticket measured (Redis clock, seconds): when it was handed out, the moment its hint named,
+    and the first moment its place was seen free (or when its holder got in, if no call saw it earlier)."""
+
+    issued_s: float
+    hinted_s: float
+    free_s: float
+
+    def accuracy(self, floor_s: float = 0.05) -> float:
+        """hint / real wait (1: exact; both floored at ``floor_s``, the shortest hint handed out)."""
+        return max(self.hinted_s - self.issued_s, floor_s) / max(self.free_s - self.issued_s, floor_s)
