@@ -62,6 +62,15 @@ local function keep_keys(T, until_ms)
     if cur ~= -2 and cur < ttl then redis.call('PEXPIRE', k, ttl) end
   end
 end
+-- ... and exactly as long as the latest ticket (after a hint shortened one from its unhinted life)
+local function fit_keys(T)
+  local last = redis.call('ZRANGE', T.exp, -1, -1, 'WITHSCORES')
+  if #last == 0 then return end
+  local ttl = math.max(tonumber(last[2]) - now, 0) + 1000
+  for _, k in ipairs({T.tix, T.exp, T.tok, T.at, T.free}) do
+    if redis.call('EXISTS', k) == 1 then redis.call('PEXPIRE', k, ttl) end
+  end
+end
 local function extend_ticket(T, id, until_ms)
   if tonumber(redis.call('ZSCORE', T.exp, id) or '0') < until_ms then
     redis.call('ZADD', T.exp, until_ms, id)
@@ -279,7 +288,7 @@ if not redis.call('ZSCORE', T.tix, ARGV[1]) then return 0 end
 local at = now + tonumber(ARGV[2])
 redis.call('ZADD', T.exp, at + tonumber(ARGV[3]), ARGV[1])
 redis.call('HSET', T.at, ARGV[1], now .. ':' .. at)
-keep_keys(T, at + tonumber(ARGV[3]))
+fit_keys(T)
 return at
 """
 

@@ -5,8 +5,9 @@ replicas make the same decisions. Per request:
 
 ```
  decode (tolerant: bad UTF-8 is INVALID_ARGUMENT) ─▶ API key ─▶ validate ─▶ tenant salt, cache identity
-   ─▶ stream slot (else RESOURCE_EXHAUSTED + retry-after + retry-ticket) ─▶ pin (HRW, pending TTL) ─▶ admit on the serving
-   cluster (class from the uncached estimate for *that* cluster) ─▶ confirm pin ─▶ stream (relay.py)
+   ─▶ stream slot (else RESOURCE_EXHAUSTED + retry-after + retry-ticket) ─▶ pin (HRW, pending TTL)
+   ─▶ admit on the serving cluster (class from the uncached estimate for *that* cluster; a retry-ticket it came
+   back with is its held place) ─▶ confirm pin ─▶ stream (relay.py)
                                                       │ transport/cluster fault: breaker marks it suspect,
                                                       ▼ pin moves to the next survivor in HRW order
           resubmit prompt + tokens already streamed, max_tokens - streamed, same seed, same class and reservation

@@ -205,6 +205,30 @@ def test_retry_after_is_the_expected_drain_time_of_the_holder(rig):
     assert measured / 2 <= hint <= 2 * measured, (hint, measured)
 
 
+def test_a_refused_client_gets_a_ticket_that_holds_its_place_on_any_router(rig):
+    rig.add_cluster("c0", Behaviour(delay_s=0.05))
+    classes = [ClassSpec("short", None, inflight_token_budget=100, max_concurrent=1, queue_limit=0, max_wait_s=0)]
+    svc_a, a = rig.add_router(classes)
+    svc_b, b = rig.add_router(classes)
+    holder = threading.Thread(target=_run, args=(a,), kwargs=dict(
+        session_id="holder", prompt_token_ids=[1], sampling=pb.SamplingParams(max_tokens=20, ignore_eos=True)))
+    holder.start()
+    time.sleep(0.3)
+    err = _rpc_error(lambda: _run(a, session_id="second", prompt_token_ids=[2]))
+    md = dict(err.trailing_metadata())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and md["retry-ticket"].startswith("c0/short/")
+    holder.join(20)
+    # the holder is done, but its room is held for "second": a newcomer is refused, with a place behind it
+    late = _rpc_error(lambda: _run(b, session_id="third", prompt_token_ids=[3]))
+    assert late.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(late.trailing_metadata())["retry-ticket"] != md["retry-ticket"]
+    tokens, _ = _run(b, metadata=(("retry-ticket", md["retry-ticket"]),), session_id="second", prompt_token_ids=[2])
+    assert tokens == expected_tokens(5) and svc_b.gate.counters["tickets_honoured"] == 1
+    assert svc_b.metrics.hint_accuracy.labels(cls="short")._sum.get() > 0  # how true the hint was, exported
+    bad = _rpc_error(lambda: _run(b, metadata=(("retry-ticket", "c0/short/not-hex"),), prompt_token_ids=[2]))
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "retry-ticket" in bad.details()
+
+
 # ------------------------------------------------------------------ 9: anonymous conversations' identity
 def test_anonymous_requests_get_a_per_conversation_cache_identity(rig):
     fc = rig.add_cluster("c0")
