@@ -42,38 +42,8 @@ The admission rule, evaluated atomically with Redis's own clock after purging ex
   (with jitter) and renews its waiter lease each time, up to ``max_wait_s``; then ``AdmissionRejected`` with a
   retry hint (gRPC ``RESOURCE_EXHAUSTED``).
 
-Tickets: a refused client's place is held. Every refusal (queue full, waited ``max_wait_s``, no waiting allowed,
-or turned away before admission by a router's stream limit) takes, in the same Lua call, a *place in line*: a
-ticket whose place is the next arrival number (a waiter that times out keeps its queue place), stored under a
-random id. The hint is when that place is expected to come free: the holders' expected ends and everything ahead
-of it in line (queue entries and held places), as ``drain_wait_s`` computes it. The line is one order over queue
-entries and tickets, and the admission rule counts *held places ahead of a request as taken*:
-
-```
-   line (arrival numbers):   q:5   tix:6   tix:7   q:8        newcomer (no place yet: behind all of them)
-   request at place p fits iff fits(t, in-flight + held places before p) and the queue head, if before p,
-   still fits after it
-```
-So a burst that keeps arriving cannot take the room that frees up before the refused clients come back (the
-reason hints were early under a burst before tickets), and a ticket holder that comes back is admitted into its
-place when it is free, or waits in it (ahead of every later newcomer, whatever the queue limit) up to
-``max_wait_s``, and on timeout is refused again with a fresh hint and the same place. Hints for ticketed
-refusals are not scaled late: an early return only waits in its place, while a late one leaves the place empty
-and delays everyone behind it.
-
-* Expiry: a ticket lives until ``ticket_grace_s`` after its hinted moment (while its holder waits in it, as long
-  as it polls), so an abandoned ticket stops blocking the line; the ticket keys themselves expire after their
-  last ticket (keys of unadmitted requests do not linger).
-* Replicas and restarts: tickets live in Redis, so any router honours any router's ticket. A ticket Redis no
-  longer knows (expired, forged, lost in a flush or restart) makes its bearer a newcomer: not an error (the
-  client did nothing wrong, and the budget invariant never depends on tickets: they hold places, not tokens). A
-  ticket for another (cluster, class) than the request now maps to (its pin moved, its cache estimate changed) is
-  given up, freeing its place, and the request joins that budget's line as a newcomer. Classes have separate
-  budgets and lines, so tickets of one class never delay another.
-* At most ``ticket_limit`` places are held per (cluster, class); beyond it a refusal carries the old hint (drain
-  time, scaled late) and no ticket.
-* Each honoured ticket reports (``Reservation.waited``) its issue time, hinted moment and the first moment a
-  Lua call saw its place free, so the router exports how accurate its hints are.
+Tickets: a refused client's place in line is held for it (router/tickets.py has the design): held places ahead
+of a request count as taken, and a refusal's hint is when its place is expected to come free.
 
 The class specs are passed with each call, so all router replicas must run with the same specs.
 """
@@ -89,15 +59,12 @@ from collections.abc import Sequence
 
 import redis
 
-from k3serve.router.admission_lua import HOLDERS as _HOLDERS
-from k3serve.router.admission_lua import REASSERT as _REASSERT
-from k3serve.router.admission_lua import RENEW as _RENEW
-from k3serve.router.admission_lua import RESERVE as _RESERVE
-from k3serve.router.admission_lua import STATS as _STATS
+from k3serve.router.admission_lua import (DROP_TICKET as _DROP_TICKET, HOLDERS as _HOLDERS, REASSERT as _REASSERT,
+                                          REFUSE as _REFUSE, RENEW as _RENEW, RESERVE as _RESERVE,
+                                          SET_HINT as _SET_HINT, STATS as _STATS, TICKET_KEYS as _TICKET_KEYS,
+                                          TOUCH as _TOUCH, TRY as _TRY, WAIT as _WAIT)
 from k3serve.router.retry_hint import HINT_JITTER, HINT_LATENESS, drain_wait_s  # noqa: F401 (re-exported)
-from k3serve.router.admission_lua import TOUCH as _TOUCH
-from k3serve.router.admission_lua import DROP_TICKET as _DROP_TICKET
-from k3serve.router.admission_lua import SET_HINT as _SET_HINT
+from k3serve.router.admission_refusals import MIN_RETRY_AFTER_S, AdmissionRefusals  # noqa: F401 (re-exported)
 from k3serve.router.tickets import Ticket, TicketWait, new_ticket_id
 from k3serve.router.admission_types import (  # noqa: F401 (re-exported)
     AdmissionConfig, AdmissionRejected, ClassLoad, ClassSpec, RecoveryGuard, Reservation, classify, validate_classes)
@@ -118,12 +85,9 @@ __all__ = [
 
 
 _OK, _NO, _QUEUED, _FULL = 1, 0, 2, 3
-_TRY, _WAIT, _REFUSE = 0, 1, 2  # RESERVE modes
-_TICKET_KEYS = ("tix", "tixexp", "tixtok", "tixat", "tixfree")
-MIN_RETRY_AFTER_S = 0.05  # a hint of 0 invites a tight retry loop
 
 
-class Admission:
+class Admission(AdmissionRefusals):
     """Admission control over one Redis, under one deployment namespace. No state of its own beyond the client
     and a jitter RNG: any number of instances and router processes share budgets through Redis. Thread-safe as
     far as the redis-py client is (its connection pool is)."""
@@ -233,7 +197,8 @@ class Admission:
         """Reserve, waiting in the class queue up to ``max_wait_s`` (default ``cls.max_wait_s``). ``expected_s``:
         how long the request is expected to hold the reservation (published as its expected end, for hints).
         ``ticket_id``: the id of a retry ticket of this (cluster, class) the request came back with: it is admitted
-        into, or waits in, that place (an id Redis does not know: as a newcomer, ``unknown_tickets`` counts it).
+        into that place when it is free, else refused at once ("early") with a fresh hint and the same place (an
+        id Redis does not know: as a newcomer, ``unknown_tickets`` counts it).
 
         Raises AdmissionRejected: "queue_full" when the queue already holds ``queue_limit`` waiters, "timeout"
         after the wait, "over_budget" when waiting is disabled (max wait 0), "cancelled" when ``cancel`` is set;
@@ -249,11 +214,13 @@ class Admission:
         if status == _OK:
             return res
         rej = functools.partial(self._rejected, cluster, cls, tokens, expected_s=expected_s)
+        if status == _NO and tstate == 1:
+            raise rej("early", f"{cls.name} on {cluster}: back before its place in line is free", ticket_id=held)
         if status == _NO:
             raise rej("over_budget", f"{cls.name} on {cluster}: over budget and no waiting allowed", ticket_id=held)
         if status == _FULL:
             raise rej("queue_full", f"{cls.name} on {cluster}: queue full ({qlen} waiting)", ticket_id=held)
-        ticket_id = held  # '' for a plain waiter; the ticket it waits in for a returning holder
+        # a plain waiter (ticket holders do not wait); on timeout its queue place becomes its ticket
         deadline = self._clock() + wait
         try:
             while True:
@@ -262,49 +229,22 @@ class Admission:
                     raise AdmissionRejected(0.0, f"{request_id} cancelled while queued for {cls.name}", "cancelled",
                                             cluster, cls.name)
                 if now >= deadline:
-                    # refused again, keeping its place: a plain waiter's queue entry becomes its ticket
                     _, _, qlen, held, _ = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, _REFUSE,
-                                                             expected_s, ticket_id)
-                    ticket_id = ""  # handed to the client now: not ours to drop below
+                                                             expected_s)
                     raise rej("timeout", f"{cls.name} on {cluster}: not admitted within {wait:.3g}s ({qlen} waiting)",
                               ticket_id=held)
                 self._sleep(min(self._jitter(), deadline - now))
                 status, res, qlen, held, _ = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, _WAIT,
-                                                                expected_s, ticket_id)
+                                                                expected_s)
                 if status == _OK:
                     return res
                 # _FULL here means our waiter lease lapsed (a stall longer than queue_lease_s) and the queue filled
                 # meanwhile: give up like any other newcomer would (with a place at the end of the line).
                 if status == _FULL:
-                    ticket_id = ""
                     raise rej("queue_full", f"{cls.name} on {cluster}: lost its place in a full queue", ticket_id=held)
         except BaseException:
             self._leave_queue(cluster, cls.name, request_id)
-            if ticket_id:  # cancelled (or failed) while waiting in a held place: free it for those behind
-                self.drop_ticket(Ticket(cluster, cls.name, ticket_id))
             raise
-
-    def refuse(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int, message: str, *,
-               ticket_id: str = "", expected_s: float = 0.0, at_least_s: float = 0.0,
-               unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
-        """Turn a request away before admission (a router at its stream limit) with a place in this budget's line:
-        the presented ticket's, or a new one at the end. The hint is when the place is expected to come free, and
-        not before ``at_least_s`` (the router's own reason to refuse). ``unseen`` only matters when no place could
-        be held (see ``retry_after``)."""
-        _, _, _, held, tstate = self._call_reserve(cluster, cls, request_id, max(int(tokens), 0), 1.0, _REFUSE,
-                                                   expected_s, ticket_id)
-        if tstate == 2:
-            self.unknown_tickets += 1
-        return self._rejected(cluster, cls, tokens, "refused", message, expected_s=expected_s, unseen=unseen,
-                              ticket_id=held, at_least_s=at_least_s)
-
-    def drop_ticket(self, ticket: Ticket) -> bool:
-        """Give up a held place (its holder went elsewhere or away), so that those behind it move up. Best effort:
-        an unreachable Redis lets it expire instead. True if the ticket was held."""
-        try:
-            return bool(int(self._drop_ticket(keys=self._tkeys(ticket.cluster, ticket.cls), args=[ticket.id])))
-        except (redis.RedisError, OSError):
-            return False
 
     def renew(self, reservation: Reservation, lease_ttl_s: float | None = None) -> Reservation | None:
         """Extend the lease by ``lease_ttl_s`` (default: the reservation's) from now; None when the lease was
@@ -382,26 +322,6 @@ class Admission:
                         args=[spec.inflight_token_budget, spec.max_concurrent] if spec else [0, 0], client=pipe)
         return [ClassLoad(int(t), int(c), int(q), int(h)) for t, c, q, h in pipe.execute()]
 
-    def retry_after(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0,
-                    unseen: tuple[int, int] = (0, 0), ticket_id: str = "") -> float:
-        """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends, behind
-        the waiters and held places ahead of ``ticket_id``'s place (none: ahead of the end of the line).
-
-        ``unseen`` = (requests, tokens) ahead of this one that Redis does not show yet (a router's streams that
-        hold a stream slot but have not reached admission): they count as waiters ahead. (A ticket's place is
-        ahead of them: they will line up behind it.)"""
-        k = self.keys(cluster, cls.name)
-        raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"], k["tix"],
-                                                   k["tixtok"]], args=[ticket_id])]
-        now, queued, queued_tokens = raw[:3]
-        queued, queued_tokens = queued + unseen[0], queued_tokens + unseen[1]
-        # a holder that published no end (a caller without a duration estimate): assume the old rule of thumb,
-        # that the class turns over in about max_wait_s
-        unknown = now + int(max(cls.max_wait_s, 0.1) * 1000)
-        holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[3::2], raw[4::2])]
-        return drain_wait_s(now, holders, queued, queued_tokens, tokens, cls.inflight_token_budget,
-                            cls.max_concurrent, round_s)
-
     def inflight(self, cluster: str, cls: str) -> tuple[int, int]:
         """(in-flight tokens, in-flight requests) of one (cluster, class)."""
         s = self.stats(cluster, cls)
@@ -423,35 +343,3 @@ class Admission:
     def _jitter(self) -> float:
         with self._rng_lock:
             return self._rng.uniform(self.config.poll_min_s, self.config.poll_max_s)
-
-    def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
-                  expected_s: float = 0.0, unseen: tuple[int, int] = (0, 0), ticket_id: str = "",
-                  at_least_s: float = 0.0) -> AdmissionRejected:
-        """The rejection with its hint (the recovery grace while Redis recovers from a state loss).
-
-        With a held place (``ticket_id``): when that place is expected to come free, unscaled (an early return
-        waits in its place; a late one leaves it empty), written to the ticket so that it expires a grace after
-        it. Without one: the expected drain time of the budget, scaled late and jittered by +0-``HINT_JITTER``
-        (an early retry would be refused again, and refused clients should not all return at once)."""
-        recovering = self._recovering and self.guard is not None
-        if recovering:
-            hint, message = self.guard.grace_s, f"{message} (admission state recovering after a Redis loss)"
-        else:
-            try:
-                hint = self.retry_after(cluster, cls, tokens, round_s=expected_s,
-                                        unseen=(0, 0) if ticket_id else unseen, ticket_id=ticket_id)
-            except (redis.RedisError, OSError):
-                hint = max(cls.max_wait_s, 0.1)  # no holders to read: the queue turns over in about max_wait_s
-        hint = max(hint, MIN_RETRY_AFTER_S, at_least_s)
-        if not ticket_id and not recovering:
-            with self._rng_lock:
-                hint *= HINT_LATENESS * self._rng.uniform(1.0, 1.0 + HINT_JITTER)
-        hint, ticket = round(hint, 3), None
-        if ticket_id:
-            try:
-                held = int(self._set_hint(keys=self._tkeys(cluster, cls.name),
-                                          args=[ticket_id, int(hint * 1000), ttl_ms(self.config.ticket_grace_s)]))
-            except (redis.RedisError, OSError):
-                held = 0  # the place lives its unhinted life (ticket_unhinted_s) and then lapses
-            ticket = Ticket(cluster, cls.name, ticket_id) if held else None
-        return AdmissionRejected(hint, message, reason, cluster, cls.name, ticket)

@@ -3,6 +3,9 @@
 Key roles and return values are listed above each script; ``now`` is Redis's own clock (ms).
 """
 
+TRY, WAIT, REFUSE = 0, 1, 2  # RESERVE's modes
+TICKET_KEYS = ("tix", "tixexp", "tixtok", "tixat", "tixfree")  # the ticket keys of one (cluster, class), in order
+
 LUA_COMMON = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -129,7 +132,8 @@ end
 # Returns {status, inflight tokens, inflight count, queue length, lease expiry ms, recovering (0/1),
 #          ticket held after the call ('' none), presented ticket (0 none, 1 honoured, 2 unknown/expired),
 #          and for an honoured ticket that got in: issued ms, hinted ms, first moment its place was free ms}
-# status: 1 reserved, 0 not reserved (mode 0 / 2), 2 queued / still waiting, 3 queue full.
+# status: 1 reserved, 0 not reserved (mode 0 / 2, or a ticket whose place is not free yet), 2 queued / still
+# waiting, 3 queue full.
 RESERVE = LUA_COMMON + LUA_TICKETS + """
 local rid, tokens = ARGV[1], tonumber(ARGV[2])
 local budget, maxc, lease_ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -198,13 +202,9 @@ local function refuse(status)
   end
   return {status, sum, count, redis.call('ZCARD', KEYS[3]), 0, r, out, tstate, 0, 0, 0}
 end
-if mode ~= 1 then return refuse(0) end
-if tk ~= '' then
-  -- a ticket holder waits in its own place (ahead of later newcomers, whatever the queue limit): its polls
-  -- keep the ticket alive like a waiter lease
-  extend_ticket(T, tk, now + qlease_ms)
-  return {2, sum, count, qlen, 0, r, tk, tstate, 0, 0, 0}
-end
+-- a ticket holder back before its place is free does not wait (a waiting stream holds a router thread, and early
+-- returners would fill them while a holder whose place is free is turned away): refused at once, same place
+if mode ~= 1 or tk ~= '' then return refuse(0) end
 if qs then
   redis.call('ZADD', KEYS[4], now + qlease_ms, rid)
   return {2, sum, count, qlen, 0, r, '', tstate, 0, 0, 0}

@@ -1,4 +1,39 @@
-"""Retry tickets: a refused request's place in line, held for it in Redis (admission.py, "Tickets").
+"""Retry tickets: a refused request's place in line, held for it in Redis (admission.py's Lua, admission_lua.py).
+
+A refused client's place is held. Every refusal (queue full, waited ``max_wait_s``, no waiting allowed,
+or turned away before admission by a router's stream limit) takes, in the same Lua call, a *place in line*: a
+ticket whose place is the next arrival number (a waiter that times out keeps its queue place), stored under a
+random id. The hint is when that place is expected to come free: the holders' expected ends and everything ahead
+of it in line (queue entries and held places), as ``drain_wait_s`` computes it. The line is one order over queue
+entries and tickets, and the admission rule counts *held places ahead of a request as taken*:
+
+```
+   line (arrival numbers):   q:5   tix:6   tix:7   q:8        newcomer (no place yet: behind all of them)
+   request at place p fits iff fits(t, in-flight + held places before p) and the queue head, if before p,
+   still fits after it
+```
+So a burst that keeps arriving cannot take the room that frees up before the refused clients come back (the
+reason hints were early under a burst before tickets), and a ticket holder that comes back is admitted into its
+place when it is free, or waits in it (ahead of every later newcomer, whatever the queue limit) up to
+``max_wait_s``, and on timeout is refused again with a fresh hint and the same place. Hints for ticketed
+refusals are not scaled late: an early return only waits in its place, while a late one leaves the place empty
+and delays everyone behind it.
+
+* Expiry: a ticket lives until ``ticket_grace_s`` after its hinted moment (while its holder waits in it, as long
+  as it polls), so an abandoned ticket stops blocking the line; the ticket keys themselves expire after their
+  last ticket (keys of unadmitted requests do not linger).
+* Replicas and restarts: tickets live in Redis, so any router honours any router's ticket. A ticket Redis no
+  longer knows (expired, forged, lost in a flush or restart) makes its bearer a newcomer: not an error (the
+  client did nothing wrong, and the budget invariant never depends on tickets: they hold places, not tokens). A
+  ticket for another (cluster, class) than the request now maps to (its pin moved, its cache estimate changed) is
+  given up, freeing its place, and the request joins that budget's line as a newcomer. Classes have separate
+  budgets and lines, so tickets of one class never delay another.
+* At most ``ticket_limit`` places are held per (cluster, class); beyond it a refusal carries the old hint (drain
+  time, scaled late) and no ticket.
+* Each honoured ticket reports (``Reservation.waited``) its issue time, hinted moment and the first moment a
+  Lua call saw its place free, so the router exports how accurate its hints are.
+
+The wire form:
 
 A ticket is handed out with every RESOURCE_EXHAUSTED that carries a retry-after (gRPC trailing metadata
 ``retry-ticket``, next to ``retry-after-s``); a client that comes back with it (request metadata

@@ -126,11 +126,18 @@ def _router(deployment, ns: str, classes, max_streams: int):
 
 
 class _Monitor:
-    """Samples every (cluster, class) budget from Redis, and probes health and status of each router."""
+    """Samples every (cluster, "short") budget from Redis, atomically per sample: in-flight count and tokens, the
+    queue and the held places (tickets) with their places in line; and probes health and status of each router.
+
+    Whether a ticket's place is free is computed here from the raw sample, by the admission rule of
+    router/admission.py (not read from the Lua script's own stamps): with this test's token budget (never the
+    limit) a place p is free when in-flight + held places before p < MAX_CONCURRENT, and the queue head, if before
+    p, would still fit after it."""
 
     def __init__(self, gate, clusters, addrs) -> None:
         self.gate, self.clusters, self.addrs = gate, clusters, addrs
-        self.samples: list[tuple[float, dict[str, tuple[int, int, int]]]] = []
+        self.samples: list[tuple[float, dict[str, tuple[int, int, list, list]]]] = []
+        self.places: dict[str, tuple[str, float]] = {}  # ticket id -> (cluster, place), once seen
         self.probe_failures: list[str] = []
         self.probes = 0
         self._stop = threading.Event()
@@ -139,12 +146,26 @@ class _Monitor:
             t.start()
 
     def _sample(self) -> None:
-        pairs = [(c, "short") for c in self.clusters]
+        adm, spec = self.gate.admission, self.gate.classes[0]
         while not self._stop.wait(0.02):
             t = time.monotonic()  # the state is read during the call: stamp it with the call's midpoint, so a slow
-            loads = self.gate.admission.stats_many(pairs)  # Redis never makes a wait look longer than it was
-            self.samples.append(((t + time.monotonic()) / 2, {c: (ld.count, ld.queued, ld.tokens)
-                                                               for (c, _), ld in zip(pairs, loads)}))
+            pipe = adm._r.pipeline(transaction=True)  # Redis never makes a wait look longer than it was
+            for c in self.clusters:
+                k = adm.keys(c, "short")
+                adm._stats(keys=[k[n] for n in ("lease", "tok", "q", "qlease", "qtok", "end", "tix", "tixexp",
+                                                "tixtok", "tixat", "tixfree")],
+                           args=[spec.inflight_token_budget, spec.max_concurrent], client=pipe)
+                pipe.zrange(k["tix"], 0, -1, withscores=True)
+                pipe.zrange(k["q"], 0, -1, withscores=True)
+            out = pipe.execute()
+            mid = (t + time.monotonic()) / 2
+            loads = {}
+            for j, c in enumerate(self.clusters):
+                (tokens, count, _, _), tix, q = out[3 * j], out[3 * j + 1], out[3 * j + 2]
+                loads[c] = (int(count), int(tokens), [p for _, p in tix], [p for _, p in q])
+                for tid, place in tix:
+                    self.places.setdefault(tid, (c, place))
+            self.samples.append((mid, loads))
 
     def _probe(self) -> None:
         channels = [grpc.insecure_channel(a) for a in self.addrs]
@@ -158,13 +179,30 @@ class _Monitor:
                 except (grpc.RpcError, AssertionError) as e:
                     self.probe_failures.append(repr(e))
 
-    def room_at(self, cluster: str, since: float) -> float | None:
-        """The first sampled moment after ``since`` at which a newcomer would be admitted on ``cluster``."""
+    @staticmethod
+    def free(count: int, tix: list, q: list, place: float) -> bool:
+        ahead = sum(p < place for p in tix)
+        if count + ahead >= MAX_CONCURRENT and count + ahead > 0:
+            return False
+        head_before = bool(q) and min(q) < place
+        return not head_before or count + ahead + 1 < MAX_CONCURRENT
+
+    def free_at(self, ticket_id: str, since: float) -> float | None:
+        """The first sampled moment after ``since`` at which the ticket's place is free, or it is no longer held
+        (its holder got in)."""
+        if ticket_id not in self.places:
+            return None
+        cluster, place = self.places[ticket_id]
         for t, loads in self.samples:
-            count, queued, _ = loads[cluster]
-            if t >= since and count + queued < MAX_CONCURRENT:
+            count, _, tix, q = loads[cluster]
+            if t >= since and (place not in tix or self.free(count, tix, q, place)):
                 return t
         return None
+
+    def held_free(self) -> int:
+        """The most (in flight + held places that are free) seen on one cluster: the budget, counting held places."""
+        return max(count + sum(self.free(count, tix, q, p) for p in tix)
+                   for _, loads in self.samples for count, _, tix, q in loads.values())
 
     def stop(self) -> None:
         self._stop.set()
@@ -173,6 +211,9 @@ class _Monitor:
 
 
 def test_load_two_routers_200_streams(deployment):
+    """200 clients at once at two routers sized for 12 in flight or queued; a refused client sleeps its hint and
+    comes back with its ticket, until it completes. Every hint is checked against the moment its place really came
+    free (sampled from Redis)."""
     from k3serve.router.admission import ClassSpec
 
     ns = "load" + uuid.uuid4().hex[:8]
@@ -185,61 +226,72 @@ def test_load_two_routers_200_streams(deployment):
     stubs = [_stub(addr) for _, _, addr in routers]
     sp = pb.SamplingParams(max_tokens=8, ignore_eos=True)
 
-    def one(i: int, phase: str):
+    def once(i: int, phase: str, ticket: str):
         req = pb.GenerateRequest(session_id=f"{phase}-{i}", prompt_text=f"load {phase} {i}", sampling=sp)
+        md = (("retry-ticket", ticket),) if ticket else None
         try:
-            tokens, last = _collect(stubs[i % 2], req, timeout=90)
-            return ("ok", len(tokens), last.finish_reason)
+            msgs = list(stubs[i % 2].Generate(req, timeout=90, metadata=md))
+            return ("ok", sum(len(m.token_ids) for m in msgs), msgs[-1].finish_reason)
         except grpc.RpcError as e:
-            md = dict(e.trailing_metadata() or ())
-            return ("err", e.code(), time.monotonic(), float(md.get("retry-after-s", "nan")),
-                    md.get("k3serve-rejected-by", ""), e.details())
+            tmd = dict(e.trailing_metadata() or ())
+            return ("err", e.code(), time.monotonic(), float(tmd.get("retry-after-s", "nan")),
+                    tmd.get("k3serve-rejected-by", ""), tmd.get("retry-ticket", ""), e.details())
+
+    def client(i: int, phase: str):
+        """Follows every hint with its ticket; returns (final outcome, refusals)."""
+        refusals, ticket = [], ""
+        for _ in range(40):
+            r = once(i, phase, ticket)
+            if r[0] == "ok" or r[1] != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return r, refusals
+            refusals.append(r)
+            ticket = r[5]
+            time.sleep(r[3])
+        return r, refusals
 
     try:
         with ThreadPoolExecutor(12) as pool:  # warm-up at the service's own concurrency: durations are learned
-            warm = list(pool.map(lambda i: one(i, "warm"), range(24)))
-        assert all(w[0] == "ok" or w[1] == grpc.StatusCode.RESOURCE_EXHAUSTED for w in warm)
+            warm = list(pool.map(lambda i: client(i, "warm"), range(24)))
+        assert all(w[0][0] == "ok" for w in warm)
         clusters = sorted(deployment.cluster_endpoints)
         mon = _Monitor(routers[0][0].gate, clusters, [a for _, _, a in routers])
         t0 = time.monotonic()
         try:
             with ThreadPoolExecutor(200) as pool:
-                results = list(pool.map(lambda i: one(i, "burst"), range(200)))
+                results = list(pool.map(lambda i: client(i, "burst"), range(200)))
             elapsed = time.monotonic() - t0
             time.sleep(0.3)
         finally:
             mon.stop()
-        completed = [r for r in results if r[0] == "ok"]
-        rejected = [r for r in results if r[0] == "err"]
-        assert all(r[1] == 8 and r[2] == "length" for r in completed)
-        assert all(r[1] == grpc.StatusCode.RESOURCE_EXHAUSTED for r in rejected), {r[1] for r in rejected}
-        assert len(completed) + len(rejected) == 200 and completed
+        finals = [r for r, _ in results]
+        refusals = [x for _, rs in results for x in rs]
+        assert all(r[0] == "ok" and r[1] == 8 and r[2] == "length" for r in finals), [r for r in finals
+                                                                                        if r[0] != "ok"][:3]
+        assert all(x[5] for x in refusals), "a refusal without a ticket"  # every refused client had a place held
+        assert all(svc.gate.admission.unknown_tickets == 0 for svc, _, _ in routers)  # none lapsed or was lost
         ratios = []
-        for _, _, t_err, hint, by, details in rejected:
-            cluster = by.split(":", 1)[1].split("/")[0]
-            room = mon.room_at(cluster, t_err)
-            assert room is not None, (by, details)
-            ratios.append(max(hint, FLOOR_S) / max(room - t_err, FLOOR_S))
+        for _, _, t_err, hint, by, ticket, details in refusals:
+            free = mon.free_at(ticket.split("/")[2], t_err)
+            assert free is not None, (by, ticket, details)
+            ratios.append(max(hint, FLOOR_S) / max(free - t_err, FLOOR_S))
             if os.environ.get("K3S_LOAD_DEBUG"):
-                print(f"{by:22s} t={t_err - t0:6.2f} hint={hint:6.2f} wait={room - t_err:6.2f} {details[:60]}")
+                print(f"{by:22s} t={t_err - t0:6.2f} hint={hint:6.2f} wait={free - t_err:6.2f} {details[:50]}")
         max_count = max(ld[0] for _, loads in mon.samples for ld in loads.values())
-        max_tokens = max(ld[2] for _, loads in mon.samples for ld in loads.values())
-        by_router = sum(r[4].startswith("router") for r in rejected)
-        print(f"\nload: 200 streams in {elapsed:.1f}s: {len(completed)} completed, {len(rejected)} rejected "
-              f"({by_router} at a router's stream limit); "
-              f"hint/measured wait in [{min(ratios):.2f}, {max(ratios):.2f}]; max in flight per cluster "
-              f"{max_count}/{MAX_CONCURRENT}, max tokens {max_tokens}/{1 << 20}; "
+        max_tokens = max(ld[1] for _, loads in mon.samples for ld in loads.values())
+        held_free = mon.held_free()
+        by_router = sum(x[4].startswith("router") for x in refusals)
+        honoured = sum(svc.gate.counters["tickets_honoured"] for svc, _, _ in routers)
+        print(f"\nload: 200 streams in {elapsed:.1f}s, all completed after {len(refusals)} refusals "
+              f"({by_router} at a router's stream limit), {honoured} admitted on their ticket; "
+              f"hint/measured wait in [{min(ratios):.2f}, {max(ratios):.2f}] "
+              f"(p10 {sorted(ratios)[len(ratios) // 10]:.2f}, median {sorted(ratios)[len(ratios) // 2]:.2f}, "
+              f"p90 {sorted(ratios)[len(ratios) * 9 // 10]:.2f}); max in flight per cluster {max_count}/"
+              f"{MAX_CONCURRENT} (with free held places {held_free}), max tokens {max_tokens}/{1 << 20}; "
               f"{mon.probes} health+status probes, {len(mon.probe_failures)} failed")
-        assert max_count <= MAX_CONCURRENT and max_tokens <= 1 << 20  # budgets never exceeded (from Redis)
+        # budgets never exceeded (from Redis), counting the held places that are free for their holders
+        assert max_count <= MAX_CONCURRENT and held_free <= MAX_CONCURRENT and max_tokens <= 1 << 20
         assert not mon.probe_failures, mon.probe_failures[:3]  # health and status answered throughout
-        # issue #19 asks for every hint within 2x of the measured wait ([0.5, 2]). Counting overdue holders and the
-        # router's not-yet-admitted streams fixed the early-burst refusals (they were ~0.4), but it does not hold in
-        # every run: measured [0.82, 1.71], [1.13, 1.49], [0.77, 1.93] and also [0.35, 1.13], [0.44, 0.95] on this
-        # machine. In the low runs the holders' ends were right and the wait ran longer because the burst kept
-        # arriving and refilled the queue the moment it moved up, which no estimate of the present can see. The
-        # range spans more than 4x across runs, so no constant lateness fits every run into [0.5, 2]; this asserts
-        # the sanity bound [1/4, 4] and prints the real range above.
-        assert all(0.25 <= r <= 4.0 for r in ratios), sorted(ratios)[:3] + sorted(ratios)[-3:]
+        assert all(0.5 <= r <= 2.0 for r in ratios), sorted(ratios)[:3] + sorted(ratios)[-3:]  # within 2x
     finally:
         for svc, server, _ in routers:
             server.stop(0)

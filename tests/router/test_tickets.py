@@ -45,19 +45,19 @@ def test_a_refused_requests_place_is_held_against_newcomers_and_honoured_on_retu
     assert adm.inflight("c0", "short") == (10, 1)
 
 
-def test_any_replica_honours_a_ticket_and_a_returning_holder_waits_in_its_place(new_client, ns):
+def test_any_replica_honours_a_ticket_and_an_early_holder_is_refused_at_once_keeping_its_place(new_client, ns):
     a, b = Admission(new_client(), ns, CFG), Admission(new_client(), ns, CFG)
     waiting = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=1, queue_limit=0, max_wait_s=2.0)
-    holder = a.reserve_or_wait("c0", waiting, "holder", 10, 30, expected_s=0.3)
+    holder = a.reserve_or_wait("c0", waiting, "holder", 10, 30, expected_s=0.6)
     ticket = _refused(a, "r", waiting).ticket  # queue_limit 0: refused at once, with a place
-    assert ticket is not None
     t0 = time.monotonic()
-    import threading
-
-    threading.Timer(0.3, a.release, args=(holder,)).start()
-    res = b.reserve_or_wait("c0", waiting, "r-back", 10, 30, ticket_id=ticket.id)  # early: it waits in its place
-    assert 0.25 <= time.monotonic() - t0 < 1.5 and res.waited is not None
-    assert b.stats("c0", "short", waiting).held == 0
+    early = _refused(b, "r-early", waiting, ticket=ticket)  # back too early: no waiting (it would hold a thread)
+    assert time.monotonic() - t0 < 0.2 and early.reason == "early" and early.ticket == ticket
+    assert 0.3 <= early.retry_after_s <= 0.7  # a fresh hint for the same place
+    _refused(b, "newcomer", waiting)
+    a.release(holder)
+    res = b.reserve_or_wait("c0", waiting, "r-back", 10, 30, ticket_id=ticket.id)  # any replica honours it
+    assert res.waited is not None and b.stats("c0", "short", waiting).held == 1  # (the newcomer's)
 
 
 def test_a_ticket_expires_a_grace_after_its_hint_and_its_keys_do_not_linger(rclient, ns):
