@@ -197,8 +197,9 @@ class Admission(AdmissionRefusals):
         """Reserve, waiting in the class queue up to ``max_wait_s`` (default ``cls.max_wait_s``). ``expected_s``:
         how long the request is expected to hold the reservation (published as its expected end, for hints).
         ``ticket_id``: the id of a retry ticket of this (cluster, class) the request came back with: it is admitted
-        into that place when it is free, else refused at once ("early") with a fresh hint and the same place (an
-        id Redis does not know: as a newcomer, ``unknown_tickets`` counts it).
+        into that place when it is free; back early, it waits in its place up to ``config.ticket_wait_s``, then
+        is refused ("early") with a fresh hint and the same place (an id Redis does not know: as a newcomer,
+        ``unknown_tickets`` counts it).
 
         Raises AdmissionRejected: "queue_full" when the queue already holds ``queue_limit`` waiters, "timeout"
         after the wait, "over_budget" when waiting is disabled (max wait 0), "cancelled" when ``cancel`` is set;
@@ -215,7 +216,8 @@ class Admission(AdmissionRefusals):
             return res
         rej = functools.partial(self._rejected, cluster, cls, tokens, expected_s=expected_s)
         if status == _NO and tstate == 1:
-            raise rej("early", f"{cls.name} on {cluster}: back before its place in line is free", ticket_id=held)
+            return self._wait_in_place(cluster, cls, request_id, tokens, lease_ttl_s, expected_s, held,
+                                       min(wait, self.config.ticket_wait_s), cancel)
         if status == _NO:
             raise rej("over_budget", f"{cls.name} on {cluster}: over budget and no waiting allowed", ticket_id=held)
         if status == _FULL:
@@ -245,6 +247,32 @@ class Admission(AdmissionRefusals):
         except BaseException:
             self._leave_queue(cluster, cls.name, request_id)
             raise
+
+    def _wait_in_place(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int, lease_ttl_s: float,
+                       expected_s: float, ticket_id: str, wait_s: float,
+                       cancel: threading.Event | None) -> Reservation:
+        """A ticket holder back before its place is free: it polls in its place (nobody behind can pass it) for
+        at most ``wait_s`` (``ticket_wait_s``: short, because a waiting stream holds a router thread, and early
+        returners filled a router's stream slots while a holder whose place was free was turned away), then is
+        refused ("early") with a fresh hint and the same place."""
+        deadline = self._clock() + wait_s
+        while True:
+            now = self._clock()
+            if cancel is not None and cancel.is_set():
+                raise AdmissionRejected(0.0, f"{request_id} cancelled while back early for {cls.name}", "cancelled",
+                                        cluster, cls.name, Ticket(cluster, cls.name, ticket_id))
+            if now >= deadline:
+                raise self._rejected(cluster, cls, tokens, "early",
+                                     f"{cls.name} on {cluster}: back before its place in line is free",
+                                     expected_s=expected_s, ticket_id=ticket_id)
+            self._sleep(min(self._jitter(), deadline - now))
+            status, res, _, held, tstate = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, _TRY,
+                                                              expected_s, ticket_id)
+            if status == _OK:
+                return res
+            if tstate != 1:  # its place lapsed meanwhile (a stall past its life): refused like a newcomer
+                raise self._rejected(cluster, cls, tokens, "early", f"{cls.name} on {cluster}: lost its place",
+                                     expected_s=expected_s, ticket_id=held)
 
     def renew(self, reservation: Reservation, lease_ttl_s: float | None = None) -> Reservation | None:
         """Extend the lease by ``lease_ttl_s`` (default: the reservation's) from now; None when the lease was

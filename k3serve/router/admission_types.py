@@ -81,8 +81,9 @@ class ClassLoad:
 
 
 class AdmissionRejected(Exception):
-    """Not admitted: ``reason`` is "queue_full", "timeout", "over_budget" (no waiting allowed), "refused" (turned
-    away before admission, e.g. at a router's stream limit) or "cancelled". Map to gRPC RESOURCE_EXHAUSTED with
+    """Not admitted: ``reason`` is "queue_full", "timeout", "over_budget" (no waiting allowed), "early" (back on a
+    ticket whose place is not free yet), "refused" (turned away before admission, e.g. at a router's stream limit)
+    or "cancelled". Map to gRPC RESOURCE_EXHAUSTED with
     ``retry_after_s`` as the hint and ``ticket`` (None: none could be held) as the place held for the request: the
     hint is when that place is expected to come free (``drain_wait_s``)."""
 
@@ -117,7 +118,7 @@ class AdmissionConfig:
     Retry tickets (admission.py, "Tickets"): a refused request's place is held until ``ticket_grace_s`` after the
     moment its hint names (then an abandoned ticket stops blocking the line), ``ticket_unhinted_s`` while its hint
     is being computed; at most ``ticket_limit`` places per (cluster, class) are held, beyond that refusals carry a
-    hint but no ticket."""
+    hint but no ticket. A holder back before its place is free waits in it at most ``ticket_wait_s``."""
 
     poll_min_s: float = 0.005
     poll_max_s: float = 0.03
@@ -125,11 +126,12 @@ class AdmissionConfig:
     ticket_grace_s: float = 2.0
     ticket_unhinted_s: float = 10.0
     ticket_limit: int = 1024
+    ticket_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 < self.poll_min_s <= self.poll_max_s:
             raise ValueError(f"need 0 < poll_min_s <= poll_max_s, got {self}")
         if self.queue_lease_s <= self.poll_max_s:
             raise ValueError("queue_lease_s must exceed poll_max_s, or live waiters would expire between polls")
-        if self.ticket_grace_s <= 0 or self.ticket_unhinted_s <= 0 or self.ticket_limit < 0:
+        if self.ticket_grace_s <= 0 or self.ticket_unhinted_s <= 0 or self.ticket_limit < 0 or self.ticket_wait_s < 0:
             raise ValueError(f"need ticket_grace_s > 0, ticket_unhinted_s > 0, ticket_limit >= 0, got {self}")

@@ -14,14 +14,15 @@ entries and tickets, and the admission rule counts *held places ahead of a reque
 ```
 So a burst that keeps arriving cannot take the room that frees up before the refused clients come back (the
 reason hints were early under a burst before tickets), and a ticket holder that comes back is admitted into its
-place when it is free, or waits in it (ahead of every later newcomer, whatever the queue limit) up to
-``max_wait_s``, and on timeout is refused again with a fresh hint and the same place. Hints for ticketed
+place when it is free; back before that, it waits in its place at most ``ticket_wait_s`` (1 s), then is
+refused with a fresh hint and the same place (a waiting stream holds a router thread: with unbounded waits, early
+returners filled a router's stream slots while a holder whose place was free was turned away). A plain waiter that times out is refused with its queue place as its ticket. Hints for ticketed
 refusals are not scaled late: an early return only waits in its place, while a late one leaves the place empty
 and delays everyone behind it.
 
-* Expiry: a ticket lives until ``ticket_grace_s`` after its hinted moment (while its holder waits in it, as long
-  as it polls), so an abandoned ticket stops blocking the line; the ticket keys themselves expire after their
-  last ticket (keys of unadmitted requests do not linger).
+* Expiry: a ticket lives until ``ticket_grace_s`` after its hinted moment, so an abandoned ticket stops blocking
+  the line (cost: one whose place came free early holds that room empty until then); the ticket keys expire a
+  second after their last ticket (keys of unadmitted requests do not linger).
 * Replicas and restarts: tickets live in Redis, so any router honours any router's ticket. A ticket Redis no
   longer knows (expired, forged, lost in a flush or restart) makes its bearer a newcomer: not an error (the
   client did nothing wrong, and the budget invariant never depends on tickets: they hold places, not tokens). A

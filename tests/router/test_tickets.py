@@ -4,6 +4,7 @@ newcomer; the ticket's wire form is validated (tickets.py)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from k3serve.router.gate import AdmissionGate
 from k3serve.router.tickets import MalformedTicket, Ticket, parse_ticket
 
 ONE = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=1, queue_limit=0, max_wait_s=0.0)
-CFG = AdmissionConfig(poll_min_s=0.002, poll_max_s=0.01, queue_lease_s=0.5, ticket_grace_s=0.3)
+CFG = AdmissionConfig(poll_min_s=0.002, poll_max_s=0.01, queue_lease_s=0.5, ticket_grace_s=0.3, ticket_wait_s=0.2)
 
 
 def _refused(adm: Admission, rid: str, cls: ClassSpec = ONE, ticket: Ticket | None = None,
@@ -45,19 +46,21 @@ def test_a_refused_requests_place_is_held_against_newcomers_and_honoured_on_retu
     assert adm.inflight("c0", "short") == (10, 1)
 
 
-def test_any_replica_honours_a_ticket_and_an_early_holder_is_refused_at_once_keeping_its_place(new_client, ns):
+def test_any_replica_honours_a_ticket_and_an_early_holder_waits_briefly_in_its_place(new_client, ns):
     a, b = Admission(new_client(), ns, CFG), Admission(new_client(), ns, CFG)
     waiting = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=1, queue_limit=0, max_wait_s=2.0)
-    holder = a.reserve_or_wait("c0", waiting, "holder", 10, 30, expected_s=0.6)
+    holder = a.reserve_or_wait("c0", waiting, "holder", 10, 30, expected_s=0.8)
     ticket = _refused(a, "r", waiting).ticket  # queue_limit 0: refused at once, with a place
     t0 = time.monotonic()
-    early = _refused(b, "r-early", waiting, ticket=ticket)  # back too early: no waiting (it would hold a thread)
-    assert time.monotonic() - t0 < 0.2 and early.reason == "early" and early.ticket == ticket
-    assert 0.3 <= early.retry_after_s <= 0.7  # a fresh hint for the same place
+    early = _refused(b, "r-early", waiting, ticket=ticket)  # back far too early: waits ticket_wait_s, no longer
+    assert 0.15 <= time.monotonic() - t0 < 0.5 and early.reason == "early" and early.ticket == ticket
+    assert 0.3 <= early.retry_after_s <= 0.8  # a fresh hint for the same place
     _refused(b, "newcomer", waiting)
-    a.release(holder)
-    res = b.reserve_or_wait("c0", waiting, "r-back", 10, 30, ticket_id=ticket.id)  # any replica honours it
-    assert res.waited is not None and b.stats("c0", "short", waiting).held == 1  # (the newcomer's)
+    threading.Timer(0.1, a.release, args=(holder,)).start()
+    t1 = time.monotonic()
+    res = b.reserve_or_wait("c0", waiting, "r-back", 10, 30, ticket_id=ticket.id)  # a little early: it waits
+    assert 0.08 <= time.monotonic() - t1 < 0.2 and res.waited is not None  # and gets in when its place frees
+    assert b.stats("c0", "short", waiting).held == 1  # (the newcomer's)
 
 
 def test_a_ticket_expires_a_grace_after_its_hint_and_its_keys_do_not_linger(rclient, ns):
@@ -94,8 +97,6 @@ def test_a_waiter_that_times_out_keeps_its_place_as_its_ticket(rclient, ns):
     cls = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=1, queue_limit=1, max_wait_s=0.2)
     adm = Admission(rclient, ns, CFG)
     holder = adm.reserve_or_wait("c0", cls, "holder", 10, 30, expected_s=1.0)
-    import threading
-
     box: dict = {}
 
     def wait():
