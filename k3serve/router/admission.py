@@ -19,6 +19,7 @@ Keys (``{...}`` is a Redis Cluster hash tag: all keys of one (cluster, class) sh
     k3s:{ns}:adm:{CLUSTER/CLASS}:tixtok  HASH  ticket -> tokens
     k3s:{ns}:adm:{CLUSTER/CLASS}:tixat   HASH  ticket -> "issued ms:hinted ms"
     k3s:{ns}:adm:{CLUSTER/CLASS}:tixfree HASH  ticket -> first moment (ms) its place was seen free
+    k3s:{ns}:adm:{CLUSTER/CLASS}:turn    HASH  last admission ms, ewma of intervals while the line is not empty
     k3s:{ns}:adm:alive                   STRING PX a few renew intervals, refreshed by every router's renewer
     k3s:{ns}:adm:recover                 STRING PX grace: present = Redis lost its state, no new admissions
 
@@ -124,11 +125,11 @@ class Admission(AdmissionRefusals):
 
     # ------------------------------------------------------------------------------------------- keys
     def keys(self, cluster: str, cls: str) -> dict[str, str]:
-        """The twelve keys of one (cluster, class) budget, by role."""
+        """The thirteen keys of one (cluster, class) budget, by role."""
         check_id("cluster id", cluster)
         check_id("class name", cls)
         base = f"{self.prefix}adm:{{{cluster}/{cls}}}:"
-        return {k: base + k for k in ("lease", "tok", "q", "qlease", "qtok", "seq", "end", *_TICKET_KEYS)}
+        return {k: base + k for k in ("lease", "tok", "q", "qlease", "qtok", "seq", "end", *_TICKET_KEYS, "turn")}
 
     def _tkeys(self, cluster: str, cls: str) -> list[str]:
         k = self.keys(cluster, cls)
@@ -157,7 +158,7 @@ class Admission(AdmissionRefusals):
         cfg = self.config
         raw = self._reserve(
             keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["seq"], k["end"],
-                  *(k[n] for n in _TICKET_KEYS), *gkeys],
+                  *(k[n] for n in _TICKET_KEYS), k["turn"], *gkeys],
             args=[request_id, tokens, cls.inflight_token_budget, cls.max_concurrent, ttl_ms(lease_ttl_s), mode,
                   cls.queue_limit, ttl_ms(cfg.queue_lease_s), int(max(expected_s, 0.0) * 1000), *gargs,
                   ticket_id, new_ticket_id() if issue else "", ttl_ms(cfg.ticket_unhinted_s), cfg.ticket_limit],

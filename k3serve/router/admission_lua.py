@@ -125,7 +125,8 @@ local function mark_free(A, T)
 end
 """
 
-# KEYS: lease, tok, q, qlease, qtok, seq, end, tix, tixexp, tixtok, tixat, tixfree, alive ('' = no guard), recover.
+# KEYS: lease, tok, q, qlease, qtok, seq, end, tix, tixexp, tixtok, tixat, tixfree, turn, alive ('' = no guard),
+#       recover.
 # ARGV: request_id, tokens, budget, max_concurrent, lease_ms, mode (0 try, 1 wait, 2 refuse: only a place in line),
 #       queue_limit, qlease_ms, expected duration ms (0: none), alive ttl ms, recovery grace ms,
 #       presented ticket ('' none), id of a new ticket ('' never issue one), unhinted ticket life ms, ticket limit.
@@ -142,7 +143,7 @@ local T = {tix = KEYS[8], exp = KEYS[9], tok = KEYS[10], at = KEYS[11], free = K
 purge(KEYS[1], KEYS[2], nil, KEYS[7])
 purge(KEYS[4], KEYS[5], KEYS[3])
 purge_tickets(T)
-local rec = recovering(KEYS[13], KEYS[14], ARGV[10], ARGV[11])
+local rec = recovering(KEYS[14], KEYS[15], ARGV[10], ARGV[11])
 local sum, count = inflight(KEYS[1], KEYS[2])
 local A = {sum = sum, count = count, budget = budget, maxc = maxc, q = KEYS[3], qtok = KEYS[5]}
 if not rec then mark_free(A, T) end
@@ -162,6 +163,17 @@ if qs then place = tonumber(qs) end
 -- while Redis recovers from a state loss, nothing new gets in: holders are still putting their leases back
 local ok = mode ~= 2 and (not rec) and admissible(A, T, place, rid, tokens)
 if ok then
+  -- the budget's turnover: the mean interval between admissions while the line is not empty (each one took a
+  -- place that had just come free), the measured pace at which places in the line come free (retry hints)
+  local line = place ~= nil or redis.call('ZCARD', KEYS[3]) > 0 or redis.call('ZCARD', T.tix) > 0
+  local last = tonumber(redis.call('HGET', KEYS[13], 'last') or '0')
+  if line and last > 0 and now - last < 30000 then
+    local ewma = tonumber(redis.call('HGET', KEYS[13], 'ewma') or '-1')
+    ewma = ewma < 0 and (now - last) or (0.8 * ewma + 0.2 * (now - last))
+    redis.call('HSET', KEYS[13], 'ewma', math.floor(ewma))
+  end
+  redis.call('HSET', KEYS[13], 'last', now)
+  redis.call('PEXPIRE', KEYS[13], 3600000)
   redis.call('ZADD', KEYS[1], now + lease_ms, rid)
   redis.call('HSET', KEYS[2], rid, ARGV[2])
   redis.call('ZREM', KEYS[3], rid)
@@ -260,14 +272,15 @@ end
 return {sum, count, redis.call('ZCARD', KEYS[3]), redis.call('ZCARD', T.tix)}
 """
 
-# KEYS: lease, tok, q, qtok, end, tix, tixtok. ARGV: ticket id ('' = the end of the line).
-# Returns {now ms, waiters ahead, their tokens, tokens_1, end_1, tokens_2, ...} over the live leases (end -1: none
-# published). Waiters ahead: queue entries and held places before the ticket's place (all of them for '').
+# KEYS: lease, tok, q, qtok, end, tix, tixtok, turn. ARGV: ticket id ('' = the end of the line).
+# Returns {now ms, waiters ahead, their tokens, turnover ms (-1: not measured), tokens_1, end_1, tokens_2, ...} over
+# the live leases (end -1: none published). Waiters ahead: queue entries and held places before the ticket's place
+# (all of them for '').
 HOLDERS = LUA_COMMON + """
 local place = nil
 if ARGV[1] ~= '' then place = redis.call('ZSCORE', KEYS[6], ARGV[1]) end
 local hi = place and ('(' .. place) or '+inf'
-local out = {now, 0, 0}
+local out = {now, 0, 0, tonumber(redis.call('HGET', KEYS[8], 'ewma') or '-1')}
 for _, z in ipairs({{KEYS[3], KEYS[4]}, {KEYS[6], KEYS[7]}}) do
   local ids = redis.call('ZRANGEBYSCORE', z[1], '-inf', hi)
   out[2] = out[2] + #ids

@@ -39,23 +39,24 @@ class AdmissionRefusals:
 
     def retry_after(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0,
                     unseen: tuple[int, int] = (0, 0), ticket_id: str = "") -> float:
-        """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends, behind
-        the waiters and held places ahead of ``ticket_id``'s place (none: ahead of the end of the line).
+        """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends and the
+        budget's measured turnover, behind the waiters and held places ahead of ``ticket_id``'s place (none: ahead
+        of the end of the line).
 
         ``unseen`` = (requests, tokens) ahead of this one that Redis does not show yet (a router's streams that
         hold a stream slot but have not reached admission): they count as waiters ahead. (A ticket's place is
         ahead of them: they will line up behind it.)"""
         k = self.keys(cluster, cls.name)
         raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"], k["tix"],
-                                                   k["tixtok"]], args=[ticket_id])]
-        now, queued, queued_tokens = raw[:3]
+                                                   k["tixtok"], k["turn"]], args=[ticket_id])]
+        now, queued, queued_tokens, turnover_ms = raw[:4]
         queued, queued_tokens = queued + unseen[0], queued_tokens + unseen[1]
         # a holder that published no end (a caller without a duration estimate): assume the old rule of thumb,
         # that the class turns over in about max_wait_s
         unknown = now + int(max(cls.max_wait_s, 0.1) * 1000)
-        holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[3::2], raw[4::2])]
+        holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[4::2], raw[5::2])]
         return drain_wait_s(now, holders, queued, queued_tokens, tokens, cls.inflight_token_budget,
-                            cls.max_concurrent, round_s)
+                            cls.max_concurrent, round_s, turnover_s=max(turnover_ms, 0) / 1000.0)
 
     def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
                   expected_s: float = 0.0, unseen: tuple[int, int] = (0, 0), ticket_id: str = "",

@@ -162,3 +162,15 @@ def test_the_wire_form_of_a_ticket_is_validated():
                 "c0/short/" + "ab" * 12 + "/x", "x" * 300):
         with pytest.raises(MalformedTicket, match="retry-ticket"):
             parse_ticket(bad)
+
+
+def test_ticket_holders_have_a_few_stream_slots_beyond_the_routers_limit():
+    from k3serve.router.progress import DurationModel, StreamProgress
+    from k3serve.router.slots import StreamSlots
+
+    slots = StreamSlots(2, ticket_extra=1)
+    streams = [StreamProgress("short", 8, DurationModel()) for _ in range(4)]
+    assert slots.try_acquire(streams[0]) and slots.try_acquire(streams[1])
+    assert not slots.try_acquire(streams[2])  # a newcomer is refused at the limit
+    assert slots.try_acquire(streams[2], ticket=True)  # a holder coming back on its ticket is not
+    assert not slots.try_acquire(streams[3], ticket=True)  # but the extra slots are bounded too
