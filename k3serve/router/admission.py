@@ -198,8 +198,8 @@ class Admission(AdmissionRefusals):
         """Reserve, waiting in the class queue up to ``max_wait_s`` (default ``cls.max_wait_s``). ``expected_s``:
         how long the request is expected to hold the reservation (published as its expected end, for hints).
         ``ticket_id``: the id of a retry ticket of this (cluster, class) the request came back with: it is admitted
-        into that place when it is free; back early, it waits in its place up to ``config.ticket_wait_s``, then
-        is refused ("early") with a fresh hint and the same place (an id Redis does not know: as a newcomer,
+        into that place when it is free; back early, it waits in its place if that is expected to come free
+        within ``config.ticket_wait_s``, else it is refused ("early") with a fresh hint and the same place (an id Redis does not know: as a newcomer,
         ``unknown_tickets`` counts it).
 
         Raises AdmissionRejected: "queue_full" when the queue already holds ``queue_limit`` waiters, "timeout"
@@ -252,21 +252,31 @@ class Admission(AdmissionRefusals):
     def _wait_in_place(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int, lease_ttl_s: float,
                        expected_s: float, ticket_id: str, wait_s: float,
                        cancel: threading.Event | None) -> Reservation:
-        """A ticket holder back before its place is free: it polls in its place (nobody behind can pass it) for
-        at most ``wait_s`` (``ticket_wait_s``: short, because a waiting stream holds a router thread, and early
-        returners filled a router's stream slots while a holder whose place was free was turned away), then is
-        refused ("early") with a fresh hint and the same place."""
-        deadline = self._clock() + wait_s
+        """A ticket holder back before its place is free: it polls in its place (nobody behind can pass it) while
+        the place is expected to come free within ``config.ticket_wait_s`` (re-estimated every quarter of it), for
+        at most ``wait_s`` in all; otherwise it is refused ("early") with a fresh hint and the same place. Short,
+        because a waiting stream holds a router thread (with unbounded waits, early returners filled a router's
+        stream slots while a holder whose place was free was turned away); so at any time only the holders whose
+        places are about to come free wait."""
+        step = self.config.ticket_wait_s / 4
+        start = self._clock()
+        check_at = start
         while True:
             now = self._clock()
             if cancel is not None and cancel.is_set():
                 raise AdmissionRejected(0.0, f"{request_id} cancelled while back early for {cls.name}", "cancelled",
                                         cluster, cls.name, Ticket(cluster, cls.name, ticket_id))
-            if now >= deadline:
-                raise self._rejected(cluster, cls, tokens, "early",
-                                     f"{cls.name} on {cluster}: back before its place in line is free",
-                                     expected_s=expected_s, ticket_id=ticket_id)
-            self._sleep(min(self._jitter(), deadline - now))
+            if now >= check_at:
+                try:
+                    soon = self.retry_after(cluster, cls, tokens, expected_s, ticket_id=ticket_id)
+                except (redis.RedisError, OSError):
+                    soon = float("inf")
+                if soon > self.config.ticket_wait_s or now - start >= wait_s:
+                    raise self._rejected(cluster, cls, tokens, "early",
+                                         f"{cls.name} on {cluster}: back before its place in line is free",
+                                         expected_s=expected_s, ticket_id=ticket_id)
+                check_at = now + step
+            self._sleep(self._jitter())
             status, res, _, held, tstate = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, _TRY,
                                                               expected_s, ticket_id)
             if status == _OK:
