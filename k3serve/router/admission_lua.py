@@ -273,14 +273,15 @@ return {sum, count, redis.call('ZCARD', KEYS[3]), redis.call('ZCARD', T.tix)}
 """
 
 # KEYS: lease, tok, q, qtok, end, tix, tixtok, turn. ARGV: ticket id ('' = the end of the line).
-# Returns {now ms, waiters ahead, their tokens, turnover ms (-1: not measured), tokens_1, end_1, tokens_2, ...} over
-# the live leases (end -1: none published). Waiters ahead: queue entries and held places before the ticket's place
+# Returns {now ms, waiters ahead, their tokens, turnover ms (-1: not measured), last admission ms (-1: none),
+# tokens_1, end_1, tokens_2, ...} over the live leases (end -1: none published). Waiters ahead: queue entries and held places before the ticket's place
 # (all of them for '').
 HOLDERS = LUA_COMMON + """
 local place = nil
 if ARGV[1] ~= '' then place = redis.call('ZSCORE', KEYS[6], ARGV[1]) end
 local hi = place and ('(' .. place) or '+inf'
-local out = {now, 0, 0, tonumber(redis.call('HGET', KEYS[8], 'ewma') or '-1')}
+local out = {now, 0, 0, tonumber(redis.call('HGET', KEYS[8], 'ewma') or '-1'),
+             tonumber(redis.call('HGET', KEYS[8], 'last') or '-1')}
 for _, z in ipairs({{KEYS[3], KEYS[4]}, {KEYS[6], KEYS[7]}}) do
   local ids = redis.call('ZRANGEBYSCORE', z[1], '-inf', hi)
   out[2] = out[2] + #ids

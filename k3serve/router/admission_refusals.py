@@ -49,14 +49,16 @@ class AdmissionRefusals:
         k = self.keys(cluster, cls.name)
         raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"], k["tix"],
                                                    k["tixtok"], k["turn"]], args=[ticket_id])]
-        now, queued, queued_tokens, turnover_ms = raw[:4]
+        now, queued, queued_tokens, turnover_ms, last_ms = raw[:5]
         queued, queued_tokens = queued + unseen[0], queued_tokens + unseen[1]
         # a holder that published no end (a caller without a duration estimate): assume the old rule of thumb,
         # that the class turns over in about max_wait_s
         unknown = now + int(max(cls.max_wait_s, 0.1) * 1000)
-        holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[4::2], raw[5::2])]
+        holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[5::2], raw[6::2])]
+        since_s = (now - last_ms) / 1000.0 if last_ms >= 0 else 0.0
         return drain_wait_s(now, holders, queued, queued_tokens, tokens, cls.inflight_token_budget,
-                            cls.max_concurrent, round_s, turnover_s=max(turnover_ms, 0) / 1000.0)
+                            cls.max_concurrent, round_s, turnover_s=max(turnover_ms, 0) / 1000.0,
+                            since_turn_s=since_s)
 
     def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
                   expected_s: float = 0.0, unseen: tuple[int, int] = (0, 0), ticket_id: str = "",

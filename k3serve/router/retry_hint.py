@@ -18,7 +18,8 @@ HINT_JITTER = 0.10
 
 
 def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, queued_tokens: int, tokens: int,
-                 budget: int, max_concurrent: int, round_s: float = 0.0, turnover_s: float = 0.0) -> float:
+                 budget: int, max_concurrent: int, round_s: float = 0.0, turnover_s: float = 0.0,
+                 since_turn_s: float = 0.0) -> float:
     """Seconds until a request of ``tokens`` would fit one (cluster, class), if the holders (tokens, expected end
     ms) end when expected and the ``queued`` waiters ahead (``queued_tokens`` in all) get in first.
 
@@ -35,15 +36,17 @@ def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, q
 
     Behind a line (``queued`` > 0) of a budget that binds by its concurrency cap, with a measured ``turnover_s``
     (the mean interval between admissions while the line was not empty, admission_lua.RESERVE): the place comes
-    free after ``count + queued + 1 - max_concurrent`` more places have, at that pace. That counts what the
-    durations miss (the hand-over from one request to the next, a router or cluster slowed by the burst itself):
-    built from the published durations alone, hints behind a line ran at 0.65 of the real wait (median, 200-stream
-    burst on 2 cores).
+    free after ``n = count + queued + 1 - max_concurrent`` more places have, at that pace, counted from the last
+    admission ``since_turn_s`` ago (the next place is due one turnover after it, or is overdue: n x turnover
+    less the part of it already gone, at most one). That counts what the durations miss (the hand-over from one
+    request to the next, a router or cluster slowed by the burst itself): built from the published durations
+    alone, hints behind a line ran at 0.65 of the real wait (median, 200-stream burst on 2 cores).
     """
     count = len(holders)
     if (turnover_s > 0 and queued > 0
             and sum(t for t, _ in holders) + queued_tokens + tokens <= budget):  # not bound by tokens
-        return max(count + queued + 1 - max_concurrent, 0) * turnover_s
+        n = max(count + queued + 1 - max_concurrent, 0)
+        return max(n * turnover_s - min(max(since_turn_s, 0.0), turnover_s), 0.0) if n else 0.0
     if round_s > 0:
         overdue_end = now_ms + int(round_s * 500)
     else:

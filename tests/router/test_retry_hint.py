@@ -39,6 +39,9 @@ def test_behind_a_line_the_measured_turnover_paces_the_places():
     # 2 holders, 3 ahead, max_concurrent 2: this place is free after 2 + 3 + 1 - 2 = 4 more places have come free
     holders = [(10, NOW + 500), (10, NOW + 500)]
     assert drain_wait_s(NOW, holders, 3, 30, 10, 1000, 2, round_s=1.0, turnover_s=0.6) == 4 * 0.6
+    # counted from the last admission: 0.2 s of the next turnover are gone; an overdue one is gone at most once
+    assert round(drain_wait_s(NOW, holders, 3, 30, 10, 1000, 2, 1.0, 0.6, since_turn_s=0.2), 6) == 2.2
+    assert round(drain_wait_s(NOW, holders, 3, 30, 10, 1000, 2, 1.0, 0.6, since_turn_s=5.0), 6) == 1.8
     # no line ahead: the holders' own ends; bound by tokens: the rounds (the turnover counts places, not tokens)
     assert drain_wait_s(NOW, holders, 0, 0, 10, 1000, 2, round_s=1.0, turnover_s=0.6) == 0.5
     assert drain_wait_s(NOW, holders, 3, 990, 10, 1000, 2, round_s=1.0, turnover_s=0.6) == 0.5 + 1.0
