@@ -198,9 +198,9 @@ class Admission(AdmissionRefusals):
         """Reserve, waiting in the class queue up to ``max_wait_s`` (default ``cls.max_wait_s``). ``expected_s``:
         how long the request is expected to hold the reservation (published as its expected end, for hints).
         ``ticket_id``: the id of a retry ticket of this (cluster, class) the request came back with: it is admitted
-        into that place when it is free; back early, it waits in its place if that is expected to come free
-        within ``config.ticket_wait_s``, else it is refused ("early") with a fresh hint and the same place (an id Redis does not know: as a newcomer,
-        ``unknown_tickets`` counts it).
+        into that place when it is free; back early, it waits in its place if that is expected to come free within
+        ``config.ticket_wait_s``, else it is refused ("early") with a fresh hint and the same place (an id Redis
+        does not know: as a newcomer, ``unknown_tickets`` counts it).
 
         Raises AdmissionRejected: "queue_full" when the queue already holds ``queue_limit`` waiters, "timeout"
         after the wait, "over_budget" when waiting is disabled (max wait 0), "cancelled" when ``cancel`` is set;

@@ -164,15 +164,21 @@ if qs then place = tonumber(qs) end
 local ok = mode ~= 2 and (not rec) and admissible(A, T, place, rid, tokens)
 if ok then
   -- the budget's turnover: the mean interval between admissions while the line is not empty (each one took a
-  -- place that had just come free), the measured pace at which places in the line come free (retry hints)
+  -- place that had just come free), the measured pace at which places in the line come free (retry hints). A
+  -- ticket holder that came back after its place came free counts from that moment: the service's pace, not
+  -- the client's lateness.
   local line = place ~= nil or redis.call('ZCARD', KEYS[3]) > 0 or redis.call('ZCARD', T.tix) > 0
+  local at = now
+  if tk ~= '' then at = math.min(now, tonumber(redis.call('HGET', T.free, tk) or now)) end
   local last = tonumber(redis.call('HGET', KEYS[13], 'last') or '0')
-  if line and last > 0 and now - last < 30000 then
+  -- (a place that was free before the last admission is not the next one in the budget's sequence: skipped)
+  if line and last > 0 and at > last and now - last < 30000 then
+    local dt = at - last
     local ewma = tonumber(redis.call('HGET', KEYS[13], 'ewma') or '-1')
-    ewma = ewma < 0 and (now - last) or (0.8 * ewma + 0.2 * (now - last))
+    ewma = ewma < 0 and dt or (0.8 * ewma + 0.2 * dt)
     redis.call('HSET', KEYS[13], 'ewma', math.floor(ewma))
   end
-  redis.call('HSET', KEYS[13], 'last', now)
+  redis.call('HSET', KEYS[13], 'last', math.max(at, last))
   redis.call('PEXPIRE', KEYS[13], 3600000)
   redis.call('ZADD', KEYS[1], now + lease_ms, rid)
   redis.call('HSET', KEYS[2], rid, ARGV[2])
@@ -272,10 +278,10 @@ end
 return {sum, count, redis.call('ZCARD', KEYS[3]), redis.call('ZCARD', T.tix)}
 """
 
-# KEYS: lease, tok, q, qtok, end, tix, tixtok, turn. ARGV: ticket id ('' = the end of the line).
-# Returns {now ms, waiters ahead, their tokens, turnover ms (-1: not measured), last admission ms (-1: none),
-# tokens_1, end_1, tokens_2, ...} over the live leases (end -1: none published). Waiters ahead: queue entries and held places before the ticket's place
-# (all of them for '').
+# KEYS: lease, tok, q, qtok, end, tix, tixtok, turn. ARGV: ticket id ('' = the end of the line). Returns {now ms,
+# waiters ahead, their tokens, turnover ms (-1: not measured), last admission ms (-1: none), tokens_1, end_1,
+# tokens_2, ...} over the live leases (end -1: none published). Waiters ahead: queue entries and held places before
+# the ticket's place (all of them for '').
 HOLDERS = LUA_COMMON + """
 local place = nil
 if ARGV[1] ~= '' then place = redis.call('ZSCORE', KEYS[6], ARGV[1]) end

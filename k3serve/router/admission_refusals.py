@@ -19,15 +19,19 @@ class AdmissionRefusals:
                ticket_id: str = "", expected_s: float = 0.0, at_least_s: float = 0.0,
                unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
         """Turn a request away before admission (a router at its stream limit) with a place in this budget's line:
-        the presented ticket's, or a new one at the end. The hint is when the place is expected to come free, and
-        not before ``at_least_s`` (the router's own reason to refuse). ``unseen`` only matters when no place could
-        be held (see ``retry_after``)."""
+        the presented ticket's, or a new one at the end. The hint is when the place is expected to come free
+        (without a place: not before ``at_least_s``, the router's own reason to refuse). ``unseen`` only matters
+        when no place could be held (see ``retry_after``)."""
         _, _, _, held, tstate = self._call_reserve(cluster, cls, request_id, max(int(tokens), 0), 1.0, REFUSE,
                                                    expected_s, ticket_id)
         if tstate == 2:
             self.unknown_tickets += 1
         return self._rejected(cluster, cls, tokens, "refused", message, expected_s=expected_s, unseen=unseen,
                               ticket_id=held, at_least_s=at_least_s)
+
+    def holds(self, ticket: Ticket) -> bool:
+        """Whether ``ticket`` holds a place now (a router grants its ticket slots only to real tickets)."""
+        return self._r.zscore(self.keys(ticket.cluster, ticket.cls)["tix"], ticket.id) is not None
 
     def drop_ticket(self, ticket: Ticket) -> bool:
         """Give up a held place (its holder went elsewhere or away), so that those behind it move up. Best effort:
@@ -78,7 +82,9 @@ class AdmissionRefusals:
                                         unseen=(0, 0) if ticket_id else unseen, ticket_id=ticket_id)
             except (redis.RedisError, OSError):
                 hint = max(cls.max_wait_s, 0.1)  # no holders to read: the queue turns over in about max_wait_s
-        hint = max(hint, MIN_RETRY_AFTER_S, at_least_s)
+        # at_least_s (a router's slots) binds only refusals without a place: a ticket holder coming back gets one
+        # of the router's ticket slots (slots.py), so its place, not the router, says when it can run
+        hint = max(hint, MIN_RETRY_AFTER_S, 0.0 if ticket_id else at_least_s)
         if not ticket_id and not recovering:
             with self._rng_lock:
                 hint *= HINT_LATENESS * self._rng.uniform(1.0, 1.0 + HINT_JITTER)

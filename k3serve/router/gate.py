@@ -165,12 +165,21 @@ class AdmissionGate:
             self._held[rid] = _Held(res, remaining)
         return res
 
+    def holds(self, ticket: Ticket | None) -> bool:
+        """Whether ``ticket`` holds a place now (False without one, with budgets off, or with Redis unusable)."""
+        if ticket is None or not self.enabled:
+            return False
+        try:
+            return self.admission.holds(ticket)
+        except (redis.RedisError, OSError):
+            return False
+
     def refuse(self, cluster: str, cls: ClassSpec, request_id: str, uncached: int, message: str, *,
                ticket: Ticket | None = None, expected_s: float = 0.0, at_least_s: float = 0.0,
                unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
         """The refusal of a request turned away before admission (a router at its stream limit): a place in the
-        line of (cluster, cls) (the ticket's, if it holds one there) and the hint for it, not before
-        ``at_least_s`` (Admission.refuse). Redis unusable: the hint is ``at_least_s``, no ticket."""
+        line of (cluster, cls) (the ticket's, if it holds one there) and the hint for it (without a place: not
+        before ``at_least_s``; Admission.refuse). Redis unusable: the hint is ``at_least_s``, no ticket."""
         try:
             rej = self.admission.refuse(cluster, cls, f"{request_id}#{uuid.uuid4().hex[:12]}", max(uncached, 1),
                                         message, ticket_id=self._ticket_here(ticket, cluster, cls),

@@ -261,10 +261,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
                           f"suspect {[c for c in snap.alive_ids() if not self.view.breaker.allows(c)]}")
         progress = StreamProgress("", req.sampling.max_tokens, self.durations)
         progress.pending_on = pin.serving
-        if not self.slots.try_acquire(progress, ticket=ticket is not None):
-            # room for this request needs slots here (the median end of this router's streams) and room in the
-            # admission budget it would join: it gets a place in that budget's line (a ticket), and the hint is
-            # the later of the two
+        holder = self.gate is not None and self.gate.holds(ticket)  # a real, held place: may take a ticket slot
+        if not self.slots.try_acquire(progress, ticket=holder):
+            # it gets a place in the line of the admission budget it would join (a ticket), and the hint is when
+            # that place comes free: coming back on its ticket, it may take one of the router's ticket slots.
+            # Without a place (ticket limit, Redis down) the hint is the later of that budget's drain time and the
+            # median end of this router's streams (when slots free here)
             hint, by, message = self.slots.retry_after_s(), "router", \
                 f"this router serves {self.slots.max_streams} streams at most"
             held = None

@@ -19,10 +19,12 @@ MIN_HINT_S = 0.05
 
 
 class StreamSlots:
-    """``ticket_extra``: slots beyond ``max_streams`` that only requests coming back with a retry ticket may take.
-    A ticket holder's place in the admission line was kept for it, and it was told to come back now; a router
-    full of newcomers that are about to be refused (they only hold a slot for one Lua call) must not turn it away
-    again. Bounded, and within the server's thread headroom (server.py), so health and status still answer."""
+    """``ticket_extra``: slots beyond ``max_streams`` that only requests coming back with a retry ticket that holds
+    a place may take. A ticket holder's place in the admission line was kept for it, and it was told to come back
+    when the place is free; a router full of newcomers that are about to be refused (they only hold a slot for one
+    Lua call) must not turn it away again. So ``max_streams`` bounds first attempts, and a refused client's wait
+    is its place's, not this router's. Bounded, and within the server's thread headroom (server.py), so health
+    and status still answer."""
 
     def __init__(self, max_streams: int, ticket_extra: int = 0) -> None:
         if max_streams < 1 or ticket_extra < 0:
