@@ -198,8 +198,9 @@ class Admission(AdmissionRefusals):
         """Reserve, waiting in the class queue up to ``max_wait_s`` (default ``cls.max_wait_s``). ``expected_s``:
         how long the request is expected to hold the reservation (published as its expected end, for hints).
         ``ticket_id``: the id of a retry ticket of this (cluster, class) the request came back with: it is admitted
-        into that place when it is free; back early, it waits in its place if that is expected to come free within
-        ``config.ticket_wait_s``, else it is refused ("early") with a fresh hint and the same place (an id Redis
+        into that place when it is free; back early, it waits in its place if that is among the next
+        ``max_concurrent`` to come free (``_wait_in_place``), else it is refused ("early") with a fresh hint and the
+        same place (an id Redis
         does not know: as a newcomer, ``unknown_tickets`` counts it).
 
         Raises AdmissionRejected: "queue_full" when the queue already holds ``queue_limit`` waiters, "timeout"
@@ -218,7 +219,7 @@ class Admission(AdmissionRefusals):
         rej = functools.partial(self._rejected, cluster, cls, tokens, expected_s=expected_s)
         if status == _NO and tstate == 1:
             return self._wait_in_place(cluster, cls, request_id, tokens, lease_ttl_s, expected_s, held,
-                                       min(wait, self.config.ticket_wait_s), cancel)
+                                       wait, cancel)
         if status == _NO:
             raise rej("over_budget", f"{cls.name} on {cluster}: over budget and no waiting allowed", ticket_id=held)
         if status == _FULL:
@@ -253,11 +254,12 @@ class Admission(AdmissionRefusals):
                        expected_s: float, ticket_id: str, wait_s: float,
                        cancel: threading.Event | None) -> Reservation:
         """A ticket holder back before its place is free: it polls in its place (nobody behind can pass it) while
-        the place is expected to come free within ``config.ticket_wait_s`` (re-estimated every quarter of it), for
-        at most ``wait_s`` in all; otherwise it is refused ("early") with a fresh hint and the same place. Short,
-        because a waiting stream holds a router thread (with unbounded waits, early returners filled a router's
-        stream slots while a holder whose place was free was turned away); so at any time only the holders whose
-        places are about to come free wait."""
+        the place is among the next ``max_concurrent`` to come free or is expected to come free within
+        ``config.ticket_wait_s`` (re-checked every quarter of that), for at most ``wait_s`` in all; otherwise it is
+        refused ("early") with a fresh hint and the same place. Bounded, because a waiting stream holds a router
+        thread (with unbounded waits, early returners filled a router's stream slots while a holder whose place
+        was free was turned away): at most about ``max_concurrent`` holders per budget wait at once. (Re-hints
+        this close to the front were the least accurate: their waits are short, so small errors are large.)"""
         step = self.config.ticket_wait_s / 4
         start = self._clock()
         check_at = start
@@ -268,10 +270,11 @@ class Admission(AdmissionRefusals):
                                         cluster, cls.name, Ticket(cluster, cls.name, ticket_id))
             if now >= check_at:
                 try:
-                    soon = self.retry_after(cluster, cls, tokens, expected_s, ticket_id=ticket_id)
+                    soon, before = self.line_view(cluster, cls, tokens, expected_s, ticket_id=ticket_id)
                 except (redis.RedisError, OSError):
-                    soon = float("inf")
-                if soon > self.config.ticket_wait_s or now - start >= wait_s:
+                    soon, before = float("inf"), cls.max_concurrent + 1
+                near = before <= cls.max_concurrent or soon <= self.config.ticket_wait_s
+                if not near or now - start >= wait_s:
                     raise self._rejected(cluster, cls, tokens, "early",
                                          f"{cls.name} on {cluster}: back before its place in line is free",
                                          expected_s=expected_s, ticket_id=ticket_id)

@@ -43,6 +43,12 @@ class AdmissionRefusals:
 
     def retry_after(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0,
                     unseen: tuple[int, int] = (0, 0), ticket_id: str = "") -> float:
+        return self.line_view(cluster, cls, tokens, round_s, unseen, ticket_id)[0]
+
+    def line_view(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0,
+                  unseen: tuple[int, int] = (0, 0), ticket_id: str = "") -> tuple[float, int]:
+        """(``retry_after``, how many places must come free before this one: the in-flight requests and those
+        ahead in line, less the concurrency cap)."""
         """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends and the
         budget's measured turnover, behind the waiters and held places ahead of ``ticket_id``'s place (none: ahead
         of the end of the line).
@@ -60,9 +66,10 @@ class AdmissionRefusals:
         unknown = now + int(max(cls.max_wait_s, 0.1) * 1000)
         holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[5::2], raw[6::2])]
         since_s = (now - last_ms) / 1000.0 if last_ms >= 0 else 0.0
-        return drain_wait_s(now, holders, queued, queued_tokens, tokens, cls.inflight_token_budget,
+        wait = drain_wait_s(now, holders, queued, queued_tokens, tokens, cls.inflight_token_budget,
                             cls.max_concurrent, round_s, turnover_s=max(turnover_ms, 0) / 1000.0,
                             since_turn_s=since_s)
+        return wait, max(len(holders) + queued + 1 - cls.max_concurrent, 0)
 
     def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
                   expected_s: float = 0.0, unseen: tuple[int, int] = (0, 0), ticket_id: str = "",

@@ -118,8 +118,8 @@ class AdmissionConfig:
     Retry tickets (admission.py, "Tickets"): a refused request's place is held until ``ticket_grace_s`` after the
     moment its hint names (then an abandoned ticket stops blocking the line), ``ticket_unhinted_s`` while its hint
     is being computed; at most ``ticket_limit`` places per (cluster, class) are held, beyond that refusals carry a
-    hint but no ticket. A holder back before its place is free waits in it while the place is expected to come free
-    within ``ticket_wait_s``."""
+    hint but no ticket. A holder back before its place is free waits in it while the place is among the next
+    ``max_concurrent`` to come free or expected to within ``ticket_wait_s``."""
 
     poll_min_s: float = 0.005
     poll_max_s: float = 0.03

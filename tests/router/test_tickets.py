@@ -46,22 +46,21 @@ def test_a_refused_requests_place_is_held_against_newcomers_and_honoured_on_retu
     assert adm.inflight("c0", "short") == (10, 1)
 
 
-def test_any_replica_honours_a_ticket_and_an_early_holder_waits_briefly_in_its_place(new_client, ns):
+def test_any_replica_honours_a_ticket_and_an_early_holder_waits_only_near_the_front(new_client, ns):
     a, b = Admission(new_client(), ns, CFG), Admission(new_client(), ns, CFG)
     waiting = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=1, queue_limit=0, max_wait_s=2.0)
     holder = a.reserve_or_wait("c0", waiting, "holder", 10, 30, expected_s=0.8)
-    ticket = _refused(a, "r", waiting).ticket  # queue_limit 0: refused at once, with a place
+    first = _refused(a, "r1", waiting).ticket  # queue_limit 0: refused at once, with a place
+    second = _refused(a, "r2", waiting).ticket
     t0 = time.monotonic()
-    early = _refused(b, "r-early", waiting, ticket=ticket)  # back far too early: refused at once (no thread held)
-    assert time.monotonic() - t0 < 0.15 and early.reason == "early" and early.ticket == ticket
-    assert 0.5 <= early.retry_after_s <= 0.8  # a fresh hint for the same place
-    _refused(b, "newcomer", waiting)
-    time.sleep(0.65)  # the holder is expected to end within ticket_wait_s (0.2 s) now
-    threading.Timer(0.1, a.release, args=(holder,)).start()
+    early = _refused(b, "r2-early", waiting, ticket=second)  # two places from the front: refused at once
+    assert time.monotonic() - t0 < 0.15 and early.reason == "early" and early.ticket == second
+    assert 1.0 <= early.retry_after_s <= 2.0  # a fresh hint for the same place (behind the holder and r1)
+    threading.Timer(0.3, a.release, args=(holder,)).start()
     t1 = time.monotonic()
-    res = b.reserve_or_wait("c0", waiting, "r-back", 10, 30, ticket_id=ticket.id)  # a little early: it waits
-    assert 0.08 <= time.monotonic() - t1 < 0.2 and res.waited is not None  # and gets in when its place frees
-    assert b.stats("c0", "short", waiting).held == 1  # (the newcomer's)
+    res = b.reserve_or_wait("c0", waiting, "r1-back", 10, 30, ticket_id=first.id)  # next to come free: it waits
+    assert 0.25 <= time.monotonic() - t1 < 0.6 and res.waited is not None  # and gets in when its place frees
+    assert b.stats("c0", "short", waiting).held == 1  # (r2's)
 
 
 def test_a_ticket_expires_a_grace_after_its_hint_and_its_keys_do_not_linger(rclient, ns):
