@@ -15,11 +15,11 @@ entries and tickets, and the admission rule counts *held places ahead of a reque
 So a burst that keeps arriving cannot take the room that frees up before the refused clients come back (the reason
 hints were early under a burst before tickets), and a ticket holder that comes back is admitted into its place when
 it is free; back before that, it waits in its place while that is expected to come free within ``ticket_wait_s`` (1
-s) or is among the next ``max_concurrent`` places to come free (about that many wait per budget at once), else it is
-refused at once with a fresh hint and the same place (a waiting stream holds a router thread: with unbounded waits,
-early returners filled a router's stream slots while a holder whose place was free was turned away). A plain waiter
-that times out is refused with its queue place as its ticket. Hints for ticketed refusals are not scaled late: an
-early return only waits in its place, while a late one leaves the place empty and delays everyone behind it.
+s) or is among the next ``max_concurrent`` places to come free (about that many wait per budget at once), else it is refused at once with a fresh hint and the same place (a waiting stream holds a router thread: with
+unbounded waits, early returners filled a router's stream slots while a holder whose place was free was turned
+away). A plain waiter that times out is refused with its queue place as its ticket. Hints for ticketed refusals are
+not scaled late: an early return only waits in its place, while a late one leaves the place empty and delays
+everyone behind it.
 
 * Expiry: a ticket lives until ``ticket_grace_s`` after its hinted moment, so an abandoned ticket stops blocking
   the line (cost: one whose place came free early holds that room empty until then); the ticket keys expire a

@@ -199,17 +199,6 @@ class _Monitor:
                 return t
         return None
 
-    def first_turn(self, cluster: str, since: float) -> float:
-        """The first sampled moment after ``since`` at which a place in ``cluster``'s line was taken (a place came
-        free and its holder got in): from then on the budget's measured pace includes this burst."""
-        prev = None
-        for t, loads in self.samples:
-            places = set(loads[cluster][2]) | set(loads[cluster][3])
-            if t >= since and prev is not None and prev - places:
-                return t
-            prev = places if t >= since else None
-        return float("inf")
-
     def held_free(self) -> int:
         """The most (in flight + held places that are free) seen on one cluster: the budget, counting held places."""
         return max(count + sum(self.free(count, tix, q, p) for p in tix)
@@ -288,14 +277,11 @@ def test_load_two_routers_200_streams(deployment):
                                                                                         if r[0] != "ok"][:3]
         assert all(x[5] for x in refusals), "a refusal without a ticket"  # every refused client had a place held
         assert all(svc.gate.admission.unknown_tickets == 0 for svc, _, _ in routers)  # none lapsed or was lost
-        ratios, first_ratios = [], []  # hints paced by this burst / from the pace measured before it
-        first_turn = {c: mon.first_turn(c, t0) for c in clusters}
+        ratios = []
         for _, _, t_err, hint, by, ticket, details in refusals:
             free = mon.free_at(ticket.split("/")[2], t_err)
             assert free is not None, (by, ticket, details)
-            cluster = by.split(":", 1)[1].split("/")[0]
-            ratio = max(hint, FLOOR_S) / max(free - t_err, FLOOR_S)
-            (ratios if t_err >= first_turn[cluster] else first_ratios).append(ratio)
+            ratios.append(max(hint, FLOOR_S) / max(free - t_err, FLOOR_S))
             if os.environ.get("K3S_LOAD_DEBUG"):
                 print(f"{by:22s} t={t_err - t0:6.2f} hint={hint:6.2f} wait={free - t_err:6.2f} {details[:50]}")
         max_count = max(ld[0] for _, loads in mon.samples for ld in loads.values())
@@ -308,20 +294,13 @@ def test_load_two_routers_200_streams(deployment):
               f"({by_router} at a router's stream limit), {honoured} admitted on their ticket; "
               f"hint/measured wait in [{min(ratios):.2f}, {max(ratios):.2f}] "
               f"(p10 {sorted(ratios)[len(ratios) // 10]:.2f}, median {sorted(ratios)[len(ratios) // 2]:.2f}, "
-              f"p90 {sorted(ratios)[len(ratios) * 9 // 10]:.2f}), and for the {len(first_ratios)} handed out before "
-              f"their budget's first turnover in the burst in [{min(first_ratios, default=1):.2f}, "
-              f"{max(first_ratios, default=1):.2f}]; max in flight per cluster {max_count}/"
+              f"p90 {sorted(ratios)[len(ratios) * 9 // 10]:.2f}); max in flight per cluster {max_count}/"
               f"{MAX_CONCURRENT} (with free held places {held_free}), max tokens {max_tokens}/{1 << 20}; "
               f"{mon.probes} health+status probes, {len(mon.probe_failures)} failed")
         # budgets never exceeded (from Redis), counting the held places that are free for their holders
         assert max_count <= MAX_CONCURRENT and held_free <= MAX_CONCURRENT and max_tokens <= 1 << 20
         assert not mon.probe_failures, mon.probe_failures[:3]  # health and status answered throughout
-        # every hint within 2x of the real wait; except that the ones handed out before their budget's first place
-        # turned over in the burst come from the pace measured before it (the warm-up), and this machine's load
-        # (other tenants: load average 6-14 on 2 cores) swings between the two: measured 2.1-3.3x late for up to 5
-        # of them in a run; those are held to [1/4, 4]
-        assert all(0.5 <= r <= 2.0 for r in ratios), sorted(ratios)[:3] + sorted(ratios)[-3:]
-        assert all(0.25 <= r <= 4.0 for r in first_ratios), sorted(first_ratios)
+        assert all(0.5 <= r <= 2.0 for r in ratios), sorted(ratios)[:3] + sorted(ratios)[-3:]  # within 2x
     finally:
         mon.stop()
         for svc, server, _ in routers:
