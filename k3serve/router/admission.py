@@ -35,10 +35,13 @@ The admission rule, evaluated atomically with Redis's own clock after purging ex
 * ``fits(t)``: nothing of the class is in flight, or (in-flight tokens + t <= budget and count < max_concurrent).
   So a request larger than the whole class budget is admitted only when it would run alone; without that
   exception it could never run at all. While it runs, it alone may exceed the budget.
-* No overtaking that delays the oldest waiter: a request that is not the queue head is admitted only if it fits
-  *and* the head would still fit after it. Once the head cannot fit (say, an oversized request waiting for the
-  class to drain), nothing passes it, in-flight work drains and the head gets in: no request waits forever
-  behind a stream of smaller ones. Classes keep sizes similar, so FIFO within a class costs little.
+* No overtaking that delays anyone ahead: a request is admitted only if it fits with everything ahead of it in
+  line (queue waiters and held places, see Tickets) counted as taken; a newcomer is behind all of them. Once the
+  head cannot fit (say, an oversized request waiting for the class to drain), nothing passes it, in-flight work
+  drains and the head gets in: no request waits forever behind a stream of smaller ones. Classes keep sizes
+  similar, so FIFO within a class costs little. (It was "the head still fits after it", which let a request
+  pass the second waiter for the moment before that one polled: measured as held places that were free for a
+  few milliseconds.)
 * A request that does not get in joins the queue if it is shorter than ``queue_limit``; a waiter re-polls
   (with jitter) and renews its waiter lease each time, up to ``max_wait_s``; then ``AdmissionRejected`` with a
   retry hint (gRPC ``RESOURCE_EXHAUSTED``).

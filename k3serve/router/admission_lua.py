@@ -87,27 +87,24 @@ local function issue_ticket(T, id, place, tokens, until_ms)
   redis.call('HSET', T.at, id, now .. ':' .. now)
   keep_keys(T, until_ms)
 end
--- (tokens, count) of the held places ahead of `place` (nil: the end of the line); counting stops at `cap`
--- places, beyond which nothing fits anyway
-local function held_ahead(T, place, cap)
+-- (tokens, count) of the line ahead of `place` (nil: the end of the line): queue entries (but `self`) and held
+-- places with a smaller place; counting stops at `cap` of each, beyond which nothing fits anyway
+local function line_ahead(A, T, place, self, cap)
   local hi = place and ('(' .. place) or '+inf'
   local s, c = 0, 0
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', T.tix, '-inf', hi, 'LIMIT', 0, cap)) do
-    s, c = s + tonumber(redis.call('HGET', T.tok, id) or '0'), c + 1
+  for _, z in ipairs({{T.tix, T.tok}, {A.q, A.qtok}}) do
+    for _, id in ipairs(redis.call('ZRANGEBYSCORE', z[1], '-inf', hi, 'LIMIT', 0, cap)) do
+      if id ~= self then s, c = s + tonumber(redis.call('HGET', z[2], id) or '0'), c + 1 end
+    end
   end
   return s, c
 end
 -- The admission rule for a request of t tokens at `place` (nil: a newcomer) whose own queue entry is `self`:
--- it fits with the held places ahead of it counted as taken, and the queue head, if ahead of it, still fits after.
+-- it fits with everything ahead of it in line (waiters and held places) counted as taken. So nobody passes a
+-- request ahead unless that one still fits too: an oversized head (it runs alone) holds up everyone behind it.
 local function admissible(A, T, place, self, t)
-  local hs, hc = held_ahead(T, place, A.maxc)
-  if not fits_in(A, t, A.sum + hs, A.count + hc) then return false end
-  local head = redis.call('ZRANGE', A.q, 0, 0, 'WITHSCORES')
-  if #head > 0 and head[1] ~= self and (place == nil or tonumber(head[2]) < place) then
-    local ht = tonumber(redis.call('HGET', A.qtok, head[1]) or '0')
-    return fits_in(A, ht, A.sum + hs + t, A.count + hc + 1)
-  end
-  return true
+  local s, c = line_ahead(A, T, place, self, A.maxc)
+  return fits_in(A, t, A.sum + s, A.count + c)
 end
 -- Stamp the first moment each held place is free (its holder would be admitted now): the hint's accuracy.
 local function mark_free(A, T)

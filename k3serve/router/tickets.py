@@ -5,21 +5,20 @@ or turned away before admission by a router's stream limit) takes, in the same L
 ticket whose place is the next arrival number (a waiter that times out keeps its queue place), stored under a
 random id. The hint is when that place is expected to come free: the holders' expected ends and everything ahead
 of it in line (queue entries and held places), as ``drain_wait_s`` computes it. The line is one order over queue
-entries and tickets, and the admission rule counts *held places ahead of a request as taken*:
+entries and tickets, and the admission rule counts *everything ahead of a request in line as taken*:
 
 ```
    line (arrival numbers):   q:5   tix:6   tix:7   q:8        newcomer (no place yet: behind all of them)
-   request at place p fits iff fits(t, in-flight + held places before p) and the queue head, if before p,
-   still fits after it
+   request at place p fits iff fits(t, in-flight + everything before p: waiters and held places)
 ```
 So a burst that keeps arriving cannot take the room that frees up before the refused clients come back (the reason
 hints were early under a burst before tickets), and a ticket holder that comes back is admitted into its place when
 it is free; back before that, it waits in its place while that is expected to come free within ``ticket_wait_s`` (1
-s) or is among the next ``max_concurrent`` places to come free (about that many wait per budget at once), else it is refused at once with a fresh hint and the same place (a waiting stream holds a router thread: with
-unbounded waits, early returners filled a router's stream slots while a holder whose place was free was turned
-away). A plain waiter that times out is refused with its queue place as its ticket. Hints for ticketed refusals are
-not scaled late: an early return only waits in its place, while a late one leaves the place empty and delays
-everyone behind it.
+s) or is among the next ``max_concurrent`` places to come free (about that many wait per budget at once), else it is
+refused at once with a fresh hint and the same place (a waiting stream holds a router thread: with unbounded waits,
+early returners filled a router's stream slots while a holder whose place was free was turned away). A plain waiter
+that times out is refused with its queue place as its ticket. Hints for ticketed refusals are not scaled late: an
+early return only waits in its place, while a late one leaves the place empty and delays everyone behind it.
 
 * Expiry: a ticket lives until ``ticket_grace_s`` after its hinted moment, so an abandoned ticket stops blocking
   the line (cost: one whose place came free early holds that room empty until then); the ticket keys expire a

@@ -131,8 +131,8 @@ class _Monitor:
 
     Whether a ticket's place is free is computed here from the raw sample, by the admission rule of
     router/admission.py (not read from the Lua script's own stamps): with this test's token budget (never the
-    limit) a place p is free when in-flight + held places before p < MAX_CONCURRENT, and the queue head, if before
-    p, would still fit after it."""
+    limit) a place p is free when in-flight + everything before p in line (waiters and held places) <
+    MAX_CONCURRENT."""
 
     def __init__(self, gate, clusters, addrs) -> None:
         self.gate, self.clusters, self.addrs = gate, clusters, addrs
@@ -181,11 +181,8 @@ class _Monitor:
 
     @staticmethod
     def free(count: int, tix: list, q: list, place: float) -> bool:
-        ahead = sum(p < place for p in tix)
-        if count + ahead >= MAX_CONCURRENT and count + ahead > 0:
-            return False
-        head_before = bool(q) and min(q) < place
-        return not head_before or count + ahead + 1 < MAX_CONCURRENT
+        ahead = sum(p < place for p in tix) + sum(p < place for p in q)
+        return count + ahead == 0 or count + ahead < MAX_CONCURRENT
 
     def free_at(self, ticket_id: str, since: float) -> float | None:
         """The first sampled moment after ``since`` at which the ticket's place is free, or it is no longer held
