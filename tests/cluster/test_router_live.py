@@ -292,15 +292,16 @@ def test_load_two_routers_200_streams(deployment):
         # how busy the budgets were during the burst: places left empty while their holders had not come back
         # (a late hint) show here, not in the ratios (the places behind an empty held place wait for it too)
         during = [loads for t, loads in mon.samples if t0 <= t <= t0 + elapsed]
-        busy = sum(ld[0] for loads in during for ld in loads.values()) / (len(during) * len(clusters) * MAX_CONCURRENT)
+        busy = (sum(ld[0] for loads in during for ld in loads.values())
+                / (len(during) * len(clusters) * MAX_CONCURRENT))
         max_count = max(ld[0] for _, loads in mon.samples for ld in loads.values())
         max_tokens = max(ld[1] for _, loads in mon.samples for ld in loads.values())
         held_free = mon.held_free()
         by_router = sum(x[4].startswith("router") for x in refusals)
         honoured = sum(svc.gate.counters["tickets_honoured"] for svc, _, _ in routers)
         print(f"\nload: learned after warm-up {warm_learned}, after the burst {learned()}")
-        print(f"load: 200 streams in {elapsed:.1f}s (budgets {busy:.0%} busy), all completed after {len(refusals)} refusals "
-              f"({by_router} at a router's stream limit), {honoured} admitted on their ticket; "
+        print(f"load: 200 streams in {elapsed:.1f}s (budgets {busy:.0%} busy), all completed after "
+              f"{len(refusals)} refusals ({by_router} at a router's stream limit), {honoured} admitted on their ticket; "
               f"hint/measured wait in [{min(ratios):.2f}, {max(ratios):.2f}] "
               f"(p10 {sorted(ratios)[len(ratios) // 10]:.2f}, median {sorted(ratios)[len(ratios) // 2]:.2f}, "
               f"p90 {sorted(ratios)[len(ratios) * 9 // 10]:.2f}); max in flight per cluster {max_count}/"
