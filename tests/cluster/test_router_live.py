@@ -301,7 +301,7 @@ def test_load_two_routers_200_streams(deployment):
         honoured = sum(svc.gate.counters["tickets_honoured"] for svc, _, _ in routers)
         print(f"\nload: learned after warm-up {warm_learned}, after the burst {learned()}")
         print(f"load: 200 streams in {elapsed:.1f}s (budgets {busy:.0%} busy), all completed after "
-              f"{len(refusals)} refusals ({by_router} at a router's stream limit), {honoured} admitted on their ticket; "
+              f"{len(refusals)} refusals ({by_router} at a router's stream limit), {honoured} admitted on tickets; "
               f"hint/measured wait in [{min(ratios):.2f}, {max(ratios):.2f}] "
               f"(p10 {sorted(ratios)[len(ratios) // 10]:.2f}, median {sorted(ratios)[len(ratios) // 2]:.2f}, "
               f"p90 {sorted(ratios)[len(ratios) * 9 // 10]:.2f}); max in flight per cluster {max_count}/"
