@@ -51,3 +51,10 @@ if ! command -v redis-server >/dev/null 2>&1; then
   $SUDO apt-get update -qq >/dev/null
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
+
+# compile the fused MXFP4 CPU kernel once (numba; cached under k3serve/kernels/__pycache__, ~5-15 s the first
+# time, ~1 s when cached), so tests and Ray rank actors starting together do not each compile it
+if ! ls k3serve/kernels/__pycache__/mxfp4_moe_cpu.routed_moe_kernel-*.nbi >/dev/null 2>&1; then
+  echo "setup: compiling the fused MXFP4 CPU kernel (numba)"
+  .venv/bin/python -c "from k3serve.kernels.mxfp4_moe_cpu import warm_up; warm_up()"
+fi

@@ -16,11 +16,21 @@ and the fp32 original. Measured:
   (routing, shared and routed experts; torch profiler, the best CPU-timed run); ``decode_weight_bytes_per_token``:
   weight bytes one step reads (non-expert weights once, the expected distinct experts of the batch) / batch;
 * ``expert_matmul_us`` {bf16, mxfp4} by rows: one expert's three matmuls alone (CPU microseconds of this
-  thread), alternated, best of each: the kernel-level difference.
+  thread), alternated, best of each: the per-matrix objects (the unfused path, and numerics mode
+  ``deterministic``'s);
+* ``routed_experts_us`` {bf16, mxfp4, mxfp4_unfused} by rows: the routed-expert part of the first MoE layer of
+  the two checkpoints (``MoE._routed_partial``: grouping, the experts, the weighted sum) on `rows` decode
+  tokens, bf16 through its stacked grouped GEMM, MXFP4 through the fused CPU kernel (``moe_mxfp4.py``, what
+  serving runs) and through the unfused per-expert loop; CPU microseconds, alternated, best of each;
+* ``decode_interleaved`` by batch: a bf16 and an MXFP4 decode engine built side by side, their steps
+  interleaved one by one (``decode_steps`` x 4 each), CPU and wall milliseconds per step summed over all
+  steps, and ``mxfp4_over_bf16`` (tokens per CPU-second, MXFP4 / bf16): both engines see the same background
+  load at the same moments, so this ratio scatters far less on a shared machine than separate timed runs.
 """
 
 from __future__ import annotations
 
+import copy
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from k3serve.bench.decode import _decode_rate
+from k3serve.bench.decode import _decode_rate, decoding_engine
 from k3serve.model.checkpoint import inspect_checkpoint, load_config
 from k3serve.model.config import ModelConfig
 from k3serve.model.names import SplitKind, checkpoint_specs
@@ -77,6 +87,52 @@ def expert_matmul_us(cfg: ModelConfig, rows: int, iters: int = 200, rounds: int 
     return best
 
 
+def routed_experts_us(bf16: Path, ptq: Path, rows: int, iters: int = 200, rounds: int = 5) -> dict[str, float]:
+    """``routed_experts_us`` of the module doc for `rows` decode tokens (one per request)."""
+    from k3serve.model.layers.ffn import MoE
+    from k3serve.model.loader import load_model
+
+    moes = {name: next(layer.ffn for layer in load_model(path).layers if isinstance(layer.ffn, MoE))
+            for name, path in (("bf16", bf16), ("mxfp4", ptq))}
+    if moes["mxfp4"].fused is None:
+        raise RuntimeError("the MXFP4 checkpoint's MoE layer has no fused kernel (numba missing?)")
+    unfused = copy.copy(moes["mxfp4"])  # the same experts (per-expert views of the stacks), without the kernel
+    unfused.fused = None
+    moes["mxfp4_unfused"] = unfused
+    cfg = moes["bf16"].cfg
+    g = torch.Generator().manual_seed(0)
+    ids, w = moes["bf16"].route(torch.randn(rows, cfg.hidden_size, generator=g).bfloat16())
+    z = torch.randn(rows, cfg.expert_input_size, generator=g).bfloat16()
+    best = dict.fromkeys(moes, float("inf"))
+    for _ in range(rounds):
+        for name, moe in moes.items():
+            t = time.thread_time()
+            for _ in range(iters):
+                moe._routed_partial(z, ids, w, rows > 1)
+            best[name] = min(best[name], (time.thread_time() - t) / iters * 1e6)
+    return best
+
+
+def interleaved_decode(bf16: Path, ptq: Path, batch: int, context: int, steps: int) -> dict[str, float]:
+    """``decode_interleaved`` of the module doc for one batch size."""
+    engines = {name: decoding_engine(str(path), load_config(path), batch, context, steps + 4)
+               for name, path in (("bf16", bf16), ("mxfp4", ptq))}
+    cpu, wall = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0.0)
+    for e in engines.values():
+        e.step()  # warm-up
+    for i in range(steps):
+        for name in (("bf16", "mxfp4") if i % 2 == 0 else ("mxfp4", "bf16")):  # neither always goes first
+            t, w = time.thread_time(), time.perf_counter()
+            engines[name].step()
+            cpu[name] += time.thread_time() - t
+            wall[name] += time.perf_counter() - w
+    for e in engines.values():
+        e.executor.close()
+    return {"bf16_cpu_ms_per_step": cpu["bf16"] / steps * 1e3, "mxfp4_cpu_ms_per_step": cpu["mxfp4"] / steps * 1e3,
+            "bf16_wall_ms_per_step": wall["bf16"] / steps * 1e3, "mxfp4_wall_ms_per_step": wall["mxfp4"] / steps * 1e3,
+            "mxfp4_over_bf16": cpu["bf16"] / cpu["mxfp4"], "mxfp4_over_bf16_wall": wall["bf16"] / wall["mxfp4"]}
+
+
 def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat: Callable[[Path, Path, int, str, int], Path],
                     qat_dir: str | None = None, qat_steps: int = 20, rule: str = "ocp", eval_bytes: int = 32768,
                     context: int = 256, batches: tuple[int, ...] = (1, 8), decode_context: int = 64,
@@ -109,6 +165,8 @@ def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat
                             if clock is time.thread_time:
                                 moe_share[name][str(b)] = parts["fraction"]["moe"]
         cfg_bf16, cfg_mx = load_config(bf16), load_config(ptq)
+        routed = {str(b): routed_experts_us(bf16, ptq, b, iters=matmul_iters) for b in batches}
+        interleaved = {str(b): interleaved_decode(bf16, ptq, b, decode_context, 4 * decode_steps) for b in batches}
     matmul = {str(b): expert_matmul_us(cfg_bf16, b, iters=matmul_iters) for b in batches}
     return {
         "preset": PRESET, "scale_rule": rule, "threads": torch.get_num_threads(),
@@ -126,5 +184,7 @@ def run_quant_bench(quality: Callable[[dict[str, str], int, int], dict], run_qat
             "bf16": {str(b): weight_bytes_per_token(cfg_bf16, b) for b in batches},
             "mxfp4": {str(b): weight_bytes_per_token(cfg_mx, b) for b in batches}},
         "expert_matmul_us": matmul,
+        "routed_experts_us": routed,
+        "decode_interleaved": interleaved,
         "decode_context_tokens": decode_context, "decode_steps": decode_steps,
     }

@@ -8,7 +8,8 @@ receiver processes (one TransferReceiver each) on loopback. One repetition of ea
             verification); timed from the first send to the last ack; the staged bytes are then checked
             against reshard_kda / the MLA rows (CRC of the whole staging) and dropped
  bare gRPC: the same byte ranges as plain bytes messages on plain streams (no CRC, no checks, no staging):
-            what the gRPC stack itself costs (baselines.py)
+            what the gRPC stack itself costs (baselines.py); "kept": the same with a sink that keeps what it
+            received until the repetition ends (the memory traffic of any staging receiver)
  socket:    the same byte ranges over one plain TCP connection per (sender, receiver), recv_into() one
             preallocated buffer: the ceiling
  mooncake:  our Mooncake plane (transfer/mooncake/): Open over gRPC, the engine writes every chunk into the
@@ -17,6 +18,9 @@ receiver processes (one TransferReceiver each) on loopback. One repetition of ea
  raw mooncake: the same byte ranges written by the engine to the same offsets of a registered sink, same
             batches, no CRC / control / staging state: the engine's own cost (baselines.py)
 ```
+After the pairs, `layerwise_handoff` (transfer_handoff.py): the time from a prompt's last prefill chunk to its
+first decode token through a real prefill and decode group, layer-wise export off and on.
+
 The paths alternate within each repetition (so background load hits all alike). The senders' states sit in
 their registered send regions (as a prefill rank exporting into registered memory would), for every path. GB/s and `ratio` are best of
 the repetitions (the run least disturbed by other load on a shared machine); `ratio_median` is the median
@@ -42,10 +46,11 @@ from k3serve.auth import AuthConfig
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.mooncake.plane import MooncakeConfig, mooncake_available
 from k3serve.transfer.plan import reshard_kda
+from k3serve.bench.transfer_handoff import HandoffBenchConfig, run_handoff_bench
 from k3serve.bench.transfer_procs import ReceiverProc, SenderProc, SendJob
 from k3serve.transfer.receiver import ReceiverConfig
 from k3serve.transfer.sender import SenderConfig, SendResult
-from k3serve.transfer.spec import DTYPES, StateGeometry, TransferSpec
+from k3serve.transfer.spec import DEFAULT_CHUNK_BYTES, DTYPES, StateGeometry, TransferSpec
 from k3serve.transfer.staging import StagingLimits
 from k3serve.transfer.wire import byte_view, crc32c
 
@@ -57,12 +62,14 @@ class TransferBenchConfig:
     pairs: tuple[tuple[int, int], ...] = DEFAULT_PAIRS
     tokens: int = 32768
     preset: str = "bench"
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     page_tokens: int = 64
     reps: int = 5
     layerwise: bool = False
     host: str = "127.0.0.1"
     mooncake: bool = True  # also measure the Mooncake plane and raw Mooncake (skipped, and said so, if absent)
+    # the last-chunk-to-first-decode-token time with layer-wise export off and on (transfer_handoff.py); None: not run
+    handoff: HandoffBenchConfig | None = HandoffBenchConfig()
 
 
 def _random_state(g: StateGeometry, p: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -120,7 +127,7 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
     eps = tuple(rx.endpoint for rx in receivers)
     t: dict[str, list[float]] = {k: [] for k in ("grpc", "bare", "socket", "crc", "place", "framing", "cpu",
                                                  "bare_cpu", "socket_cpu", "mooncake", "mooncake_cpu",
-                                                 "raw_mooncake", "raw_mooncake_cpu")}
+                                                 "raw_mooncake", "raw_mooncake_cpu", "bare_keep", "bare_keep_cpu")}
     retried = 0
     for rep in range(cfg.reps):
         spec = TransferSpec(f"bench-{key}-{rep}", f"req-{key}-{rep}", g, p, d, cfg.page_tokens, cfg.chunk_bytes)
@@ -147,6 +154,12 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
         t["bare"].append(_on_all(senders, "grpc_send", jobs, ports, cfg.host)[0])
         t["bare_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
         bare_got = [rx.call("grpc_received") for rx in receivers]
+        ports = tuple(rx.call("grpc_listen", True) for rx in receivers)
+        cpu0 = [x.call("cpu") for x in senders + receivers]
+        t["bare_keep"].append(_on_all(senders, "grpc_send", jobs, ports, cfg.host)[0])
+        t["bare_keep_cpu"].append(sum(x.call("cpu") - c for x, c in zip(senders + receivers, cpu0)))
+        if [rx.call("grpc_received") for rx in receivers] != per_rank:
+            raise RuntimeError(f"P={p} D={d}: the keeping bare gRPC sink got other byte counts than {per_rank}")
         ports = tuple(rx.call("socket_listen", p, n, timeout=600) for rx, n in zip(receivers, per_rank))
         cpu0 = [x.call("cpu") for x in senders + receivers]
         t0 = time.perf_counter()
@@ -158,7 +171,7 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
             raise RuntimeError(f"P={p} D={d}: baselines moved {bare_got} / {socket_got} bytes, expected {per_rank}")
         if mc is not None:
             _mooncake_rep(p, d, key, rep, senders, receivers, g, cfg, sender_cfg, mc, want, t)
-    b = {k: min(t[k]) for k in ("grpc", "bare", "socket")}  # best of reps: the least disturbed by other load
+    b = {k: min(t[k]) for k in ("grpc", "bare", "socket", "bare_keep")}  # best of reps: least disturbed by load
     m = {k: statistics.median(v) for k, v in t.items() if v}
     nbytes = sum(per_rank)
     per_gb = lambda key: round(m[key] / nbytes * 1e9, 3) if key in m else None  # noqa: E731
@@ -167,6 +180,8 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
         "bare_grpc_s_per_rep": [round(x, 4) for x in t["bare"]], "grpc_s_per_rep": [round(x, 4) for x in t["grpc"]],
         "ours_over_bare_grpc": round(b["bare"] / b["grpc"], 3),
         "ours_over_bare_grpc_median": round(statistics.median(x / y for x, y in zip(t["bare"], t["grpc"])), 3),
+        "bare_grpc_keep_gbps": round(nbytes / b["bare_keep"] / 1e9, 3),
+        "ours_over_bare_grpc_keep": round(b["bare_keep"] / b["grpc"], 3),
         "mooncake_gbps": _gbps(nbytes, t["mooncake"]), "raw_mooncake_gbps": _gbps(nbytes, t["raw_mooncake"]),
         "ours_mooncake_over_raw": mc_ratio,
         "ours_mooncake_over_raw_median": round(statistics.median(
@@ -179,7 +194,8 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
         "cpu_s": round(m["cpu"], 4),
         # CPU seconds (all sender + receiver processes) per GB moved: what each path costs, whatever the cores
         "cpu_s_per_gb": {name: per_gb(key) for name, key in (
-            ("grpc", "cpu"), ("bare_grpc", "bare_cpu"), ("socket", "socket_cpu"), ("mooncake", "mooncake_cpu"),
+            ("grpc", "cpu"), ("bare_grpc", "bare_cpu"), ("bare_grpc_keep", "bare_keep_cpu"), ("socket", "socket_cpu"),
+            ("mooncake", "mooncake_cpu"),
             ("raw_mooncake", "raw_mooncake_cpu"))},
         "crc_share": round(m["crc"] / m["cpu"], 3),
         "reshard_share": round(m["place"] / m["cpu"], 3), "framing_share": round(m["framing"] / m["cpu"], 3),
@@ -217,6 +233,7 @@ def run_transfer_bench(cfg: TransferBenchConfig = TransferBenchConfig()) -> dict
             s.close()
     order = {pair: i for i, pair in enumerate(cfg.pairs)}
     runs.sort(key=lambda r: order[(r["p"], r["d"])])
+    handoff = run_handoff_bench(cfg.handoff) if cfg.handoff is not None else None
     return {
         "preset": cfg.preset, "tokens": cfg.tokens, "chunk_bytes": cfg.chunk_bytes, "reps": cfg.reps,
         "layerwise": cfg.layerwise, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -224,4 +241,5 @@ def run_transfer_bench(cfg: TransferBenchConfig = TransferBenchConfig()) -> dict
         "kda_bytes": g.kda_layers * g.kda_heads * g.kda_row_bytes,
         "mla_bytes_per_decode_rank": g.mla_layers * g.num_tokens * g.mla_row_bytes,
         "runs": runs,
+        "layerwise_handoff": handoff,
     }

@@ -6,6 +6,9 @@
  bare gRPC: one client stream per (prefill rank, decode rank) of raw bytes messages, one per chunk
             (bytes(view): the one copy gRPC's Python API needs); the sink only counts bytes. No CRC, no
             plan checks, no staging: the cost of the gRPC stack itself
+ bare gRPC, kept: the same, but the sink keeps every message until the repetition ends, as any receiver
+            that stages what it got must (the bare sink drops each message, so gRPC refills one warm
+            block; keeping them means a GB lands in memory that stays): the floor of a staging receiver
  raw Mooncake: the planned byte ranges written by the engine from registered memory straight to the same
             offsets of a registered sink on the receiver, one thread per decode rank, the same batches as our
             Mooncake sender: no CRC, no control stream, no staging state (the engine's own cost)
@@ -88,8 +91,9 @@ def socket_source(host: str, ports: Sequence[int], pieces: Sequence[Sequence[np.
 class GrpcSink:
     """A bare gRPC server (no auth, no checks) whose one client-streaming method counts received bytes."""
 
-    def __init__(self, host: str, max_message: int = 64 << 20) -> None:
-        self._lock, self.received = threading.Lock(), 0
+    def __init__(self, host: str, max_message: int = 64 << 20, keep: bool = False) -> None:
+        """keep: hold every received message until reset() (a staging receiver's memory traffic)."""
+        self._lock, self.received, self.keep, self._kept = threading.Lock(), 0, keep, []
         self._server = grpc.server(ThreadPoolExecutor(max_workers=16),
                                    options=[("grpc.max_receive_message_length", max_message)])
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
@@ -98,26 +102,38 @@ class GrpcSink:
         self._server.start()
 
     def _push(self, messages, context) -> bytes:
-        n = sum(len(m) for m in messages)
+        kept = list(messages) if self.keep else ()
+        n = sum(len(m) for m in kept) if self.keep else sum(len(m) for m in messages)
         with self._lock:
             self.received += n
+            self._kept.append(kept)
         return b""
 
     def reset(self) -> None:
         with self._lock:
-            self.received = 0
+            self.received, self._kept = 0, []
 
     def close(self) -> None:
         self._server.stop(0).wait()
 
 
 def grpc_source(host: str, ports: Sequence[int], pieces: Sequence[Sequence[np.ndarray]],
-                max_message: int = 64 << 20) -> None:
-    """One bare gRPC stream per decode rank (in parallel), one bytes message per piece."""
+                max_message: int = 64 << 20, channels: dict[str, grpc.Channel] | None = None) -> None:
+    """One bare gRPC stream per decode rank (in parallel), one bytes message per piece.
+
+    channels: where to keep the channels between calls (the caller closes them); None: one per call."""
     def one(d: int) -> None:
-        with grpc.insecure_channel(f"{host}:{ports[d]}",
-                                   options=[("grpc.max_send_message_length", max_message)]) as ch:
+        target = f"{host}:{ports[d]}"
+        ch = channels.get(target) if channels is not None else None
+        if ch is None:
+            ch = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", max_message)])
+            if channels is not None:
+                channels[target] = ch
+        try:
             ch.stream_unary(_RAW_METHOD)((p.tobytes() for p in pieces[d]), timeout=600)
+        finally:
+            if channels is None:
+                ch.close()
 
     _parallel(one, range(len(ports)))
 

@@ -23,6 +23,7 @@ import torch
 from k3serve.bench.transfer_baselines import GrpcSink, SocketSink, grpc_source, mooncake_source, socket_source
 from k3serve.transfer.chunks import all_layers, stream_plan
 from k3serve.bench.transfer_faults import NO_FAULTS, SenderFaults
+from k3serve.transfer.handoff_send import SenderCache
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.sender import SenderConfig, TransferFailed, TransferSender
 from k3serve.transfer.mooncake.plane import MooncakeConfig
@@ -116,6 +117,10 @@ def _sender_main(conn) -> None:
     states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     planes: dict[MooncakeConfig, tuple] = {}  # this process' data plane and send region (made on first use)
     registered: dict[str, tuple[torch.Tensor, ...]] = {}  # states loaded into the send region
+    # senders (their channels) kept across sends, as a prefill rank keeps them (handoff_send.SenderCache); the
+    # bare gRPC baseline keeps its channels too, so neither side pays connection set-up per repetition
+    grpc_senders, mooncake_senders = SenderCache(_grpc_factory), SenderCache(_mooncake_factory(lambda mc: plane(mc)))
+    bare_channels: dict[str, object] = {}
 
     def load(key: str, kda: torch.Tensor, mla: torch.Tensor) -> None:
         states[key] = (kda.contiguous().clone(), mla.contiguous().clone())  # private memory, like a prefill rank
@@ -128,14 +133,18 @@ def _sender_main(conn) -> None:
             planes[mc] = (DataPlane(mc), RegionBuffers(mc.send_bytes, quarantine_s=0.0))
         return planes[mc]
 
-    def sender_for(job: SendJob) -> TransferSender:
-        faults = job.faults if job.faults.any else None
+    def sender_for(job: SendJob) -> tuple[TransferSender, bool]:
+        """(the sender for `job`, whether the caller closes it after this send: fault-tapped ones are per job)."""
+        if not job.faults.any:
+            cache = grpc_senders if job.mooncake is None else mooncake_senders
+            return cache.get(job.rank, job.endpoints, (job.config, job.mooncake)), False
         if job.mooncake is None:
-            return TransferSender(job.rank, job.endpoints, job.config, faults)
+            return TransferSender(job.rank, job.endpoints, job.config, job.faults), True
         from k3serve.transfer.mooncake.sender import MooncakeSender
 
         dp, region = plane(job.mooncake)
-        return MooncakeSender(job.rank, job.endpoints, job.config, dp, region, faults, job.mooncake.batch_bytes)
+        return MooncakeSender(job.rank, job.endpoints, job.config, dp, region, job.faults,
+                              job.mooncake.batch_bytes), True
 
     def load_registered(key: str, kda: torch.Tensor, mla: torch.Tensor, mc: MooncakeConfig) -> None:
         """Like load, but into the registered send region (a prefill rank exporting into registered memory)."""
@@ -156,17 +165,20 @@ def _sender_main(conn) -> None:
 
     def send(job: SendJob):
         kda, mla = states[job.key]
-        with sender_for(job) as sender:
-            try:
-                session = sender.begin(job.spec, kda, mla)
-                if job.layerwise:
-                    for kind, layer in all_layers(job.spec):
-                        session.layer_ready(kind, layer)
-                else:
-                    session.all_ready()
-                return session.finish(job.timeout_s)
-            except TransferFailed as e:
-                return SendFailure(e.code, e.message, e.dst_rank)
+        sender, own = sender_for(job)
+        try:
+            session = sender.begin(job.spec, kda, mla)
+            if job.layerwise:
+                for kind, layer in all_layers(job.spec):
+                    session.layer_ready(kind, layer)
+            else:
+                session.all_ready()
+            return session.finish(job.timeout_s)
+        except TransferFailed as e:
+            return SendFailure(e.code, e.message, e.dst_rank)
+        finally:
+            if own:
+                sender.close()
 
     def pieces(job: SendJob) -> list[list]:
         """Per decode rank, the byte views send(job) would stream there (the baselines move the same bytes)."""
@@ -175,10 +187,34 @@ def _sender_main(conn) -> None:
                 for d in range(job.spec.decode_tp)]
 
     conn.send(("ok", None))
-    _serve(conn, {"load": load, "load_registered": load_registered, "send": send, "cpu": time.process_time,
-                  "mooncake_send": mooncake_send,
-                  "socket_send": lambda job, ports, host: socket_source(host, ports, pieces(job)),
-                  "grpc_send": lambda job, ports, host: grpc_source(host, ports, pieces(job))})
+    try:
+        _serve(conn, {"load": load, "load_registered": load_registered, "send": send, "cpu": time.process_time,
+                      "mooncake_send": mooncake_send,
+                      "socket_send": lambda job, ports, host: socket_source(host, ports, pieces(job)),
+                      "grpc_send": lambda job, ports, host: grpc_source(host, ports, pieces(job),
+                                                                        channels=bare_channels)})
+    finally:
+        grpc_senders.close()
+        mooncake_senders.close()
+        for ch in bare_channels.values():
+            ch.close()
+
+
+def _mooncake_factory(plane):
+    """SenderCache factory for Mooncake senders: config is (SenderConfig, MooncakeConfig); plane(mc) gives this
+    process' (DataPlane, send region)."""
+    def make(rank: int, endpoints: tuple[str, ...], config: tuple) -> TransferSender:
+        from k3serve.transfer.mooncake.sender import MooncakeSender
+
+        sender_cfg, mc = config
+        dp, region = plane(mc)
+        return MooncakeSender(rank, endpoints, sender_cfg, dp, region, None, mc.batch_bytes)
+
+    return make
+
+
+def _grpc_factory(rank: int, endpoints: tuple[str, ...], config: tuple) -> TransferSender:
+    return TransferSender(rank, endpoints, config[0])
 
 
 def _into(region, t: torch.Tensor) -> torch.Tensor:
@@ -219,11 +255,14 @@ def _receiver_main(conn, config: ReceiverConfig, mooncake: MooncakeConfig | None
         sinks["socket"] = SocketSink(config.host, conns, nbytes)
         return sinks["socket"].port
 
-    def grpc_listen() -> int:
-        if "grpc" not in sinks:
-            sinks["grpc"] = GrpcSink(config.host)
-        sinks["grpc"].reset()
-        return sinks["grpc"].port
+    def grpc_listen(keep: bool = False) -> int:
+        """A bare gRPC sink's port (keep: one that holds what it received until the next listen)."""
+        key = "grpc_keep" if keep else "grpc"
+        if key not in sinks:
+            sinks[key] = GrpcSink(config.host, keep=keep)
+        sinks[key].reset()
+        sinks["grpc_last"] = sinks[key]
+        return sinks[key].port
 
     def mooncake_listen(spec: TransferSpec) -> tuple[str, int, int]:
         """Raw Mooncake baseline: staging-shaped kda + mla buffers in a second registered region (no transfer
@@ -254,10 +293,11 @@ def _receiver_main(conn, config: ReceiverConfig, mooncake: MooncakeConfig | None
                       "region_used": lambda: rx.store.region.used_bytes if rx.store.region else 0,
                       "registrations": lambda: plane.registrations if plane else 0,
                       "socket_listen": socket_listen, "socket_wait": lambda t: sinks["socket"].wait(t),
-                      "grpc_listen": grpc_listen, "grpc_received": lambda: sinks["grpc"].received})
+                      "grpc_listen": grpc_listen, "grpc_received": lambda: sinks["grpc_last"].received})
     finally:
-        if "grpc" in sinks:
-            sinks["grpc"].close()
+        for key in ("grpc", "grpc_keep"):
+            if key in sinks:
+                sinks[key].close()
         rx.stop(0)
         if plane is not None:
             plane.close()

@@ -27,22 +27,39 @@ def _pairs(text: str) -> tuple[tuple[int, int], ...]:
 def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="prefill x decode TP pairs"),
              tokens: int = typer.Option(32768, "--tokens", help="context length of the state moved"),
              preset: str = typer.Option("bench", "--preset"),
-             chunk_kib: int = typer.Option(1024, "--chunk-kib", help="chunk payload size"),
+             chunk_kib: int = typer.Option(0, "--chunk-kib",
+                                           help="chunk payload size (0: the transfer default, DEFAULT_CHUNK_BYTES)"),
              page_tokens: int = typer.Option(64, "--page-tokens"),
              reps: int = typer.Option(5, "--reps", help="repetitions per path (best and median reported)"),
              layerwise: bool = typer.Option(False, "--layerwise", help="mark layers ready one by one"),
              host: str = typer.Option("127.0.0.1", "--host", help="interface the receivers bind"),
              mooncake: bool = typer.Option(True, "--mooncake/--no-mooncake",
                                            help="also our Mooncake plane and raw Mooncake (when installed)"),
+             handoff: bool = typer.Option(True, "--handoff/--no-handoff",
+                                          help="also the last-chunk-to-first-decode-token time, layer-wise export "
+                                               "off and on (a real prefill and decode group)"),
+             handoff_preset: str = typer.Option("tiny", "--handoff-preset"),
+             handoff_tokens: int = typer.Option(4096, "--handoff-tokens", help="prompt length of the handoff run"),
+             handoff_last_chunk: int = typer.Option(256, "--handoff-last-chunk", help="tokens of its last chunk"),
+             handoff_tp: str = typer.Option("2x1", "--handoff-tp", help="prefill x decode TP of the handoff run"),
              as_json: bool = typer.Option(False, "--json")) -> None:
     """Move a realistic request state P -> D over our gRPC path, bare gRPC-Python, our Mooncake plane, raw
     Mooncake and a raw TCP socket, side by side; report GB/s, the ratios and CPU seconds per GB."""
     from k3serve.bench.transfer import TransferBenchConfig, run_transfer_bench
+    from k3serve.bench.transfer_handoff import HandoffBenchConfig
     from k3serve.transfer.plan import PlanError
+    from k3serve.transfer.spec import DEFAULT_CHUNK_BYTES
 
+    chunk_bytes = chunk_kib << 10 if chunk_kib > 0 else DEFAULT_CHUNK_BYTES
     try:
-        cfg = TransferBenchConfig(_pairs(pairs), tokens, preset, chunk_kib << 10, page_tokens, reps, layerwise, host,
-                                  mooncake)
+        tps = _pairs(handoff_tp)
+        if len(tps) != 1:
+            raise typer.BadParameter(f"--handoff-tp takes one P x D pair, got {handoff_tp!r}")
+        (hp, hd), = tps
+        hcfg = HandoffBenchConfig(handoff_preset, handoff_tokens, handoff_last_chunk, hp, hd, reps,
+                                  chunk_bytes) if handoff else None
+        cfg = TransferBenchConfig(_pairs(pairs), tokens, preset, chunk_bytes, page_tokens, reps, layerwise, host,
+                                  mooncake, hcfg)
         result = run_transfer_bench(cfg)
     except (PlanError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
@@ -55,13 +72,22 @@ def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="p
                f"{result['cpus']} CPUs")
     typer.echo(f"mooncake: {result['mooncake']}; load average {result['load_avg_1m']}")
     num = lambda v, w, f=".3f": f"{v:>{w}{f}}" if v is not None else f"{'-':>{w}}"  # noqa: E731
-    typer.echo(f"{'P':>2} {'D':>2} {'MB':>8} {'ours gRPC':>10} {'bare gRPC':>10} {'ours/bare':>10} {'ours MC':>8} "
+    typer.echo(f"{'P':>2} {'D':>2} {'MB':>8} {'ours gRPC':>10} {'bare gRPC':>10} {'ours/bare':>10} {'ours/kept':>10} "
+               f"{'ours MC':>8} "
                f"{'raw MC':>8} {'MC/raw':>7} {'socket':>8} {'crc':>6} {'reshard':>8} {'framing':>8}")
     for r in result["runs"]:
         typer.echo(f"{r['p']:>2} {r['d']:>2} {r['bytes'] / 1e6:>8.1f} {r['grpc_gbps']:>10.3f} "
-                   f"{r['bare_grpc_gbps']:>10.3f} {r['ours_over_bare_grpc']:>10.2f} {num(r['mooncake_gbps'], 8)} "
+                   f"{r['bare_grpc_gbps']:>10.3f} {r['ours_over_bare_grpc']:>10.2f} "
+                   f"{r['ours_over_bare_grpc_keep']:>10.2f} {num(r['mooncake_gbps'], 8)} "
                    f"{num(r['raw_mooncake_gbps'], 8)} {num(r['ours_mooncake_over_raw'], 7, '.2f')} "
                    f"{r['socket_gbps']:>8.3f} {r['crc_share']:>6.1%} {r['reshard_share']:>8.1%} "
                    f"{r['framing_share']:>8.1%}")
-    typer.echo("GB/s; ours/bare = ours over gRPC / bare gRPC-Python, MC/raw = ours over Mooncake / raw Mooncake; "
+    typer.echo("GB/s; ours/bare = ours over gRPC / bare gRPC-Python (ours/kept: over bare gRPC whose sink keeps "
+               "what it got), MC/raw = ours over Mooncake / raw Mooncake; "
                "crc, reshard, framing = shares of the gRPC path's CPU time")
+    h = result.get("layerwise_handoff")
+    if h:
+        typer.echo(f"last prefill chunk -> first decode token ({h['preset']}, {h['tokens']} tokens, last chunk "
+                   f"{h['last_chunk_tokens']}, TP {h['prefill_tp']}x{h['decode_tp']}): layer-wise export off "
+                   f"{h['off']['last_chunk_to_first_decode_s']:.4f} s, on {h['on']['last_chunk_to_first_decode_s']:.4f}"
+                   f" s (median of {h['reps']}; paired saving {h['saved_s_median']:.4f} s)")

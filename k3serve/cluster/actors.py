@@ -104,7 +104,8 @@ class ClusterActor:
                                 PrefillConfig(pre_pools, policy, step_token_budget=c.step_token_budget,
                                               long_threshold=_long_threshold(d),
                                               long_step_tokens=c.long_step_tokens or None, numerics=d.numerics,
-                                              draft_capture=decode.draft_capture),  # the drafter's warm start
+                                              draft_capture=decode.draft_capture,  # the drafter's warm start
+                                              layerwise_export=c.layerwise_export),
                                 model_fingerprint(cfg.to_hf_dict()), channel)
         front = ClusterFront(self.cluster_id, DisaggLoop(prefill, decode), d.secret, c.prefill_tp, c.decode_tp,
                              d.numerics)

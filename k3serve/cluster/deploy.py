@@ -137,6 +137,7 @@ class ClusterSpec:
     transfer: str = "grpc"  # "grpc": k3serve.transfer between the groups; "mooncake": the same control over gRPC,
     # payload by the Mooncake Transfer Engine (pip install 'k3serve[mooncake]'); "object_store": tensors via Ray
     mooncake: MooncakeSpec = field(default_factory=lambda: MooncakeSpec())
+    layerwise_export: bool = False  # grpc plane: a prompt's last chunk streams each layer's state as it is computed
     rebuild: bool = True  # a cluster whose rank died is torn down and built again in place
     rebuild_backoff_s: float = 1.0  # first wait before a rebuild; doubles after a failed attempt (max 30 s)
     ids: tuple[str, ...] = ()  # explicit cluster ids; default c0, c1, ...

@@ -43,3 +43,20 @@ class StateChannel(Protocol):
 
     def discard(self, state: StateRef) -> None:
         """The request left before install: free whatever holds its state (staging). Never raises."""
+
+
+class LayerwiseChannel(StateChannel, Protocol):
+    """A channel that can also stream a prefill's state layer by layer while its last chunk runs
+    (`layerwise = True`; PrefillConfig.layerwise_export): the engine runs that chunk as an
+    `engine.ops.PrefillStreamed` op carrying `stream_job(...)` and hands every rank's outcome to `streamed`."""
+
+    layerwise: bool
+
+    def stream_job(self, request_id: str, num_tokens: int) -> object:
+        """The job every prefill rank streams `num_tokens` tokens of state with (one transfer id)."""
+
+    def streamed(self, job: object, outcomes: list) -> StateRef:
+        """The state the ranks streamed, as `export` returns it. Raises StateTransferError (cancelled)."""
+
+    def abandon(self, job: object) -> None:
+        """Drop a streamed state nobody will install. Never raises."""

@@ -180,3 +180,17 @@ class SendState:
     block_table: tuple[int, ...]
     num_tokens: int
     job: object
+
+
+@dataclass(frozen=True)
+class PrefillStreamed:
+    """A prefill's last chunk with layer-wise export: run `chunk` and stream this rank's share of the request's
+    state (`num_tokens` tokens) while it runs, each layer as soon as the chunk's forward has computed it.
+
+    job: a k3serve.transfer.handoff_send.StateSendJob (the same on every rank). Returns ``(chunk result, outcome)``:
+    what PrefillChunk returns, and the SendOutcome SendState would have returned for the same state.
+    """
+
+    chunk: PrefillChunk
+    num_tokens: int
+    job: object

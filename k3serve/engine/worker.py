@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from k3serve.engine.ops import (CommitBatch, CopySlot, DecodeBatch, ExportState, InstallStaged, InstallState,
-                                PoolConfig, PrefillChunk, ResetSlots, SendState, VerifyBatch)
+                                PoolConfig, PrefillChunk, PrefillStreamed, ResetSlots, SendState, VerifyBatch)
 from k3serve.kernels.kda_spec import kda_commit, record_floats
 from k3serve.model.model import HybridModel
 from k3serve.model.state import ForwardBatch, PagedLatentCache
@@ -38,6 +38,21 @@ class Staging(Protocol):
     def recycle(self, state: object) -> None: ...
 
 
+class LayerSend(Protocol):
+    """One rank's layer-wise send of a request's state (made by WorkerHooks.begin_send over two buffers the
+    worker fills layer by layer; e.g. transfer/handoff_send.py StreamedSend)."""
+
+    def layer_ready(self, kind: str, layer: int) -> None:
+        """Layer `layer` of `kind` ("kda" | "mla") is final in the buffers: its bytes may leave now."""
+
+    def finish(self) -> object:
+        """Wait for the receivers' acks: the outcome SendState would have returned (never raises for a failed
+        transfer: the outcome says so)."""
+
+    def abort(self, reason: str) -> None:
+        """Stop sending and cancel the transfer on the receivers."""
+
+
 def _no_cleanup() -> None:
     pass
 
@@ -47,12 +62,15 @@ class WorkerHooks:
     """What joins a worker to a transfer plane, fixed at construction.
 
     send_state(job, rank, kda `[L_kda, H_local, block]`, mla `[L_mla, n, D]`) -> outcome: SendState's work.
+    begin_send(job, rank, kda, mla) -> LayerSend: PrefillStreamed's (the same buffers, filled layer by layer while
+        the last chunk runs; None: this plane has no layer-wise export).
     staging: where InstallStaged takes verified transfers from.
     report: a value the rank reports to its driver once built (a receiver's endpoint).
     close: stops what the hooks started (a receiver, cached senders).
     """
 
     send_state: Callable[[object, int, torch.Tensor, torch.Tensor], object] | None = None
+    begin_send: Callable[[object, int, torch.Tensor, torch.Tensor], LayerSend] | None = None
     staging: Staging | None = None
     report: object = None
     close: Callable[[], None] = _no_cleanup
@@ -98,13 +116,15 @@ class ModelWorker:
             bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         return bt.to(self.page_store.device)
 
-    def _PrefillChunk(self, op: PrefillChunk) -> torch.Tensor | None | tuple:
+    def _PrefillChunk(self, op: PrefillChunk, on_layer: Callable[[int], None] | None = None
+                      ) -> torch.Tensor | None | tuple:
         # a view of the slot: the forward updates the pool in place
         blocks = [self.kda_store[op.slot: op.slot + 1, layer] for layer in range(self.model.cfg.num_kda_layers)]
         latent = PagedLatentCache(self.page_store, self._block_table((op.block_table,)))
         ids = torch.tensor([op.token_ids], dtype=torch.long, device=self.model.device)
         capture = op.capture_layers if op.capture_rows > 0 else ()
-        batch = ForwardBatch(blocks, latent, [op.start], decode=False, capture_layers=tuple(capture))
+        batch = ForwardBatch(blocks, latent, [op.start], decode=False, capture_layers=tuple(capture),
+                             on_layer=on_layer)
         logits = self.model.forward(ids, batch, op.all_logits)
         out = logits[0].cpu() if op.want_logits or op.all_logits else None
         if not capture:
@@ -193,6 +213,39 @@ class ModelWorker:
         kda, mla = self._ExportState(ExportState(op.slot, op.block_table, op.num_tokens))
         return self.hooks.send_state(op.job, self.model.tp.rank, kda, mla)
 
+    def _PrefillStreamed(self, op: PrefillStreamed) -> tuple[object, object]:
+        """The last chunk, each layer's state handed to the sender as soon as this chunk's forward computed it
+        (nothing later in the forward touches a layer's state once its attention ran), so the transfer of the
+        first layers overlaps the compute of the last ones. The buffers hold what ExportState would return."""
+        if self.hooks.begin_send is None:
+            raise RuntimeError("PrefillStreamed: this worker's transfer plane has no layer-wise export "
+                               "(WorkerHooks.begin_send)")
+        c, cfg, n = op.chunk, self.model.cfg, op.num_tokens
+        if n != c.start + len(c.token_ids):
+            raise ValueError(f"PrefillStreamed.num_tokens {n} is not where its chunk ends "
+                             f"({c.start} + {len(c.token_ids)}): only a prompt's last chunk streams its state")
+        kda = torch.empty(tuple(self.kda_store.shape[1:]), dtype=torch.float32)
+        mla = torch.empty(cfg.num_mla_layers, n, cfg.mla_latent_dim, dtype=self.page_store.dtype)
+        latent = PagedLatentCache(self.page_store, self._block_table((c.block_table,)))
+        send = self.hooks.begin_send(op.job, self.model.tp.rank, kda, mla)
+
+        def export_layer(layer: int) -> None:
+            if cfg.is_kda_layer(layer):
+                i = cfg.kda_index(layer)
+                kda[i].copy_(self.kda_store[c.slot, i])
+                send.layer_ready("kda", i)
+            else:
+                i = cfg.mla_index(layer)
+                mla[i].copy_(latent.read(i, 0, n))
+                send.layer_ready("mla", i)
+
+        try:
+            result = self._PrefillChunk(c, export_layer)
+        except BaseException:
+            send.abort("the prefill chunk failed")
+            raise
+        return result, send.finish()
+
     def _InstallStaged(self, op: InstallStaged) -> None:
         staging = self.hooks.staging
         if staging is None:
@@ -208,4 +261,5 @@ class ModelWorker:
         ResetSlots: _ResetSlots, CopySlot: _CopySlot, PrefillChunk: _PrefillChunk, DecodeBatch: _DecodeBatch,
         ExportState: _ExportState, InstallState: _InstallState, SendState: _SendState,
         InstallStaged: _InstallStaged, VerifyBatch: _VerifyBatch, CommitBatch: _CommitBatch,
+        PrefillStreamed: _PrefillStreamed,
     }

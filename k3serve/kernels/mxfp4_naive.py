@@ -40,3 +40,34 @@ def dequantize_naive(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 def mxfp4_linear_naive(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [N, K] @ dequantize_naive(W)^T in float64, returned in x's dtype: [N, O]."""
     return (x.double() @ dequantize_naive(packed, scales).T).to(x.dtype)
+
+
+def glu_naive(g: torch.Tensor, u: torch.Tensor, act: str, beta1: float, beta2: float) -> torch.Tensor:
+    """`act(g) * u` in float64 from the definitions (norm.glu): silu g sigmoid(g) u; situ
+    (b1 tanh(g / b1) sigmoid(g)) (b2 tanh(u / b2))."""
+    g, u = g.double(), u.double()
+    sig = 1.0 / (1.0 + torch.exp(-g))
+    if act == "silu":
+        return g * sig * u
+    if act == "situ":
+        return beta1 * torch.tanh(g / beta1) * sig * beta2 * torch.tanh(u / beta2)
+    raise ValueError(f"unknown activation {act!r}")
+
+
+def routed_moe_naive(z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, first_expert: int,
+                     experts: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]], act: str,
+                     beta1: float, beta2: float) -> torch.Tensor:
+    """The routed-expert sum of one rank in float64, one assignment at a time: the oracle of the fused kernel
+    (kernels/mxfp4_moe_cpu.py). z `[N, K]`; ids, w `[N, k]`; experts[i] = ((p1, s1), (p3, s3), (p2, s2)) of
+    global expert first_expert + i -> float64 `[N, K]`: sum over the row's local slots of
+    w * W2 glu(W1 z, W3 z)."""
+    deq = [[dequantize_naive(p, s) for p, s in e] for e in experts]
+    out = torch.zeros(z.shape, dtype=torch.float64)
+    for n in range(z.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[n, s]) - first_expert
+            if 0 <= e < len(experts):
+                w1, w3, w2 = deq[e]
+                x = z[n].double()
+                out[n] += float(w[n, s]) * (w2 @ glu_naive(w1 @ x, w3 @ x, act, beta1, beta2))
+    return out

@@ -114,6 +114,8 @@ class HybridModel:
         eps = self.cfg.rms_norm_eps
         for layer in self.layers:
             x = x + layer.attention(x, batch, eps)
+            if batch.on_layer is not None:
+                batch.on_layer(layer.layer)
             x = x + layer.feed_forward(x, eps)
             if layer.layer in batch.capture_layers:
                 batch.captured[layer.layer] = x.float()
@@ -139,6 +141,8 @@ class HybridModel:
                 done.append(partial)
                 partial = None
             a = layer.attention(x, batch, eps)
+            if batch.on_layer is not None:
+                batch.on_layer(layer.layer)
             partial = a if partial is None else partial + a
             x = attn_res_mix(done + [partial], *layer.mlp_res, eps, sm)
             partial = partial + layer.feed_forward(x, eps)

@@ -20,6 +20,8 @@ attention in the absorbed form by the paged kernel).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -148,6 +150,9 @@ class ForwardBatch:
         feature hook, engine/spec/drafter.py): `[B, T, d]` fp32, the residual stream after that layer (with
         Block AttnRes: the running partial sum of the layer's block, which at a block's last layer is the
         block's output).
+    on_layer: called with a decoder layer's index right after that layer's attention updated its state (its
+        KDA block or its MLA rows for this call's tokens): layer-wise export sends the state of a prefill's last
+        chunk layer by layer while the rest of the forward runs (engine/worker.py PrefillStreamed).
     """
 
     kda_blocks: list[torch.Tensor]
@@ -157,3 +162,4 @@ class ForwardBatch:
     kda_records: list[torch.Tensor] | None = None
     capture_layers: tuple[int, ...] = ()
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    on_layer: Callable[[int], None] | None = None

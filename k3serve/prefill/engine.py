@@ -29,7 +29,7 @@ from k3serve.engine.chunk_plan import ChunkCandidate, plan_chunks
 from k3serve.engine.executor import Executor, OpFailed
 from k3serve.contracts.channel import StateChannel, StateTransferError
 from k3serve.contracts.handoff import DraftCapture, DraftFeatures, Handoff
-from k3serve.engine.ops import CopySlot, PoolConfig, PrefillChunk, ResetSlots
+from k3serve.engine.ops import CopySlot, PoolConfig, PrefillChunk, PrefillStreamed, ResetSlots
 from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
@@ -52,6 +52,9 @@ class PrefillConfig:
     enable_prefix_cache: bool = True
     draft_capture: DraftCapture | None = None  # hand the drafter its start state (Handoff.draft); None: none
     numerics: Numerics = DEFAULT_NUMERICS  # deterministic: chunk ends on its grid (the workers get the same value)
+    # stream the state of a prompt's last chunk layer by layer while that chunk's forward runs (channels with
+    # `layerwise`, i.e. gRPC; others export after the forward as before). docs/transfer.md has the figures.
+    layerwise_export: bool = False
 
 
 @dataclass
@@ -169,7 +172,17 @@ class PrefillEngine:
         op = PrefillChunk(run.slot, run.req.prompt_ids[work.start: work.end], work.start,
                           tuple(run.pages), want_logits=last, capture_layers=cap.layers if rows > 0 else (),
                           capture_rows=max(0, rows))
-        logits = self.executor.run(op)[0]
+        streamed = None
+        if last and self.config.layerwise_export and getattr(self.channel, "layerwise", False):
+            job = self.channel.stream_job(run.req.request_id, run.prompt_len)
+            try:
+                results = self.executor.run(PrefillStreamed(op, run.prompt_len, job))
+            except OpFailed:
+                self.channel.abandon(job)  # some ranks may have sent their share
+                raise
+            logits, streamed = results[0][0], (job, [r[1] for r in results])
+        else:
+            logits = self.executor.run(op)[0]
         if rows > 0:  # this chunk holds some of the prompt's last cap.rows positions
             logits, feats = logits
             run.captured.append((work.end - rows, feats))
@@ -178,7 +191,7 @@ class PrefillEngine:
         if work.end in run.boundaries:
             run.boundaries.remove(work.end)
             self._save_checkpoint(run, work.end)
-        return self._finish(run, logits) if last else None
+        return self._finish(run, logits, streamed) if last else None
 
     def _fail(self, run: _Running, code: ErrorCode, message: str) -> None:
         if run in self.running:
@@ -270,7 +283,8 @@ class PrefillEngine:
             raise
         run.checkpoints[boundary] = ckpt
 
-    def _finish(self, run: _Running, logits: object) -> Handoff | None:
+    def _finish(self, run: _Running, logits: object, streamed: tuple | None = None) -> Handoff | None:
+        """streamed: (job, every rank's outcome) when the last chunk already streamed the state."""
         req, n = run.req, run.prompt_len
         if req.replay_ids:  # a resumed request: its next token is already known; decode replays the rest
             first, reason = req.replay_ids[0], ""
@@ -279,9 +293,12 @@ class PrefillEngine:
             stop = is_stop(first, req.params, self.cfg.eos_token_id)
             reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
         state = None
-        if not reason:  # a first token that ends the request leaves no state to hand over
+        if reason and streamed is not None:  # a first token that ends the request leaves no state to hand over
+            self.channel.abandon(streamed[0])
+        elif not reason:
             try:
-                state = self.channel.export(self.executor, req.request_id, run.slot, tuple(run.pages), n)
+                state = (self.channel.streamed(*streamed) if streamed is not None else
+                         self.channel.export(self.executor, req.request_id, run.slot, tuple(run.pages), n))
             except StateTransferError as e:
                 self._release(run, keep_checkpoints=True)
                 self.running.remove(run)

@@ -10,7 +10,8 @@ transfer planes, resharded on the path (DESIGN.md §6, §9).
  client.py             Status / Cancel on a decode group's receivers
  decode_host.py        decode TP group whose rank processes host the receivers (InstallStaged)
  inprocess.py          InProcessChannel: the state as tensors in the ticket (local pipeline, Ray object store)
- handoff_send.py       GrpcChannel: SendState on every prefill rank, InstallStaged on every decode rank
+ handoff_send.py       GrpcChannel: SendState (or, layer-wise, PrefillStreamed) on every prefill rank, InstallStaged
+                       on every decode rank
  memory.py             allocator tuning so ~MiB message buffers reuse warm pages
  buffers.py            staging buffers: the heap (pooled) or one registered region (data planes)
  mooncake/             the Mooncake data plane: gRPC control, payload by the Transfer Engine (docs/transfer.md)

@@ -7,6 +7,10 @@ straight from its pools and streams its share (plan.py) to the decode group's re
 ```
  GrpcChannel.export ──SendState(slot, pages, n, job)──▶ every prefill rank r
         ◀── SendOutcome(verified decode ranks | error) ───┘   (sender r -> receivers, CRC + manifest)
+ layer-wise (PrefillConfig.layerwise_export): the engine runs the last chunk as
+ PrefillStreamed(chunk, n, GrpcChannel.stream_job(..)) ──▶ every prefill rank r: sender.begin(), then each
+        layer's chunks leave as soon as the forward computed that layer ──▶ (chunk result, SendOutcome)
+        GrpcChannel.streamed(job, outcomes) -> StagedState, as export returns
  GrpcChannel.install(StagedState) ──InstallStaged──▶ decode ranks (verified staging only)
  GrpcChannel.discard(StagedState) ──Cancel──▶ receivers drop the staging
 ```
@@ -27,8 +31,8 @@ from k3serve.contracts.handoff import StagedState, StateRef
 from k3serve.engine.ops import InstallStaged, SendState
 from k3serve.engine.worker import WorkerHooks
 from k3serve.transfer.client import ReceiverClient
-from k3serve.transfer.sender import SenderConfig, TransferFailed, TransferSender
-from k3serve.transfer.spec import StateGeometry, TransferSpec
+from k3serve.transfer.sender import SenderConfig, SendSession, TransferFailed, TransferSender
+from k3serve.transfer.spec import DEFAULT_CHUNK_BYTES, StateGeometry, TransferSpec
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,37 @@ def send_state(job: StateSendJob, rank: int, kda, mla, senders: SenderCache | No
             sender.close()
 
 
+@dataclass
+class StreamedSend:
+    """One rank's layer-wise send (WorkerHooks.begin_send, engine/worker.py LayerSend): a SendSession whose
+    finish() answers the SendOutcome that send_state would have."""
+
+    job: StateSendJob
+    rank: int
+    session: SendSession
+
+    def layer_ready(self, kind: str, layer: int) -> None:
+        self.session.layer_ready(kind, layer)
+
+    def abort(self, reason: str) -> None:
+        self.session.abort(reason)
+
+    def finish(self) -> SendOutcome:
+        try:
+            res = self.session.finish(self.job.timeout_s)
+            return SendOutcome(self.job.spec.transfer_id, self.rank, tuple(sorted(res.verified_ranks)),
+                               res.bytes_sent)
+        except TransferFailed as e:
+            return SendOutcome(self.job.spec.transfer_id, self.rank, error=f"{e.code}: {e}")
+
+
+def begin_send(job: StateSendJob, rank: int, kda, mla, senders: SenderCache) -> StreamedSend:
+    """Start streaming this rank's share; kda `[L_kda, H/P, block]` fp32 and mla `[L_mla, n, D]` are filled
+    layer by layer by the caller, which marks each layer ready (they must not change after that)."""
+    sender = senders.get(rank, job.endpoints, job.config)
+    return StreamedSend(job, rank, sender.begin(job.spec, kda, mla))
+
+
 log = logging.getLogger(__name__)
 
 
@@ -105,16 +140,18 @@ class GrpcSendHooks:
 
     def __call__(self, cfg, rank: int, tp: int) -> WorkerHooks:
         cache = SenderCache()
-        return WorkerHooks(send_state=lambda job, r, kda, mla: send_state(job, r, kda, mla, cache), close=cache.close)
+        return WorkerHooks(send_state=lambda job, r, kda, mla: send_state(job, r, kda, mla, cache),
+                           begin_send=lambda job, r, kda, mla: begin_send(job, r, kda, mla, cache), close=cache.close)
 
 
 class GrpcChannel:
     """The StateChannel over k3serve.transfer: a prefill group's view of its decode group's receivers."""
 
     name = "grpc"
+    layerwise = True  # stream_job / streamed: the prefill ranks' GrpcSendHooks have begin_send
 
     def __init__(self, cluster_id: str, cfg, endpoints: tuple[str, ...], secret: str, prefill_tp: int,
-                 decode_tp: int, page_size: int, chunk_bytes: int = 1 << 20) -> None:
+                 decode_tp: int, page_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.cfg, self.endpoints = cfg, endpoints
         self.prefill_tp, self.decode_tp, self.page_size, self.chunk_bytes = prefill_tp, decode_tp, page_size, chunk_bytes
         self.auth = AuthConfig(secret, peer=f"prefill-{cluster_id}")
@@ -133,12 +170,24 @@ class GrpcChannel:
     def export(self, executor, request_id: str, slot: int, block_table: tuple[int, ...],
                num_tokens: int) -> StagedState:
         job = self.job(request_id, num_tokens)
-        outcomes = executor.run(SendState(slot, block_table, num_tokens, job))
+        return self.streamed(job, executor.run(SendState(slot, block_table, num_tokens, job)))
+
+    def stream_job(self, request_id: str, num_tokens: int) -> StateSendJob:
+        """Layer-wise export (contracts/channel.py LayerwiseChannel): the job of a PrefillStreamed op."""
+        return self.job(request_id, num_tokens)
+
+    def streamed(self, job: StateSendJob, outcomes: list[SendOutcome]) -> StagedState:
+        """Every prefill rank's outcome of `job` -> the staged state; a failure cancels it everywhere and raises
+        StateTransferError."""
         errors = [o.error for o in outcomes if o.error]
         if errors:
             self.cancel(job.spec.transfer_id)
             raise StateTransferError(f"state transfer to decode failed: {errors[0]}")
         return StagedState(job.spec.transfer_id, sum(o.bytes_sent for o in outcomes))
+
+    def abandon(self, job: StateSendJob) -> None:
+        """A streamed state nobody will install (its request ended at its first token, or the chunk failed)."""
+        self.cancel(job.spec.transfer_id)
 
     def install(self, executor, state: StateRef, slot: int, block_table: tuple[int, ...]) -> None:
         if not isinstance(state, StagedState):

@@ -1,5 +1,7 @@
 """Benchmarks run end to end at toy sizes and report the documented keys (no timing assertions)."""
 
+import pytest
+
 from k3serve.bench.decode import run_decode_bench, step_bytes
 from k3serve.bench.prefix import agentic_trace, run_prefix_bench
 from k3serve.model.presets import preset
@@ -56,6 +58,11 @@ def test_quant_bench_keys_side_by_side(tmp_path):
     for form in ("bf16", "mxfp4"):
         assert set(out["decode_tokens_per_s"][form]) == {"1"} and set(out["expert_matmul_us"]["1"]) >= {form}
         assert set(out["decode_tokens_per_cpu_s"][form]) == {"1"} and out["decode_tokens_per_cpu_s"][form]["1"] > 0
+    assert set(out["routed_experts_us"]["1"]) == {"bf16", "mxfp4", "mxfp4_unfused"}
+    assert all(v > 0 for v in out["routed_experts_us"]["1"].values())
+    inter = out["decode_interleaved"]["1"]
+    assert inter["mxfp4_over_bf16"] == pytest.approx(inter["bf16_cpu_ms_per_step"] / inter["mxfp4_cpu_ms_per_step"])
+    assert inter["mxfp4_over_bf16"] > 0
     mx = out["decode_weight_bytes_per_token"]
     assert mx["mxfp4"]["1"] < mx["bf16"]["1"]
     cfg = preset("tiny-trained")

@@ -7,6 +7,10 @@ full-precision and MXFP4 experts run the same routing, grouping and summation co
 * :class:`MXFP4Linear`  ``...w1.weight_packed`` + ``_scale``    -> :func:`k3serve.kernels.mxfp4.mxfp4_linear`
   (the packed bytes are what is held, plus on CPU the scale values in fp32, 4 bytes per 32 inputs; the CPU
   path dequantises a small row block at a time, the Triton kernel in registers).
+
+On the CPU a MoE layer whose experts are all MXFP4 does not call these objects per expert: it runs one fused
+kernel call for all of them (``moe_mxfp4.py``); the objects (views of its stacks) remain for numerics mode
+``deterministic`` (``tiled``) and for a process without numba.
 """
 
 from __future__ import annotations

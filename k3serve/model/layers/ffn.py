@@ -16,6 +16,7 @@ from k3serve.model.deterministic import DefaultOps
 from k3serve.model.layers.expert_weights import expert_linear
 from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, grouped_experts,
                                                padded_experts, stack_dense_experts)
+from k3serve.model.layers.moe_mxfp4 import fuse_mxfp4_experts
 from k3serve.model.layers.norm import glu, rms_norm
 from k3serve.model.tp import TPGroup
 
@@ -100,6 +101,12 @@ class MoE:
         self.stacked = stack_dense_experts([self.experts[e] for e in self.expert_ids])
         if self.stacked is not None:
             self.experts = dict(zip(self.expert_ids, self.stacked.views()))
+        # MXFP4 experts on the CPU: stacked packed bytes, one fused kernel call per layer (moe_mxfp4.py)
+        self.fused = None if self.stacked is not None else fuse_mxfp4_experts(
+            [self.experts[e] for e in self.expert_ids], self.expert_ids.start, cfg.hidden_act,
+            cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        if self.fused is not None:
+            self.experts = dict(zip(self.expert_ids, self.fused.views()))
         self.shared = GatedMLP(cfg, weights, m + "shared_experts.", self.ops) if cfg.num_shared_experts else None
         if cfg.uses_latent_moe:
             self.w_down = weights[m + "routed_expert_down_proj.weight"]
@@ -134,8 +141,13 @@ class MoE:
         (full-precision) experts run all of the rank's runs as one grouped GEMM per matrix instead of the loop
         (moe_grouped.py; the same GEMM per run, bit-identical), or, for decode-sized runs over many experts, as
         three bmm over zero-padded runs (last-bit rounding may then differ, as with any other batch). The
-        grouping is :func:`group_by_expert`.
+        grouping is :func:`group_by_expert`. MXFP4 experts on the CPU run all of this (grouping, experts, the
+        weighted sum in ascending expert order) as one fused kernel call (moe_mxfp4.py): its fixed per-row
+        order makes a token's result independent of the call's other tokens, and equal to the loop's within
+        fp32 rounding.
         """
+        if self.fused is not None and self.fused.takes(z):  # MXFP4 on the CPU: one fused call
+            return self.fused(z, ids, w)
         c = self.cfg
         k = ids.shape[1]
         order, counts_t, counts = group_by_expert(ids, c.num_experts)

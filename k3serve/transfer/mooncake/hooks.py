@@ -82,3 +82,4 @@ class MooncakeChannel(GrpcChannel):
     the payload with the engine instead of in the gRPC messages)."""
 
     name = "mooncake"
+    layerwise = False  # its senders stage the state in the registered send region: no PrefillStreamed yet
