@@ -20,7 +20,7 @@ def admission(config: str = typer.Option("configs/local.yaml", "--config"),
     """Short-request TTFT p99: unloaded, during a burst of long requests with budgets, and without."""
     from k3serve.bench.admission import run_admission_bench
 
-    with results_only_stdout():
-        out = run_admission_bench(config, shorts=shorts, longs=longs, long_len=long_tokens, step_tokens=step_tokens,
-                                  long_step_tokens=long_step_tokens)
-    emit(out, as_json)
+    with results_only_stdout() as stdout:
+        result = run_admission_bench(config, shorts=shorts, longs=longs, long_len=long_tokens, step_tokens=step_tokens,
+                                     long_step_tokens=long_step_tokens)
+    emit(result, as_json, stdout)

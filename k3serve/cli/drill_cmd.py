@@ -39,7 +39,7 @@ def drill(config: str = typer.Option("configs/local.yaml", "--config"),
     except (DeployError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
-    with results_only_stdout(), Deployment(deploy) as dep:
+    with results_only_stdout() as out, Deployment(deploy) as dep:
         typer.echo(f"drill: deployment up, routers {dep.router_addresses}; running {sessions} sessions x {turns} turns,"
                    f" fault {kill} at {at_s}s", err=True)
         result = run_drill(dep, fault, at_s, sessions, turns, max_tokens, seed=None if seed < 0 else seed,
@@ -51,6 +51,6 @@ def drill(config: str = typer.Option("configs/local.yaml", "--config"),
             for s in result["samples"]:  # readable next to the JSON report, which stays alone on stdout
                 typer.echo(f"--- sample ({'= reference' if s['matches_reference'] else 'DIFFERS from reference'})"
                            f"\n{s['prompt']}{s['text']}", err=True)
-    emit(result, as_json)
+    emit(result, as_json, out)
     ok = result["failed"] == 0 and result["mismatches"] == 0
     raise typer.Exit(0 if ok else 1)

@@ -32,9 +32,9 @@ from k3serve.contracts.numerics import Numerics
 from k3serve.model.tp import TPGroup
 
 # Elements per padded elementwise call: a multiple of 2 x the widest vector (AVX-512: 16 floats).
-_VEC = 64
+ELEMENTWISE_VEC = 64
 # Output widths from which the row tiles of one linear run as one bmm (narrower: one mm per tile).
-_BMM_MIN_OUT = 16
+BMM_MIN_OUT = 16
 # The smallest row tile: from 4 rows on, a row of a GEMM gets the same bits whether its tile has 4, 8 or 16
 # rows (one kernel; fewer than 4 rows take another: tests/model/test_numerics_invariants.py).
 MIN_TILE = 4
@@ -106,7 +106,7 @@ class DeterministicOps(DefaultOps):
     def _tiled(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[N, K]` (any N), w `[n, K]` -> `[N, n]`: one [R, K] x [K, n] GEMM per row tile.
 
-        Weights with at least _BMM_MIN_OUT rows run all tiles in one bmm (measured equal, bit for bit, to
+        Weights with at least BMM_MIN_OUT rows run all tiles in one bmm (measured equal, bit for bit, to
         separate calls whatever the tile count); narrower ones (a 1-head unit of b_proj) call mm per tile,
         because a bmm with n = 1 takes another kernel when it has more than one tile."""
         rows, k = x.shape
@@ -114,7 +114,7 @@ class DeterministicOps(DefaultOps):
         tiles = -(-rows // size)
         if tiles * size != rows:
             x = torch.cat([x, x.new_zeros(tiles * size - rows, k)])
-        if w.shape[0] < _BMM_MIN_OUT:
+        if w.shape[0] < BMM_MIN_OUT:
             wt = w.t()
             out = torch.cat([torch.mm(x[i * size: (i + 1) * size], wt) for i in range(tiles)])
             return out[:rows]
@@ -135,7 +135,7 @@ class DeterministicOps(DefaultOps):
         n_u = w.shape[0] // units
         if units == 1:
             out = self._tiled(flat, w)
-        elif n_u >= _BMM_MIN_OUT and (tile := self._one_tile(flat)) is not None:
+        elif n_u >= BMM_MIN_OUT and (tile := self._one_tile(flat)) is not None:
             # one tile (a decode step): the units' GEMMs as one bmm, each batch entry the same [R, K] x [K, n/U]
             # GEMM (B transposed) that the per-unit path runs: [U, R, n/U] -> [R, U n/U]
             out = torch.bmm(tile.unsqueeze(0).expand(units, -1, -1), w.view(units, n_u, k).transpose(1, 2))
@@ -149,7 +149,7 @@ class DeterministicOps(DefaultOps):
         flat = x.reshape(-1, k)
         ul, n = self.units_local, w.shape[0]
         width = k // ul
-        tile = self._one_tile(flat) if n >= _BMM_MIN_OUT else None
+        tile = self._one_tile(flat) if n >= BMM_MIN_OUT else None
         if tile is not None:
             # one tile: the units' partial GEMMs [R, K/U] x [K/U, n] as one bmm over contiguous unit slices
             xs = tile.view(tile.shape[0], ul, width).transpose(0, 1).contiguous()  # [U_local, R, K/U]
@@ -169,12 +169,12 @@ class DeterministicOps(DefaultOps):
         return self.tp.all_gather(partial).sum(0)
 
     def unary(self, fn, x: torch.Tensor) -> torch.Tensor:
-        """fn over a flat copy padded to a multiple of _VEC elements: torch's CPU kernels compute the last
+        """fn over a flat copy padded to a multiple of ELEMENTWISE_VEC elements: torch's CPU kernels compute the last
         (numel mod 2 x vector width) elements with scalar code, whose exp-based results (sigmoid, ...) differ
         from the vector code's by an ulp, so an element's bits would depend on how many share the tensor."""
         flat = x.reshape(-1)
         n = flat.numel()
-        pad = -n % _VEC
+        pad = -n % ELEMENTWISE_VEC
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
         return fn(flat)[:n].view(x.shape)

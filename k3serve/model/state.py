@@ -72,6 +72,23 @@ class LatentCache(Protocol):
     def read(self, mla_idx: int, b: int, length: int) -> torch.Tensor:
         """Rows 0..length-1 of request b: `[length, D]`."""
 
+    def read_blocks(self, mla_idx: int, lengths: list[int], block: int) -> torch.Tensor:
+        """Rows 0..lengths[b]-1 of every request b, cut into `block`-row blocks at absolute positions:
+        `[sum_b ceil(lengths[b] / block), block, D]`, request order, each request's last block zero-padded."""
+
+
+def blocks_of(rows: list[torch.Tensor], block: int) -> torch.Tensor:
+    """rows[b] `[L_b, D]` -> `[sum_b ceil(L_b / block), block, D]` as LatentCache.read_blocks returns them
+    (one copy per request)."""
+    nbs = [-(-r.shape[0] // block) for r in rows]
+    out = rows[0].new_empty(sum(nbs), block, rows[0].shape[1])
+    flat, at = out.view(-1, rows[0].shape[1]), 0
+    for r, nb in zip(rows, nbs):
+        flat[at: at + r.shape[0]] = r
+        flat[at + r.shape[0]: at + nb * block] = 0
+        at += nb * block
+    return out
+
 
 class DenseLatentCache:
     """Growing per-request tensors; the reference generator's cache (no pages, no sharing)."""
@@ -95,6 +112,9 @@ class DenseLatentCache:
         if rows is None or rows.shape[0] < length:
             raise ValueError(f"dense latent cache: request {b} has fewer than {length} rows")
         return rows[:length]
+
+    def read_blocks(self, mla_idx: int, lengths: list[int], block: int) -> torch.Tensor:
+        return blocks_of([self.read(mla_idx, b, n) for b, n in enumerate(lengths)], block)
 
 
 @dataclass
@@ -128,6 +148,44 @@ class PagedLatentCache:
     def read(self, mla_idx: int, b: int, length: int) -> torch.Tensor:
         pages, offs = self._slots(b, 0, length)
         return self.pool[pages, mla_idx, offs]
+
+    def read_blocks(self, mla_idx: int, lengths: list[int], block: int) -> torch.Tensor:
+        """When blocks tile pages (page_size a multiple of `block`), whole blocks are copied out of their pages
+        in one indexing op and the rows past each request's end zeroed; otherwise one gather of rows
+        (position p of block j of request b is row j * block + p, zero past lengths[b])::
+
+            layer pages [num_pages, page_size, D] viewed as [num_pages, page_size / block, block, D]
+            block j of request b = [table[b, j * block // page_size], (j * block % page_size) // block]
+        """
+        dev, ps = self.pool.device, self.page_size
+        if ps % block == 0:
+            per = ps // block
+            nbs = [-(-n // block) for n in lengths]
+            table = self.block_tables.tolist()
+            where = [(table[b][j * block // ps], (j * block % ps) // block) for b, nb in enumerate(nbs)
+                     for j in range(nb)]
+            layer = self.pool[:, mla_idx]  # [num_pages, page_size, D], strided
+            pages = torch.tensor([w[0] for w in where], device=dev)
+            if per == 1:
+                out = layer.index_select(0, pages)
+            else:
+                out = layer.unflatten(1, (per, block))[pages, torch.tensor([w[1] for w in where], device=dev)]
+            at = 0
+            for n, nb in zip(lengths, nbs):
+                at += nb
+                if n % block:
+                    out[at - 1, n % block:] = 0
+            return out
+        nbs_t = torch.tensor([-(-n // block) for n in lengths], device=dev)
+        req = torch.repeat_interleave(torch.arange(len(lengths), device=dev), nbs_t * block)  # [sum nb * block]
+        first = torch.repeat_interleave(torch.cumsum(nbs_t * block, 0) - nbs_t * block, nbs_t * block)
+        pos = torch.arange(req.shape[0], device=dev) - first  # position inside its request
+        length = torch.tensor(lengths, device=dev)[req]
+        real = pos < length
+        at_pos = torch.minimum(pos, length - 1)  # past the end: any real row of the request, zeroed below
+        rows = self.pool[self.block_tables[req, at_pos // ps], mla_idx, at_pos % ps]
+        rows.masked_fill_(~real.unsqueeze(1), 0)
+        return rows.view(-1, block, rows.shape[-1])
 
     def layer_pages(self, mla_idx: int) -> torch.Tensor:
         """Strided view `[num_pages, page_size, D]` of one MLA layer (input of the paged decode kernel)."""

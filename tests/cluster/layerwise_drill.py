@@ -10,25 +10,15 @@ The same path is checked in the suite below the service (tests/transfer/test_lay
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
 from k3serve.cluster.deploy import load_deploy
-from k3serve.cluster.deployment import Deployment
-from k3serve.cluster.drill import Fault, run_drill
+from live_clients import two_cluster_kill_drill  # run as a script: its folder, tests/cluster, is on sys.path
 
 
 def main() -> int:
-    base = load_deploy("configs/local.yaml")
-    clusters = dataclasses.replace(base.clusters, count=2, max_decode_batch=16, rebuild=False, transfer="grpc",
-                                   layerwise_export=True)
-    dep = Deployment(dataclasses.replace(base, clusters=clusters, routers=1)).start()
-    try:
-        out = run_drill(dep, Fault("cluster", "c0"), at_s=0.0, sessions=8, turns=2, max_tokens=8, seed=5,
-                        after_turns=1)
-    finally:
-        dep.stop()
+    out = two_cluster_kill_drill(load_deploy("configs/local.yaml"), transfer="grpc", layerwise_export=True)
     keys = ("failed", "mismatches", "completed_before_fault_by_cluster", "failed_cluster_sessions",
             "survivor_sessions")
     print(json.dumps({k: out.get(k) for k in keys}))

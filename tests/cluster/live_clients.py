@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -104,3 +104,19 @@ def check_refused_while_draining(address: str, streams: list[Stream]) -> bool:
             return not all(s.done.is_set() for s in streams)
         time.sleep(0.05)
     return False
+
+
+def two_cluster_kill_drill(base, **cluster_fields) -> dict:
+    """A cheap cluster-kill drill on `base` (a DeployConfig) with 2 clusters, 1 router and no rebuild: c0 killed
+    once every session has done a turn (8 sessions x 2 turns, 8 tokens, seed 5); `cluster_fields` override the
+    clusters section (transfer plane, layer-wise export, ...). Returns the drill's report."""
+    from k3serve.cluster.deployment import Deployment
+    from k3serve.cluster.drill import Fault, run_drill
+
+    clusters = replace(base.clusters, count=2, max_decode_batch=16, rebuild=False, **cluster_fields)
+    dep = Deployment(replace(base, clusters=clusters, routers=1)).start()
+    try:
+        return run_drill(dep, Fault("cluster", "c0"), at_s=0.0, sessions=8, turns=2, max_tokens=8, seed=5,
+                         after_turns=1)
+    finally:
+        dep.stop()

@@ -5,30 +5,19 @@ cluster back is plane-independent and drilled in test_failover_drills.py; it is 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
+from live_clients import two_cluster_kill_drill
 
 from k3serve.cluster.deploy import MooncakeSpec, load_deploy
-from k3serve.cluster.drill import Fault, run_drill
 from k3serve.transfer.mooncake.plane import mooncake_available
 
 pytestmark = pytest.mark.skipif(bool(mooncake_available()), reason=mooncake_available() or "available")
 
 
 def test_cluster_kill_drill_on_the_mooncake_plane():
-    from k3serve.cluster.deployment import Deployment
-
     base = load_deploy("configs/mooncake.yaml")
     assert base.clusters.transfer == "mooncake"
-    clusters = dataclasses.replace(base.clusters, count=2, max_decode_batch=16, rebuild=False,
-                                   mooncake=MooncakeSpec(staging_mib=16, send_mib=8))
-    dep = Deployment(dataclasses.replace(base, clusters=clusters, routers=1)).start()
-    try:
-        out = run_drill(dep, Fault("cluster", "c0"), at_s=0.0, sessions=8, turns=2, max_tokens=8, seed=5,
-                        after_turns=1)
-    finally:
-        dep.stop()
+    out = two_cluster_kill_drill(base, mooncake=MooncakeSpec(staging_mib=16, send_mib=8))
     assert out["failed"] == 0 and out["mismatches"] == 0, out
     assert out["completed_before_fault_by_cluster"].get("c0", 0) > 0, out  # c0 served over Mooncake first
     assert out["failed_cluster_sessions"] > 0 and out["survivor_sessions"]["c1"] > 0, out

@@ -66,3 +66,23 @@ def test_weights_held_once_and_training_keeps_the_loop() -> None:
     assert w1.weight.data_ptr() == moe.stacked.w1[3].data_ptr()  # a view of the stack, not a second copy
     trained = {n: t.clone().requires_grad_(True) for n, t in weights.items()}
     assert MoE(cfg, trained, f"{cfg.name_prefix}layers.{LAYER}.", TPGroup()).stacked is None
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-linear"])
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_deterministic_padded_tiles_equal_the_deterministic_loop_bitwise(name: str, rows: int) -> None:
+    """Numerics mode deterministic: the experts as three bmm over runs padded to one row tile (and the
+    stacked input projections) give the bits of the per-expert tiled loop over the separate weights."""
+    from k3serve.contracts.numerics import DETERMINISTIC
+    from k3serve.model.deterministic import make_ops
+
+    cfg = preset(name)
+    weights = random_weights(cfg, 0)
+    tp = TPGroup()
+    fast = MoE(cfg, weights, f"{cfg.name_prefix}layers.{LAYER}.", tp, make_ops(cfg, tp, DETERMINISTIC))
+    plain = MoE(cfg, weights, f"{cfg.name_prefix}layers.{LAYER}.", tp, make_ops(cfg, tp, DETERMINISTIC))
+    assert fast.w_in is not None and fast.stacked is not None
+    plain.w_in, plain.stacked = None, None  # separate projections, per-expert loop
+    x = torch.randn(rows, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode():
+        assert torch.equal(fast.forward(x), plain.forward(x))

@@ -63,7 +63,7 @@ def test_from_min_tile_rows_a_row_has_the_same_bits_in_every_tile_size(one_threa
     want = torch.bmm(x, w.t().unsqueeze(0).expand(20, k, n))
     for r in (MIN_TILE, 2 * MIN_TILE):
         assert torch.equal(torch.mm(x[0, :r].contiguous(), w.t()), torch.mm(x[0], w.t())[:r])
-        if n < 16:  # narrow weights run one mm per tile (deterministic._BMM_MIN_OUT)
+        if n < 16:  # narrow weights run one mm per tile (deterministic.BMM_MIN_OUT)
             continue
         for tiles in (1, 3, 20):
             got = torch.bmm(x[:tiles, :r].contiguous(), w.t().unsqueeze(0).expand(tiles, k, n))
@@ -91,6 +91,40 @@ def test_unit_split_linears_are_independent_of_the_row_count(one_thread, out):
     for rows in (1, 3, 9, 16, 17, 33):
         assert torch.equal(ops.linear(x[-rows:], w, 4), col[-rows:]), rows
         assert torch.equal(ops.row_linear(x[-rows:], w), row[-rows:]), rows
+
+
+# (rank, out) of the MLA decompression GEMMs (kv_b_proj's key and value halves): tiny and bench presets, K3
+DECOMPRESS_SHAPES = [(64, 32), (64, 48), (512, 128)]
+
+
+@pytest.mark.parametrize("rank,out", DECOMPRESS_SHAPES)
+def test_a_decompressed_row_has_the_same_bits_in_any_gemm_from_min_tile_rows(one_thread, rank, out):
+    """Why the key-block pool may decompress a growing block's new rows in 4-row tiles and all blocks of a
+    call in one GEMM per head (layers/mla_key_pool.py): a row of c W^T has the bits of the per-block
+    [KB, rank] GEMM in a GEMM of any row count from MIN_TILE on, alone or in a bmm over heads."""
+    from k3serve.model.layers.mla_key_pool import _decompress
+
+    g = torch.Generator().manual_seed(rank + out)
+    c, w = torch.randn(40 * 64, rank, generator=g), torch.randn(4, out, rank, generator=g)
+    per_block = torch.stack([torch.bmm(c[b * 64: (b + 1) * 64].unsqueeze(0).expand(4, 64, rank), w.transpose(1, 2))
+                             for b in range(40)], 1).flatten(1, 2)  # [H, 40 * 64, out]
+    for rows, at in ((4, 0), (4, 61), (8, 100), (12, 7), (128, 64), (2560, 0)):
+        assert torch.equal(_decompress(c[at: at + rows], w), per_block[:, at: at + rows]), (rows, at)
+
+
+@pytest.mark.parametrize("k", [64, 96, 128, 256, 512])
+def test_a_gemm_column_has_the_same_bits_whatever_the_other_columns(one_thread, k):
+    """Why deterministic layers may multiply row-stacked weights (KDA, MLA and MoE input projections,
+    layers/stacked.py): from MIN_TILE rows on, output column j of [R, K] x [K, n] has the same bits for every
+    width n >= 32 and offset of its weight row in the stack (mm and bmm, B transposed)."""
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(1100, k, generator=g)
+    for r in (4, 8, 16):
+        x = torch.randn(3, r, k, generator=g)
+        want = torch.bmm(x, w[100:132].t().unsqueeze(0).expand(3, k, 32))
+        for n in (132, 133, 200, 400, 1100):
+            assert torch.equal(torch.mm(x[0], w[:n].t())[:, 100:132], want[0]), (r, n)
+            assert torch.equal(torch.bmm(x, w[:n].t().unsqueeze(0).expand(3, k, n))[..., 100:132], want), (r, n)
 
 
 def test_padded_elementwise_calls_are_independent_of_the_element_count():

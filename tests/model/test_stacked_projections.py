@@ -40,3 +40,30 @@ def test_stacked_projections_equal_separate(name: str, batch: int) -> None:
         assert torch.equal(a, b)
     else:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-linear"])
+def test_deterministic_stacks_keep_the_separate_projections_bits(name: str) -> None:
+    """Numerics mode deterministic multiplies the stacked KDA, MLA and MoE input projections in every call
+    (prefill and decode): the logits are torch.equal to those of the separate deterministic projections."""
+    from k3serve.contracts.numerics import DETERMINISTIC
+    from k3serve.model.state import DenseLatentCache
+
+    cfg = preset(name)
+    weights = random_weights(cfg, 0)
+    stacked = HybridModel(cfg, weights, numerics=DETERMINISTIC)
+    separate = HybridModel(cfg, weights, numerics=DETERMINISTIC)
+    for layer in separate.layers:
+        assert layer.attn.w_in is not None
+        layer.attn.w_in = None
+        if hasattr(layer.ffn, "w_in"):
+            layer.ffn.w_in = None
+    ids = torch.randint(0, cfg.vocab_size, (2, 70), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for model in (stacked, separate):
+        batch = ForwardBatch(model.new_kda_state(2), DenseLatentCache(cfg.num_mla_layers, 2), [0, 0])
+        prefill = model.forward(ids[:, :64], batch, all_logits=True)
+        batch.start_positions = [64, 64]
+        decode = model.forward(ids[:, 64:65], batch)
+        outs.append((prefill, decode))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.model.config import ModelConfig
-from k3serve.model.deterministic import DefaultOps
+from k3serve.model.deterministic import BMM_MIN_OUT, ELEMENTWISE_VEC, DefaultOps, tile_rows
 from k3serve.model.layers.expert_weights import expert_linear
 from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, grouped_experts,
                                                padded_experts, stack_dense_experts)
 from k3serve.model.layers.moe_mxfp4 import fuse_mxfp4_experts
 from k3serve.model.layers.norm import glu, rms_norm
+from k3serve.model.layers.stacked import stack_rows
 from k3serve.model.tp import TPGroup
 
 
@@ -62,11 +63,14 @@ class GatedMLP:
                 c.activation_situ_beta, c.activation_situ_linear_beta)
         return F.linear(h, self.w_down)
 
-    def reduced(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[N, d]` -> the TP-reduced output `[N, d]` through the numerics mode's operators."""
+    def reduced(self, x: torch.Tensor, gate: torch.Tensor | None = None,
+                up: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[N, d]` -> the TP-reduced output `[N, d]` through the numerics mode's operators. gate, up: x's
+        ``gate_proj`` / ``up_proj`` outputs `[N, I_local]` when a stacked projection computed them."""
         c, ops = self.cfg, self.ops
-        h = glu(ops.linear(x, self.w_gate, ops.col_units), ops.linear(x, self.w_up, ops.col_units), c.hidden_act,
-                c.activation_situ_beta, c.activation_situ_linear_beta)
+        gate = ops.linear(x, self.w_gate, ops.col_units) if gate is None else gate
+        up = ops.linear(x, self.w_up, ops.col_units) if up is None else up
+        h = glu(gate, up, c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
         return ops.row_linear(h, self.w_down)
 
 
@@ -112,6 +116,25 @@ class MoE:
             self.w_down = weights[m + "routed_expert_down_proj.weight"]
             self.latent_norm = weights[m + "routed_expert_norm.weight"]
             self.w_up = weights[m + "routed_expert_up_proj.weight"]
+        self._stack_input_projections()
+
+    def _stack_input_projections(self) -> None:
+        """Numerics mode ``deterministic``: the projections of the layer's input (router, latent down, shared
+        gate and up) as one tiled GEMM over their row-stacked fp32 weights, whose columns have the separate
+        GEMMs' bits (layers/stacked.py); the weights become views of the stack (held once)."""
+        self.w_in, self.in_sizes = None, ()
+        parts = [self.w_router] + ([self.w_down] if self.cfg.uses_latent_moe else [])
+        parts += [self.shared.w_gate, self.shared.w_up] if self.shared is not None else []
+        if not self.ops.deterministic or any(p.dtype != torch.float32 for p in parts):
+            return
+        self.w_in, self.in_sizes, views = stack_rows(parts, True)
+        if self.w_in is None:  # weights that train
+            return
+        self.w_router = views[0]
+        if self.cfg.uses_latent_moe:
+            self.w_down = views[1]
+        if self.shared is not None:
+            self.shared.w_gate, self.shared.w_up = views[-2:]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[N, d]` -> (expert ids `[N, k]`, weights `[N, k]` fp32).
@@ -218,27 +241,76 @@ def moe_deterministic(moe: MoE, flat: torch.Tensor) -> torch.Tensor:
         u[n]    = ((y[n, 0] + y[n, 1]) + ...) + y[n, k-1]
     """
     c, ops = moe.cfg, moe.ops
-    scores = ops.unary(torch.sigmoid, ops.linear(flat.float(), moe.w_router))
+    fused = ops.linear(flat, moe.w_in).split(moe.in_sizes, -1) if moe.w_in is not None else None
+    scores = ops.unary(torch.sigmoid, fused[0] if fused else ops.linear(flat.float(), moe.w_router))
     ids = torch.topk(scores + moe.score_bias, c.num_experts_per_token, dim=-1).indices
     w = scores.gather(-1, ids)
     w = w / w.sum(-1, keepdim=True) * c.routed_scaling_factor
-    z = ops.linear(flat, moe.w_down) if c.uses_latent_moe else flat
+    if c.uses_latent_moe:
+        z = fused[1] if fused else ops.linear(flat, moe.w_down)
+    else:
+        z = flat
+    shared_in = fused[-2:] if fused and moe.shared is not None else (None, None)
     y = torch.zeros(*ids.shape, z.shape[-1], dtype=torch.float32, device=z.device)  # [N, k, e_in]
     # group the N*k assignments by expert with one stable sort (as MoE._routed_partial): expert e's run of
     # `order` holds its (row, slot) pairs in the ascending order the former (ids == e).nonzero() gave, and
     # only experts with tokens run (no 2 small ops per idle expert)
-    order, _, counts = group_by_expert(ids, c.num_experts)
+    order, counts_t, counts = group_by_expert(ids, c.num_experts)
+    if _tiled_experts(moe, z, ids, w, y, order, counts_t, counts):
+        return _finish_deterministic(moe, flat, y, shared_in)
     for e, rows, slot in expert_runs(order, counts, ids.shape[1], moe.expert_ids):
         w1, w3, w2 = moe.experts[e]
         zi = z[rows]
         out = w2.tiled(glu(w1.tiled(zi, ops.linear), w3.tiled(zi, ops.linear), c.hidden_act,
                            c.activation_situ_beta, c.activation_situ_linear_beta), ops.linear)
         y[rows, slot] = out.float() * w[rows, slot].unsqueeze(-1)
+    return _finish_deterministic(moe, flat, y, shared_in)
+
+
+def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+                   order: torch.Tensor, counts_t: torch.Tensor, counts: list[int]) -> bool:
+    """The expert products of :func:`moe_deterministic` as three ``bmm`` over the span of this rank's active
+    (stacked, full-precision) experts, every run zero-padded to one row tile R (``tile_rows`` of the longest
+    run): each batch entry is the `[R, e_in] x [e_in, I]` GEMM that expert's ``ops.linear`` runs for a run of
+    up to R rows, and from MIN_TILE rows on a row's bits do not depend on R (tests/model/test_numerics_
+    invariants.py), so y is bit-identical to the per-expert loop. Fills y `[N, k, e_in]`; False (nothing done)
+    where it does not apply: MXFP4 or trained experts, fewer than PADDED_MIN_ACTIVE active experts (as in the
+    default mode), a run longer than the largest tile (prefill), weights narrower than the bmm floor, or an
+    intermediate width off the elementwise vector grid."""
+    c, ops = moe.cfg, moe.ops
+    e0, e1 = moe.expert_ids.start, moe.expert_ids.stop
+    local = counts[e0:e1]
+    active = [i for i, n in enumerate(local) if n]
+    if moe.stacked is None or not active:
+        return moe.stacked is not None  # no local assignment: y stays zero
+    longest = max(local)
+    inter, e_in = moe.stacked.w1.shape[1], moe.stacked.w1.shape[2]
+    if longest > ops.tile or min(inter, e_in) < BMM_MIN_OUT or inter % ELEMENTWISE_VEC or \
+            len(active) < PADDED_MIN_ACTIVE:  # few experts: the loop multiplies no idle expert of the span
+        return False
+    first, last = active[0], active[-1] + 1
+    lo, hi = sum(counts[:e0 + first]), sum(counts[:e0 + last])
+    mine = order[lo:hi]
+    k = ids.shape[1]
+    rows, slot = mine // k, mine % k
+    run = counts_t[e0 + first: e0 + last]
+    expert = ids.reshape(-1)[mine] - (e0 + first)
+    pos = torch.arange(hi - lo, device=z.device) - (run.cumsum(0) - run)[expert]
+    out = padded_experts(z[rows], expert, pos, tile_rows(longest, ops.tile), moe.stacked.span(first, last),
+                         c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
+    y[rows, slot] = out.float() * w[rows, slot].unsqueeze(-1)
+    return True
+
+
+def _finish_deterministic(moe: MoE, flat: torch.Tensor, y: torch.Tensor, shared_in: tuple) -> torch.Tensor:
+    """Per-slot expert outputs y `[N, k, e_in]` -> the MoE output `[N, d]` (slot-ordered sum, shared experts;
+    shared_in: their gate and up projections when stacked, else (None, None))."""
+    c, ops = moe.cfg, moe.ops
     y = ops.reduce(y)
     u = y[:, 0].clone()
     for s in range(1, y.shape[1]):
         u += y[:, s]
-    shared = moe.shared.reduced(flat) if moe.shared is not None else None
+    shared = moe.shared.reduced(flat, *shared_in) if moe.shared is not None else None
     if c.uses_latent_moe:
         routed = ops.linear(rms_norm(u.to(flat.dtype), moe.latent_norm, c.rms_norm_eps), moe.w_up)
     else:

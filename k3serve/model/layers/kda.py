@@ -14,7 +14,7 @@ from k3serve.kernels.kda import chunk_kda, recurrent_kda
 from k3serve.kernels.kda_spec import kda_verify, record_offsets
 from k3serve.kernels.short_conv import short_conv, short_conv_step
 from k3serve.model.config import ModelConfig
-from k3serve.model.deterministic import DefaultOps
+from k3serve.model.deterministic import BMM_MIN_OUT, DefaultOps
 from k3serve.model.layers.norm import rms_norm
 from k3serve.model.layers.stacked import stack_rows
 from k3serve.model.state import conv_window_channels, kda_conv_view, kda_recurrent_view, store_conv_window
@@ -75,7 +75,10 @@ class KDAAttention:
         bsz, t, _ = x.shape
         conv = kda_conv_view(blocks, k, cfg.conv_window)
         off = record_offsets(k)
-        fused = F.linear(x, self.w_in).split(self.in_sizes, -1) if decode and self.w_in is not None else None
+        if self.w_in is not None and self.ops.deterministic:  # every call: the same tiled GEMM (stacked.py)
+            fused = lin(x, self.w_in).split(self.in_sizes, -1)
+        else:
+            fused = F.linear(x, self.w_in).split(self.in_sizes, -1) if decode and self.w_in is not None else None
         qkv = []
         for i, w_proj in enumerate((self.w_q, self.w_k, self.w_v)):
             raw = fused[i] if fused is not None else lin(x, w_proj, cu)  # [B, T, H*K]
@@ -95,7 +98,10 @@ class KDAAttention:
         q, kk, v = l2_normalize(qkv[0]), l2_normalize(qkv[1]), qkv[2].float()
         z = lin(fused[3] if fused is not None else lin(x, self.w_f_a), self.w_f_b, cu)  # [B, T, H*K]
         g = kda_gate(z.float(), self.a_log, self.dt_bias, cfg.gate_lower_bound)  # [B, T, H, K] fp32
-        beta = self.ops.unary(torch.sigmoid, (fused[4] if fused is not None else lin(x, self.w_b, cu)).float())
+        # deterministic: b_proj's 1-head units keep their own narrow GEMMs (a column of the stack rounds
+        # differently from a 1-column GEMM), the mode's bits stay those of the separate projections
+        narrow = fused is None or (self.ops.deterministic and self.w_b.shape[0] // cu < BMM_MIN_OUT)
+        beta = self.ops.unary(torch.sigmoid, (lin(x, self.w_b, cu) if narrow else fused[4]).float())
         state = kda_recurrent_view(blocks, k)
         if records is not None:
             o, u = kda_verify(q, kk, v, g.view(bsz, t, h, k), beta, state)

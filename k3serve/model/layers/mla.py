@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from k3serve.kernels.mla_decode import mla_decode
 from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import DefaultOps
-from k3serve.model.layers.mla_blocked import KeyBlockCache, blocked_attention
+from k3serve.model.layers.mla_blocked import attend_blocks
+from k3serve.model.layers.mla_key_pool import KeyBlockPool
 from k3serve.model.layers.norm import rms_norm
 from k3serve.model.layers.stacked import stack_rows
 from k3serve.model.state import ForwardBatch
@@ -46,8 +47,8 @@ class MLAAttention:
         self.w_gate = w("g_proj.weight") if cfg.mla_use_output_gate else None
         self.w_o = w("o_proj.weight")
         self.scale = 1.0 / math.sqrt(cfg.qk_head_dim)
-        # deterministic mode: decompressed full key blocks, reused across decode steps (mla_blocked.py)
-        self.key_cache = KeyBlockCache() if self.ops.deterministic else None
+        # deterministic mode: decompressed full key blocks, reused across decode steps (mla_key_pool.py)
+        self.key_pool = KeyBlockPool() if self.ops.deterministic else None
         self._stack_input_projections()
 
     def _stack_input_projections(self) -> None:
@@ -87,12 +88,16 @@ class MLAAttention:
         """x `[B, T, d]` -> `[B, T, d]`; writes this call's latent rows into batch.latent first."""
         cfg = self.cfg
         bsz, t, _ = x.shape
-        fused = F.linear(x, self.w_in).split(self.in_sizes, -1) if batch.decode and self.w_in is not None \
-            else (None, None, None)
+        if self.w_in is not None and self.ops.deterministic:  # every call: the same tiled GEMM (stacked.py)
+            fused = self.ops.linear(x, self.w_in).split(self.in_sizes, -1)
+        elif batch.decode and self.w_in is not None:
+            fused = F.linear(x, self.w_in).split(self.in_sizes, -1)
+        else:
+            fused = (None, None, None)
         batch.latent.write(self.mla_idx, self.latent_rows(x, fused[0]), batch.start_positions)
         q_nope, q_pe = self.queries(x, fused[1])
         if self.ops.deterministic:
-            return self._forward_blocked(x, q_nope, q_pe, batch)
+            return self._forward_blocked(x, q_nope, q_pe, batch, fused[2] if len(fused) > 2 else None)
         if batch.decode and batch.latent.paged:
             attn = self._decode_absorbed(q_nope[:, 0], q_pe[:, 0], batch).unsqueeze(1)
         elif batch.kda_records is not None and batch.latent.paged:
@@ -107,17 +112,21 @@ class MLAAttention:
         return self.tp.all_reduce(out)
 
     def _forward_blocked(self, x: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                         batch: ForwardBatch) -> torch.Tensor:
-        """Numerics mode ``deterministic`` (mla_blocked.py): the same fixed-block form for prefill and decode."""
-        ops, bsz, t = self.ops, x.shape[0], x.shape[1]
+                         batch: ForwardBatch, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Numerics mode ``deterministic`` (mla_blocked.py): the same fixed-block form for prefill and decode.
+        gate: x's ``g_proj`` output when the stacked projection computed it."""
+        ops, t = self.ops, x.shape[1]
         q = torch.cat([q_nope, q_pe], dim=-1).float() * self.scale  # [B, T, H, Dq]
-        rows = [batch.latent.read(self.mla_idx, b, batch.start_positions[b] + t).float() for b in range(bsz)]
-        cache = self.key_cache if torch.is_inference_mode_enabled() else None  # training: no cached tensors
-        outs = blocked_attention(list(q.unbind(0)), rows, list(batch.start_positions), self.w_uk.float(),
-                                 self.w_uv.float(), ops.numerics.key_block, ops.numerics.row_tile, cache)
+        starts, kb = list(batch.start_positions), ops.numerics.key_block
+        lengths = [s + t for s in starts]
+        blocks = batch.latent.read_blocks(self.mla_idx, lengths, kb).float()  # [sum nb, KB, rank + rope]
+        pool = self.key_pool if torch.is_inference_mode_enabled() else None  # training: no cached tensors
+        outs = attend_blocks(list(q.unbind(0)), blocks, lengths, starts, self.w_uk.float(), self.w_uv.float(), kb,
+                             ops.numerics.row_tile, pool)
         attn = torch.stack(outs).flatten(2)  # [B, T, H_local * v]
         if self.w_gate is not None:
-            attn = attn * torch.sigmoid(ops.linear(x, self.w_gate, ops.col_units).float())
+            gate = ops.linear(x, self.w_gate, ops.col_units) if gate is None else gate
+            attn = attn * torch.sigmoid(gate.float())
         return ops.row_linear(attn.to(x.dtype), self.w_o)
 
     def _decompressed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, b: int) -> torch.Tensor:

@@ -17,182 +17,141 @@ own block. Every GEMM has a fixed shape ([R, D] x [D, KB] and [R, KB] x [KB, v] 
 
 Decode re-reads every key block at every step; a full block's rows never change, so its decompressed keys and
 values (a function of those rows alone, computed by the same fixed-shape GEMMs) are kept in a
-:class:`KeyBlockCache` and reused bit for bit. Without it the per-step decompression was most of a
-deterministic decode step (72% of it at batch 32, context 256, tiny preset; docs/numerics.md).
+:class:`~k3serve.model.layers.mla_key_pool.KeyBlockPool` and reused bit for bit. Without it the per-step
+decompression was most of a deterministic decode step (72% of it at batch 32, context 256, tiny preset;
+docs/numerics.md).
+
+What the loop skips is exactly what would not change a row's bits:
+
+* query tiles are ordered by their request's block count (most first, stable), so the tiles that have a block
+  j are a prefix and column j updates ``m, l, acc[:count_j]`` in place: a block past a request's end (the
+  former fully masked no-op) is never computed;
+* the causal mask is applied only in a column where some tile's first row lies before the block's last key
+  (masking nothing is a no-op): in decode only the column of each request's last block;
+* each column's keys and values are gathered from one store (the pool, or the call's own decompression) with
+  one ``index_select``, and a column of the pool whose slots did not change since the last call is not
+  gathered again (``KeyBlockPool.column``; decode re-gathers the column of the growing blocks only); every
+  GEMM keeps its shape, and a tile's bits do not depend on how many tiles share the ``bmm``
+  (tests/model/test_numerics_invariants.py).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from k3serve.model.deterministic import tile_rows
-
-# Bytes of decompressed keys + values one cache (one MLA layer of one model) keeps (LRU beyond that).
-DEFAULT_CACHE_BYTES = 256 << 20
-
-
-class KeyBlockCache:
-    """Decompressed (keys `[H, KB, Dq]`, values `[H, KB, v]`) of full key blocks, found by the block's latent
-    rows `[KB, rank + rope]`: the first and last row's bytes pick the entry, a full comparison of the rows
-    confirms it, so a reused page, another request or another layer's rows can never be mistaken for it (at
-    worst a miss). Least recently used entries go first beyond ``max_bytes``. Inference only (no autograd).
-    Batched: one fingerprint gather, one row comparison and one stack per call, not per block."""
-
-    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.max_bytes, self.bytes = max_bytes, 0
-        self._entries: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.hits = self.misses = 0
-
-    @staticmethod
-    def _keys(blocks: torch.Tensor) -> list[bytes]:
-        fp = blocks[:, [0, -1]].flatten(1).cpu().numpy()  # [n, 2 (rank + rope)]
-        return [row.tobytes() for row in fp]
-
-    def lookup(self, blocks: torch.Tensor, full: list[bool]) -> tuple[list[int], list[torch.Tensor],
-                                                                      list[torch.Tensor], list[bytes]]:
-        """blocks `[n, KB, rank + rope]`; full[i]: block i is cacheable. Returns (indices of the hits, their
-        keys `[H, KB, Dq]` each, values `[H, KB, v]` each, every block's fingerprint for :meth:`insert`)."""
-        fps = self._keys(blocks)
-        cand = [i for i in range(len(fps)) if full[i] and fps[i] in self._entries]
-        hits: list[int] = []
-        if cand:
-            entries = [self._entries[fps[i]] for i in cand]
-            same = (torch.stack([e[0] for e in entries]) == blocks[cand]).flatten(1).all(1).tolist()
-            hits = [i for i, ok in zip(cand, same) if ok]
-            entries = [e for e, ok in zip(entries, same) if ok]
-        self.hits += len(hits)
-        self.misses += sum(full) - len(hits)
-        for i in hits:
-            self._entries.move_to_end(fps[i])
-        return hits, [e[1] for e in entries] if hits else [], [e[2] for e in entries] if hits else [], fps
-
-    def insert(self, fp: bytes, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keep one full block's rows `[KB, rank + rope]`, keys `[H, KB, Dq]`, values `[H, KB, v]` (cloned)."""
-        size = (rows.numel() + keys.numel() + values.numel()) * rows.element_size()
-        if size > self.max_bytes:
-            return
-        old = self._entries.pop(fp, None)
-        if old is not None:
-            self.bytes -= sum(t.numel() for t in old) * rows.element_size()
-        self._entries[fp] = (rows.clone(), keys.clone(), values.clone())
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, gone = self._entries.popitem(last=False)
-            self.bytes -= sum(t.numel() for t in gone) * rows.element_size()
-
-
-def _decompress(c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """c `[n, KB, rank]` (n key blocks), w `[H, out, rank]` -> `[n, H, KB, out]`: one fixed-shape GEMM per
-    (block, head)."""
-    n, kb, rank = c.shape
-    heads, out = w.shape[0], w.shape[1]
-    a = c.unsqueeze(1).expand(n, heads, kb, rank).reshape(n * heads, kb, rank)
-    b = w.transpose(1, 2).unsqueeze(0).expand(n, heads, rank, out).reshape(n * heads, rank, out)
-    return torch.bmm(a, b).view(n, heads, kb, out)
-
-
-def _key_blocks(blocks: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks `[n, KB, rank + rope]` -> (keys `[n, H, KB, nope + rope]`, values `[n, H, KB, v]`)."""
-    heads, rank = w_uk.shape[0], w_uk.shape[2]
-    c = blocks[..., :rank].contiguous()
-    k_pe = blocks[..., rank:].unsqueeze(1).expand(-1, heads, -1, -1)
-    return torch.cat([_decompress(c, w_uk), k_pe], dim=-1), _decompress(c, w_uv)
-
-
-def _cached_key_blocks(blocks: torch.Tensor, full: list[bool], w_uk: torch.Tensor, w_uv: torch.Tensor,
-                       cache: KeyBlockCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per block i: (keys `[H, KB, Dq]`, values `[H, KB, v]`), full blocks (``full[i]``: all KB rows are real
-    keys) taken from / put into the cache; the others (a request's last, partial block) and the misses are
-    decompressed in one batch. Lists, not one tensor: the attention loop stacks each block once."""
-    n = blocks.shape[0]
-    hits, k_hit, v_hit, fps = cache.lookup(blocks, full)
-    keys: list[torch.Tensor | None] = [None] * n
-    values: list[torch.Tensor | None] = [None] * n
-    for j, i in enumerate(hits):
-        keys[i], values[i] = k_hit[j], v_hit[j]
-    miss = [i for i in range(n) if keys[i] is None]
-    if miss:
-        k_new, v_new = _key_blocks(blocks[miss] if hits else blocks, w_uk, w_uv)
-        for j, i in enumerate(miss):
-            keys[i], values[i] = k_new[j], v_new[j]
-            if full[i]:
-                cache.insert(fps[i], blocks[i], k_new[j], v_new[j])
-    return keys, values
+from k3serve.model.layers.mla_key_pool import KeyBlockPool, key_blocks
+from k3serve.model.state import blocks_of
 
 
 def blocked_attention(queries: list[torch.Tensor], rows: list[torch.Tensor], starts: list[int],
                       w_uk: torch.Tensor, w_uv: torch.Tensor, key_block: int, tile: int,
-                      cache: KeyBlockCache | None = None) -> list[torch.Tensor]:
+                      pool: KeyBlockPool | None = None) -> list[torch.Tensor]:
     """Causal MLA attention for a batch of requests, in the decompressed form.
 
     queries[b]: `[T_b, H, nope + rope]` fp32, scale folded in, at positions starts[b] .. starts[b] + T_b - 1;
     rows[b]: `[starts[b] + T_b, rank + rope]` fp32, the request's cached latent rows ([c | k_pe]);
-    w_uk `[H, nope, rank]`, w_uv `[H, v, rank]` fp32; cache: decompressed full key blocks to reuse (the same
+    w_uk `[H, nope, rank]`, w_uv `[H, v, rank]` fp32; pool: decompressed full key blocks to reuse (the same
     bits: a block's keys depend on its rows only). Returns per request `[T_b, H, v]` fp32.
     """
-    heads = w_uk.shape[0]
+    lengths = [r.shape[0] for r in rows]
+    return attend_blocks(queries, blocks_of(rows, key_block), lengths, starts, w_uk, w_uv, key_block, tile,
+                         pool)
+
+
+def _query_tiles(queries: list[torch.Tensor], starts: list[int], order: list[int], tile: int,
+                 heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query tiles of the requests in `order`: (`[n_tiles, H, R, Dq]`, each row's absolute position
+    `[n_tiles, R]`); a request's last tile is padded with copies of its last query (at its position). When all
+    requests have the same number of queries (a decode step), a few batched ops instead of a few per request."""
     dev = queries[0].device
-    tile = tile_rows(max(q.shape[0] for q in queries), tile)  # decode: 4-row tiles (same row bits as 16)
-    # key blocks of every request, decompressed in one batch: [sum nb_b, H, KB, *]
-    nbs = [-(-r.shape[0] // key_block) for r in rows]
-    blocks = rows[0].new_empty(sum(nbs), key_block, rows[0].shape[1])  # [sum nb, KB, rank + rope]
-    flat, at = blocks.view(-1, rows[0].shape[1]), 0
-    for r, nb in zip(rows, nbs):  # each request's rows, then zeros to its last block's end (one copy each)
-        flat[at: at + r.shape[0]] = r
-        flat[at + r.shape[0]: at + nb * key_block] = 0
-        at += nb * key_block
-    if cache is None:
-        k_all, v_all = _key_blocks(blocks, w_uk, w_uv)  # [sum nb, H, KB, Dq], [sum nb, H, KB, v]
-        keys, values = list(k_all.unbind(0)), list(v_all.unbind(0))
-    else:
-        full = [j < r.shape[0] // key_block for r, nb in zip(rows, nbs) for j in range(nb)]
-        keys, values = _cached_key_blocks(blocks, full, w_uk, w_uv, cache)
-    # query tiles of every request: [n_tiles, H, R, Dq] with each row's absolute position and its request
-    q_tiles, pos_tiles, req_of_tile = [], [], []
-    for b, (q, s) in enumerate(zip(queries, starts)):
+    t0 = queries[0].shape[0]
+    if all(q.shape[0] == t0 for q in queries):
+        nt = -(-t0 // tile)
+        q = torch.stack([queries[b] for b in order]) if len(order) > 1 else queries[order[0]].unsqueeze(0)
+        if nt * tile > t0:
+            q = torch.cat([q, q[:, -1:].expand(-1, nt * tile - t0, -1, -1)], dim=1)  # [B, nt R, H, Dq]
+        s = torch.tensor([starts[b] for b in order], device=dev).unsqueeze(1)
+        pos = torch.minimum(s + torch.arange(nt * tile, device=dev), s + (t0 - 1))
+        return (q.view(-1, tile, heads, q.shape[-1]).transpose(1, 2).contiguous(), pos.view(-1, tile))
+    q_tiles, pos_tiles = [], []
+    for b in order:
+        q, s = queries[b], starts[b]
         t = q.shape[0]
         nt = -(-t // tile)
         pos = torch.arange(s, s + nt * tile, device=dev).clamp_(max=s + t - 1)
         qp = torch.cat([q, q[-1:].expand(nt * tile - t, -1, -1)]) if nt * tile > t else q
         q_tiles.append(qp.view(nt, tile, heads, -1).transpose(1, 2))
         pos_tiles.append(pos.view(nt, tile))
-        req_of_tile += [b] * nt
-    q_all = torch.cat(q_tiles).contiguous()  # [n_tiles, H, R, Dq]
-    pos_all = torch.cat(pos_tiles)  # [n_tiles, R]
+    return torch.cat(q_tiles).contiguous(), torch.cat(pos_tiles)
+
+
+def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: list[int], starts: list[int],
+                  w_uk: torch.Tensor, w_uv: torch.Tensor, key_block: int, tile: int,
+                  pool: KeyBlockPool | None = None) -> list[torch.Tensor]:
+    """:func:`blocked_attention` over key blocks already gathered: blocks `[sum_b ceil(lengths[b] / KB), KB,
+    rank + rope]` fp32 (request order, zero-padded: ``LatentCache.read_blocks``)."""
+    heads = w_uk.shape[0]
+    dev = queries[0].device
+    tile = tile_rows(max(q.shape[0] for q in queries), tile)  # decode: 4-row tiles (same row bits as 16)
+    nbs = [-(-n // key_block) for n in lengths]
+    firsts = [sum(nbs[:b]) for b in range(len(nbs))]
+    slots = None
+    if pool is not None:  # per block: its real rows, and how many of them existed before this call
+        valid = [min(key_block, n - j * key_block) for n, nb in zip(lengths, nbs) for j in range(nb)]
+        prev = [min(key_block, max(0, s - j * key_block)) for s, nb in zip(starts, nbs) for j in range(nb)]
+        slots = pool.slots(blocks, valid, prev, w_uk, w_uv)
+    if slots is None:
+        k_store, v_store = key_blocks(blocks, w_uk, w_uv)  # [sum nb, H, KB, Dq], [sum nb, H, KB, v]
+        slots = list(range(blocks.shape[0]))
+    else:
+        k_store = v_store = None  # gathered by pool.column
+    # query tiles, most blocks first: tiles[i] = (request, tile index in it); the tiles with a block j are a prefix
+    ntiles = [-(-q.shape[0] // tile) for q in queries]
+    order = sorted(range(len(queries)), key=lambda b: -nbs[b])
+    tile_req = [b for b in order for _ in range(ntiles[b])]
+    q_all, pos_all = _query_tiles(queries, starts, order, tile, heads)  # [n_tiles, H, R, Dq], [n_tiles, R]
+    first_pos = [starts[b] + i * tile for b in order for i in range(ntiles[b])]  # each tile's first row
     n_tiles = q_all.shape[0]
-    req = torch.tensor(req_of_tile, device=dev)
-    nb_of_tile = torch.tensor(nbs, device=dev)[req]
+    dq, dv = q_all.shape[-1], w_uv.shape[1]
+    grad = torch.is_grad_enabled()
     m = torch.full((n_tiles, heads, tile, 1), float("-inf"), device=dev)
     l_sum = torch.zeros(n_tiles, heads, tile, 1, device=dev)
-    acc = torch.zeros(n_tiles, heads, tile, values[0].shape[-1], device=dev)
-    dq, dv = q_all.shape[-1], values[0].shape[-1]
+    acc = torch.zeros(n_tiles, heads, tile, dv, device=dev)
     key_off = torch.arange(key_block, device=dev)
-    first_of_tile = [sum(nbs[:b]) for b in req_of_tile]
     for j in range(max(nbs)):
-        # block j of each tile's request; past its last block any block (its last), masked out below
-        idx = [f + min(nbs[b] - 1, j) for f, b in zip(first_of_tile, req_of_tile)]
-        k_j = torch.stack([keys[i] for i in idx])  # [n_tiles, H, KB, Dq]
-        v_j = torch.stack([values[i] for i in idx])
-        s = torch.bmm(q_all.view(-1, tile, dq), k_j.reshape(-1, key_block, dq).transpose(1, 2))
-        s = s.view(n_tiles, heads, tile, key_block)
-        hidden = (j * key_block + key_off).view(1, 1, -1) > pos_all.unsqueeze(-1)  # [n_tiles, R, KB]
-        hidden = hidden | (j >= nb_of_tile).view(-1, 1, 1)
-        s.masked_fill_(hidden.unsqueeze(1), float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        c = sum(1 for b in tile_req if nbs[b] > j)  # tiles with a block j: a prefix
+        idx = [slots[firsts[b] + j] for b in tile_req[:c]]
+        if k_store is None:
+            k_j, v_j = pool.column(j, idx)  # [c, H, KB, Dq], [c, H, KB, v]
+        else:
+            at = torch.tensor(idx, device=dev)
+            k_j, v_j = k_store.index_select(0, at), v_store.index_select(0, at)
+        s = torch.bmm(q_all[:c].view(-1, tile, dq), k_j.view(-1, key_block, dq).transpose(1, 2))
+        s = s.view(c, heads, tile, key_block)
+        last_key = (j + 1) * key_block - 1
+        if any(p < last_key for p in first_pos[:c]):  # some row sees only part of this block
+            hidden = (j * key_block + key_off).view(1, 1, -1) > pos_all[:c].unsqueeze(-1)  # [c, R, KB]
+            s.masked_fill_(hidden.unsqueeze(1), float("-inf"))
+        m_c, l_c, acc_c = m[:c], l_sum[:c], acc[:c]
+        m_new = torch.maximum(m_c, s.amax(-1, keepdim=True))
         p = torch.exp(s - m_new)
-        corr = torch.exp(m - m_new)
-        l_sum = l_sum * corr + p.sum(-1, keepdim=True)
-        pv = torch.bmm(p.view(-1, tile, key_block), v_j.reshape(-1, key_block, dv)).view(n_tiles, heads, tile, dv)
-        acc = acc * corr + pv
-        m = m_new
+        corr = torch.exp(m_c - m_new)
+        pv = torch.bmm(p.view(-1, tile, key_block), v_j.view(-1, key_block, dv)).view(c, heads, tile, dv)
+        if grad:  # training: the same roundings out of place (autograd keeps the old values)
+            m, l_sum, acc = (torch.cat([new, old[c:]]) if c < n_tiles else new for new, old in
+                             ((m_new, m), (l_c * corr + p.sum(-1, keepdim=True), l_sum), (acc_c * corr + pv, acc)))
+            continue
+        l_c.mul_(corr).add_(p.sum(-1, keepdim=True))  # l = l e^(m - m') + sum p, in place (same roundings)
+        acc_c.mul_(corr).add_(pv)
+        m_c.copy_(m_new)
+    if k_store is None:
+        pool.keep_columns(max(nbs))
     out = (acc / l_sum).transpose(1, 2)  # [n_tiles, R, H, v]
-    res, at = [], 0
-    for q in queries:
-        nt = -(-q.shape[0] // tile)
-        res.append(out[at: at + nt].reshape(nt * tile, heads, dv)[: q.shape[0]])
+    res: list[torch.Tensor | None] = [None] * len(queries)
+    at = 0
+    for b in order:
+        nt = ntiles[b]
+        res[b] = out[at: at + nt].reshape(nt * tile, heads, dv)[: queries[b].shape[0]]
         at += nt
     return res
