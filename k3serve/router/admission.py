@@ -64,7 +64,7 @@ from collections.abc import Sequence
 import redis
 
 from k3serve.router.admission_lua import (DROP_TICKET as _DROP_TICKET, HOLDERS as _HOLDERS, REASSERT as _REASSERT,
-                                          REFUSE as _REFUSE, RENEW as _RENEW, RESERVE as _RESERVE,
+                                          REFUSE as _REFUSE, RELEASE as _RELEASE, RENEW as _RENEW, RESERVE as _RESERVE,
                                           SET_HINT as _SET_HINT, STATS as _STATS, TICKET_KEYS as _TICKET_KEYS,
                                           TOUCH as _TOUCH, TRY as _TRY, WAIT as _WAIT)
 from k3serve.router.retry_hint import HINT_JITTER, HINT_LATENESS, drain_wait_s  # noqa: F401 (re-exported)
@@ -125,6 +125,7 @@ class Admission(AdmissionRefusals):
         self._holders = client.register_script(_HOLDERS)
         self._set_hint = client.register_script(_SET_HINT)
         self._drop_ticket = client.register_script(_DROP_TICKET)
+        self._release = client.register_script(_RELEASE)
 
     # ------------------------------------------------------------------------------------------- keys
     def keys(self, cluster: str, cls: str) -> dict[str, str]:
@@ -164,15 +165,17 @@ class Admission(AdmissionRefusals):
                   *(k[n] for n in _TICKET_KEYS), k["turn"], *gkeys],
             args=[request_id, tokens, cls.inflight_token_budget, cls.max_concurrent, ttl_ms(lease_ttl_s), mode,
                   cls.queue_limit, ttl_ms(cfg.queue_lease_s), int(max(expected_s, 0.0) * 1000), *gargs,
-                  ticket_id, new_ticket_id() if issue else "", ttl_ms(cfg.ticket_unhinted_s), cfg.ticket_limit],
+                  ticket_id, new_ticket_id() if issue else "", ttl_ms(cfg.ticket_unhinted_s), cfg.ticket_limit,
+                  repr(float(cfg.lend_margin))],
         )  # fmt: skip
         status, _sum, _count, qlen, expiry_ms, recovering = (int(x) for x in raw[:6])
-        held = raw[6].decode() if isinstance(raw[6], bytes) else str(raw[6])
+        held, lent_from = (x.decode() if isinstance(x, bytes) else str(x) for x in (raw[6], raw[11]))
         tstate, issued, hinted, free = (int(x) for x in raw[7:11])
         res = None
         if status == _OK:
             waited = TicketWait(issued / 1000.0, hinted / 1000.0, free / 1000.0) if tstate == 1 else None
-            res = Reservation(cluster, cls.name, request_id, tokens, expiry_ms / 1000.0, lease_ttl_s, waited)
+            res = Reservation(cluster, cls.name, request_id, tokens, expiry_ms / 1000.0, lease_ttl_s, waited,
+                              lent_from, admitted_ms=expiry_ms - ttl_ms(lease_ttl_s))
         self._recovering = bool(recovering)
         return status, res, qlen, held, tstate
 
@@ -340,14 +343,11 @@ class Admission(AdmissionRefusals):
 
     def release(self, reservation: Reservation) -> bool:
         """Return the tokens to the budget. Idempotent: True if this call released them, False if they were
-        already gone (released before, or the lease expired)."""
+        already gone (released before, or the lease expired). The reservation as admitted (``admitted_ms`` set)
+        also reports how long it held its room (the budget's mean holding time, RELEASE)."""
         k = self.keys(reservation.cluster, reservation.cls)
-        pipe = self._r.pipeline(transaction=True)
-        pipe.zrem(k["lease"], reservation.request_id)
-        pipe.hdel(k["tok"], reservation.request_id)
-        pipe.hdel(k["end"], reservation.request_id)
-        removed, _, _ = pipe.execute()
-        return bool(removed)
+        return bool(int(self._release(keys=[k["lease"], k["tok"], k["end"], k["turn"]],
+                                      args=[reservation.request_id, reservation.admitted_ms])))
 
     # ---------------------------------------------------------------------------------------- reads
     def stats(self, cluster: str, cls: str, spec: ClassSpec | None = None) -> ClassLoad:
@@ -365,7 +365,7 @@ class Admission(AdmissionRefusals):
             self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"],
                               *(k[n] for n in _TICKET_KEYS)],
                         args=[spec.inflight_token_budget, spec.max_concurrent] if spec else [0, 0], client=pipe)
-        return [ClassLoad(int(t), int(c), int(q), int(h)) for t, c, q, h in pipe.execute()]
+        return [ClassLoad(*(int(x) for x in row)) for row in pipe.execute()]
 
     def inflight(self, cluster: str, cls: str) -> tuple[int, int]:
         """(in-flight tokens, in-flight requests) of one (cluster, class)."""

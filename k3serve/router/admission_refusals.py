@@ -57,14 +57,19 @@ class AdmissionRefusals:
         hold a stream slot but have not reached admission): they count as waiters ahead. (A ticket's place is
         ahead of them: they will line up behind it.)"""
         k = self.keys(cluster, cls.name)
-        raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"], k["tix"],
-                                                   k["tixtok"], k["turn"]], args=[ticket_id])]
-        now, queued, queued_tokens, turnover_ms, last_ms = raw[:5]
+        raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"], k["turn"],
+                                                   *self._tkeys(cluster, cls.name)], args=[ticket_id])]
+        now, queued, queued_tokens, turnover_ms, last_ms, hold_ms = raw[:6]
         queued, queued_tokens = queued + unseen[0], queued_tokens + unseen[1]
+        # the pace at which places come free: the budget's mean holding time over its rooms, the service's own
+        # pace when it is kept busy (tickets.py, "Pace"); the measured interval between admissions before any
+        # request has ended
+        if hold_ms > 0:
+            turnover_ms = hold_ms / cls.max_concurrent
         # a holder that published no end (a caller without a duration estimate): assume the old rule of thumb,
         # that the class turns over in about max_wait_s
         unknown = now + int(max(cls.max_wait_s, 0.1) * 1000)
-        holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[5::2], raw[6::2])]
+        holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[6::2], raw[7::2])]
         since_s = (now - last_ms) / 1000.0 if last_ms >= 0 else 0.0
         wait = drain_wait_s(now, holders, queued, queued_tokens, tokens, cls.inflight_token_budget,
                             cls.max_concurrent, round_s, turnover_s=max(turnover_ms, 0) / 1000.0,

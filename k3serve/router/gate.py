@@ -66,7 +66,8 @@ class AdmissionGate:
         self._prefix = key_prefix(namespace)
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
-        self.counters = Counters("bypassed", "reasserted", "tickets_issued", "tickets_honoured", "tickets_moved")
+        self.counters = Counters("bypassed", "reasserted", "tickets_issued", "tickets_honoured", "tickets_moved",
+                                 "lent")
         if guard is not None:
             try:  # a fresh router on a fresh Redis: nothing to recover, so no grace to wait out
                 client.set(f"{self._prefix}adm:alive", "1", px=int(guard.alive_ttl_s * 1000), nx=True)
@@ -153,6 +154,8 @@ class AdmissionGate:
                                                  ticket_id=self._ticket_here(ticket, cluster, cls))
             if res.waited is not None:
                 self.counters.inc("tickets_honoured")
+            if res.lent_from:
+                self.counters.inc("lent")  # admitted into the room of a held place whose holder is away
         except AdmissionRejected as e:
             raise self._refused(e) from None
         except (redis.RedisError, OSError) as e:
@@ -265,7 +268,7 @@ class AdmissionGate:
         except (redis.RedisError, OSError) as e:
             log.info("class stats unavailable (Redis: %s)", type(e).__name__)
             loads = []
-        out = {cls.name: {"inflight_tokens": 0, "inflight_requests": 0, "queued": 0, "held": 0,
+        out = {cls.name: {"inflight_tokens": 0, "inflight_requests": 0, "queued": 0, "held": 0, "lent": 0,
                           "rejected": self.counters[f"rejected:{cls.name}"]} for cls in self.classes}
         for (_, name), load in zip(pairs, loads):
             st = out[name]
@@ -273,6 +276,7 @@ class AdmissionGate:
             st["inflight_requests"] += load.count
             st["queued"] += load.queued
             st["held"] += load.held
+            st["lent"] += load.lent
         return out
 
     def close(self) -> None:

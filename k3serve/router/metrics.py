@@ -60,6 +60,8 @@ class _ClassCollector:
                                    labels=["cls"])
         held = GaugeMetricFamily("k3serve_class_held_places", "places in line held for refused requests (tickets)",
                                  labels=["cls"])
+        lent = GaugeMetricFamily("k3serve_class_lent_places", "held places whose room is lent to a request in flight "
+                                 "while their holders are away (tickets.py, Lending)", labels=["cls"])
         try:
             stats = self._stats()
         except (redis.RedisError, OSError) as e:  # Redis down: scrape what we have
@@ -70,7 +72,8 @@ class _ClassCollector:
             reqs.add_metric([cls], s["inflight_requests"])
             queued.add_metric([cls], s["queued"])
             held.add_metric([cls], s.get("held", 0))
-        yield from (tokens, reqs, queued, held)
+            lent.add_metric([cls], s.get("lent", 0))
+        yield from (tokens, reqs, queued, held, lent)
 
 
 class _ClusterCollector:

@@ -34,6 +34,38 @@ early return only waits in its place, while a late one leaves the place empty an
 * Each honoured ticket reports (``Reservation.waited``) its issue time, hinted moment and the first moment a
   Lua call saw its place free, so the router exports how accurate its hints are.
 
+Lending (work conservation, as EASY/conservative backfilling in a batch scheduler). A held place whose holder is
+away leaves its room empty until the holder comes back; the places behind it count it as taken, so before lending
+the whole line moved at the pace its holders came back, not at the service's. So a request present now (a newcomer,
+a waiter, a holder back early) may *pass* held places ahead of it whose holders are away, are not lent already and
+are hinted to come back no sooner than ``lend_margin`` (2) x its expected duration from now (the same estimate its
+published end and the hints use: learned time to first token + max_tokens x time per token). It is admitted when
+
+```
+  the room is there now:   fits(t, in flight)                                  (borrowers included: budgets hold)
+  and the line allows it:  fits(t, in flight + everything ahead of it in line, less the places it may pass)
+```
+and if it needed to pass any, the first of them (always a free one) is *lent* to it (``tixlent``: ticket ->
+borrower). A lent place whose holder is away counts as no place in line (its borrower, in flight, stands in for it;
+its tokens as its own less the borrower's), so lending changes nobody else's count and the budget never holds more
+than it admits. When the borrower ends, the place counts again; its holder, back at its hint, finds its room free.
+
+* Overrun (a borrower still running when the holder comes back): the holder is not admitted over the budget; it
+  waits in its place for the next room (its claim is live again: a holder that is back, ``tixhere``, polling in its
+  place, is never passed and its place not lent), so an overrun delays one holder by the borrower's overrun and
+  never exceeds the budget. The margin makes that rare (it is measured and printed by the load test). A borrower
+  is not cut short (its max_tokens are the client's).
+* What counts as the holder's wait (the hint's accuracy, ``tixfree`` and the load test): the first moment its place
+  is free by the line rule with its own borrower not counted (that borrower is in its room only while it is away).
+
+Pace. Behind a line, a place comes free after ``in flight + ahead + 1 - max_concurrent`` more places have. The pace
+of places is the budget's mean *holding time* (admission to release, measured by RELEASE) over ``max_concurrent``:
+the service's own pace when its rooms are kept busy. It was the measured interval between admissions, which is
+self-fulfilling: holders come back at their hints, so that interval is the hinted pace, and a line started slow (a
+burst's first requests are slow) stayed slow with its rooms idle (25% busy, one request in flight of two).
+Hinted at the service's pace, holders that the service is slower than come back early and wait in their places
+(present: they keep the rooms busy); those whose places come free early are passed by whoever is present.
+
 The wire form:
 
 A ticket is handed out with every RESOURCE_EXHAUSTED that carries a retry-after (gRPC trailing metadata

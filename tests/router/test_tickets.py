@@ -10,6 +10,7 @@ import time
 import pytest
 
 from k3serve.router.admission import Admission, AdmissionConfig, AdmissionRejected, ClassSpec
+from k3serve.router.admission_lua import TICKET_KEYS
 from k3serve.router.gate import AdmissionGate
 from k3serve.router.tickets import MalformedTicket, Ticket, parse_ticket
 
@@ -73,11 +74,11 @@ def test_a_ticket_expires_a_grace_after_its_hint_and_its_keys_do_not_linger(rcli
     assert adm.try_reserve("c0", ONE, "n", 10, 30) is not None  # ...until a grace after its hinted moment
     assert adm.stats("c0", "short", ONE).held == 0
     k = adm.keys("c0", "short")
-    assert not any(rclient.exists(k[n]) for n in ("tix", "tixexp", "tixtok", "tixat", "tixfree"))
+    assert not any(rclient.exists(k[n]) for n in TICKET_KEYS)
     time.sleep(1.1)  # and the keys of a ticket nobody purges expire by themselves (1 s after the last ticket)
     _refused(adm, "left")
     time.sleep(0.4 + CFG.ticket_grace_s + 1.2)
-    assert not any(rclient.exists(k[n]) for n in ("tix", "tixexp", "tixtok", "tixat", "tixfree"))
+    assert not any(rclient.exists(k[n]) for n in TICKET_KEYS)
 
 
 def test_a_forged_or_expired_ticket_is_a_newcomer_and_a_flush_forgets_tickets(rclient, ns):
