@@ -35,12 +35,14 @@ def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, q
     made hints of one round where the wait was three).
 
     Behind a line (``queued`` > 0) of a budget that binds by its concurrency cap, with a measured ``turnover_s``
-    (the mean interval between admissions while the line was not empty, admission_lua.RESERVE): the place comes
-    free after ``n = count + queued + 1 - max_concurrent`` more places have, at that pace, counted from the last
-    admission ``since_turn_s`` ago (the next place is due one turnover after it, or is overdue: n x turnover
-    less the part of it already gone, at most one). That counts what the durations miss (the hand-over from one
-    request to the next, a router or cluster slowed by the burst itself): built from the published durations
-    alone, hints behind a line ran at 0.65 of the real wait (median, 200-stream burst on 2 cores).
+    (the pace of places: the budget's mean holding time over ``max_concurrent``, admission_lua.RELEASE; before any
+    request ended, the mean interval between admissions while the line was not empty, admission_lua.RESERVE): the
+    place comes free after ``n = count + queued + 1 - max_concurrent`` more places have, at that pace, counted from
+    the last admission ``since_turn_s`` ago (the next place is due one turnover after it, or is overdue: n x
+    turnover less the part of it already gone, at most one). Measured holding times count what the published
+    durations miss (a router or cluster slowed by the burst itself: built from the published durations alone,
+    hints behind a line ran at 0.65 of the real wait, median, 200-stream burst on 2 cores), and unlike the
+    interval between admissions they are not set by the hints themselves (tickets.py, "Pace").
     """
     count = len(holders)
     if (turnover_s > 0 and queued > 0

@@ -67,3 +67,38 @@ def test_the_turnover_is_measured_from_admissions_while_the_line_is_not_empty(rc
         held = adm.reserve_or_wait("c0", cls, f"{t.id}-back", 10, 30, ticket_id=t.id)
     turnover = int(rclient.hget(adm.keys("c0", "short")["turn"], "ewma"))
     assert 170 <= turnover <= 300
+
+
+def test_behind_a_line_places_are_paced_by_the_budgets_mean_holding_time(rclient, ns):
+    """The pace is what the rooms take (admission to release, over max_concurrent), not how fast holders came back:
+    hints of a line whose holders came back slowly still name the service's pace (tickets.py, "Pace")."""
+    import dataclasses
+    import time
+
+    from k3serve.router.admission import Admission, AdmissionRejected, ClassSpec
+
+    cls = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=2, queue_limit=0, max_wait_s=0.0)
+    adm = Admission(rclient, ns)
+    for i in range(3):  # each holds its room 0.2 s
+        a, b = (adm.reserve_or_wait("c0", cls, f"h{i}{j}", 10, 30, expected_s=5.0) for j in "ab")
+        time.sleep(0.2)
+        adm.release(a)
+        adm.release(b)
+    assert 190 <= int(rclient.hget(adm.keys("c0", "short")["turn"], "hold")) <= 320
+    res = adm.reserve_or_wait("c0", cls, "renewed", 10, 30, expected_s=5.0)
+    time.sleep(0.05)
+    adm.release(dataclasses.replace(res, admitted_ms=0))  # a copy without its admission moment teaches nothing
+    assert 190 <= int(rclient.hget(adm.keys("c0", "short")["turn"], "hold")) <= 320
+    held = [adm.reserve_or_wait("c0", cls, f"x{j}", 10, 30, expected_s=5.0) for j in range(2)]
+    hints = []
+    for i in range(3):
+        try:
+            adm.reserve_or_wait("c0", cls, f"r{i}", 10, 30, expected_s=5.0)
+        except AdmissionRejected as e:
+            hints.append(e.retry_after_s)
+    # the first place, with no line ahead, when the holders are expected to end (their published ends: 5 s); the
+    # places behind it 0.2 / 2 s apart (the measured pace), not a 5 s round each as the published ends would say
+    assert len(hints) == 3 and 4.5 <= hints[0] <= 5.0, hints
+    assert hints[1] < 0.5 and 0.07 <= hints[2] - hints[1] <= 0.16, hints
+    for r in held:
+        adm.release(r)
