@@ -19,7 +19,10 @@ Keys (``{...}`` is a Redis Cluster hash tag: all keys of one (cluster, class) sh
     k3s:{ns}:adm:{CLUSTER/CLASS}:tixtok  HASH  ticket -> tokens
     k3s:{ns}:adm:{CLUSTER/CLASS}:tixat   HASH  ticket -> "issued ms:hinted ms"
     k3s:{ns}:adm:{CLUSTER/CLASS}:tixfree HASH  ticket -> first moment (ms) its place was seen free
-    k3s:{ns}:adm:{CLUSTER/CLASS}:turn    HASH  last admission ms, ewma of intervals while the line is not empty
+    k3s:{ns}:adm:{CLUSTER/CLASS}:tixlent HASH  ticket -> borrower request_id: its room is lent (Lending)
+    k3s:{ns}:adm:{CLUSTER/CLASS}:tixhere ZSET  ticket -> presence expiry (ms): its holder is back, polling
+    k3s:{ns}:adm:{CLUSTER/CLASS}:turn    HASH  last admission ms, ewma of intervals while the line is not empty,
+                                               mean holding time ms (admission to release): the pace of places
     k3s:{ns}:adm:alive                   STRING PX a few renew intervals, refreshed by every router's renewer
     k3s:{ns}:adm:recover                 STRING PX grace: present = Redis lost its state, no new admissions
 
@@ -47,7 +50,10 @@ The admission rule, evaluated atomically with Redis's own clock after purging ex
   retry hint (gRPC ``RESOURCE_EXHAUSTED``).
 
 Tickets: a refused client's place in line is held for it (router/tickets.py has the design): held places ahead
-of a request count as taken, and a refusal's hint is when its place is expected to come free.
+of a request count as taken, and a refusal's hint is when its place is expected to come free. Lending (same
+place): a request present now may pass held places whose holders are away and are hinted to come back after it is
+expected to end (``AdmissionConfig.lend_margin`` x its expected duration); it is admitted only if the room is there
+now, so budgets are never exceeded, and a holder back while its borrower overruns waits for the next room.
 
 The class specs are passed with each call, so all router replicas must run with the same specs.
 """
@@ -129,7 +135,7 @@ class Admission(AdmissionRefusals):
 
     # ------------------------------------------------------------------------------------------- keys
     def keys(self, cluster: str, cls: str) -> dict[str, str]:
-        """The thirteen keys of one (cluster, class) budget, by role."""
+        """The fifteen keys of one (cluster, class) budget, by role."""
         check_id("cluster id", cluster)
         check_id("class name", cls)
         base = f"{self.prefix}adm:{{{cluster}/{cls}}}:"
@@ -202,7 +208,9 @@ class Admission(AdmissionRefusals):
         ticket_id: str = "",
     ) -> Reservation:
         """Reserve, waiting in the class queue up to ``max_wait_s`` (default ``cls.max_wait_s``). ``expected_s``:
-        how long the request is expected to hold the reservation (published as its expected end, for hints).
+        how long the request is expected to hold the reservation (published as its expected end, for hints; a
+        request with one may be lent the room of a held place whose holder comes back after it, module docstring;
+        the reservation's ``lent_from`` names that place).
         ``ticket_id``: the id of a retry ticket of this (cluster, class) the request came back with: it is admitted
         into that place when it is free; back early, it waits in its place if that is among the next
         ``max_concurrent`` to come free (``_wait_in_place``), else it is refused ("early") with a fresh hint and the

@@ -225,9 +225,10 @@ return {sum, count, redis.call('ZCARD', KEYS[3]), redis.call('ZCARD', T.tix), re
 
 # KEYS: lease, tok, q, qtok, end, turn, the seven ticket keys. ARGV: ticket id ('' = the end of the line). Returns
 # {now ms, waiters ahead, their tokens, turnover ms (-1: not measured), last admission ms (-1: none), mean holding
-# time ms (-1: not measured), tokens_1, end_1, tokens_2, ...} over the live leases (end -1: none published). Waiters ahead: queue entries and held places
-# before the ticket's place (all of them for ''), counted as the line rule counts them (a held place lent to a
-# borrower in flight while its holder is away is no place: its borrower is among the leases).
+# time ms (-1: not measured), tokens_1, end_1, tokens_2, ...} over the live leases (end -1: none published).
+# Waiters ahead: queue entries and held places before the ticket's place (all of them for ''), counted as the line
+# rule counts them (a held place lent to a borrower in flight while its holder is away is no place: its borrower is
+# among the leases).
 HOLDERS = LUA_COMMON + LUA_LINE + """
 local T = tkeys(7)
 local A = {maxc = 1e9, q = KEYS[3], qtok = KEYS[4], lease = KEYS[1], tok = KEYS[2]}
