@@ -43,19 +43,19 @@ class AdmissionRefusals:
 
     def retry_after(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0,
                     unseen: tuple[int, int] = (0, 0), ticket_id: str = "") -> float:
+        """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends and the
+        budget's measured pace, behind the waiters and held places ahead of ``ticket_id``'s place (none: ahead of
+        the end of the line).
+
+        ``unseen`` = (requests, tokens) ahead of this one that Redis does not show yet (a router's streams that
+        hold a stream slot but have not reached admission): they count as waiters ahead. (A ticket's place is
+        ahead of them: they will line up behind it.)"""
         return self.line_view(cluster, cls, tokens, round_s, unseen, ticket_id)[0]
 
     def line_view(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0,
                   unseen: tuple[int, int] = (0, 0), ticket_id: str = "") -> tuple[float, int]:
         """(``retry_after``, how many places must come free before this one: the in-flight requests and those
         ahead in line, less the concurrency cap)."""
-        """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls), from the holders' published ends and the
-        budget's measured turnover, behind the waiters and held places ahead of ``ticket_id``'s place (none: ahead
-        of the end of the line).
-
-        ``unseen`` = (requests, tokens) ahead of this one that Redis does not show yet (a router's streams that
-        hold a stream slot but have not reached admission): they count as waiters ahead. (A ticket's place is
-        ahead of them: they will line up behind it.)"""
         k = self.keys(cluster, cls.name)
         raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"], k["turn"],
                                                    *self._tkeys(cluster, cls.name)], args=[ticket_id])]
