@@ -24,7 +24,7 @@ import struct
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 import xxhash
@@ -201,7 +201,8 @@ class AdmissionGate:
             return None
         with self._lock:
             held = self._held.pop(res.request_id, None)
-        self._release_in_redis(res)
+        # it goes on holding a room (elsewhere): not an end of its hold, so it does not teach the budget's pace
+        self._release_in_redis(replace(res, admitted_ms=0))
         new = Reservation(cluster, res.cls, res.request_id, res.tokens, 0.0, res.lease_ttl_s)
         remaining = held.remaining_s if held else (lambda: 0.0)
         with self._lock:
