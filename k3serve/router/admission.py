@@ -22,7 +22,9 @@ Keys (``{...}`` is a Redis Cluster hash tag: all keys of one (cluster, class) sh
     k3s:{ns}:adm:{CLUSTER/CLASS}:tixlent HASH  ticket -> borrower request_id: its room is lent (Lending)
     k3s:{ns}:adm:{CLUSTER/CLASS}:tixhere ZSET  ticket -> presence expiry (ms): its holder is back, polling
     k3s:{ns}:adm:{CLUSTER/CLASS}:turn    HASH  last admission ms, ewma of intervals while the line is not empty,
-                                               mean holding time ms (admission to release): the pace of places
+                                               mean holding time ms (admission to release) and its mean absolute
+                                               deviation: the pace of places
+    k3s:{ns}:adm:{CLUSTER/CLASS}:since   HASH  request_id -> admission ms: a hold in progress (its age)
     k3s:{ns}:adm:alive                   STRING PX a few renew intervals, refreshed by every router's renewer
     k3s:{ns}:adm:recover                 STRING PX grace: present = Redis lost its state, no new admissions
 
@@ -135,11 +137,12 @@ class Admission(AdmissionRefusals):
 
     # ------------------------------------------------------------------------------------------- keys
     def keys(self, cluster: str, cls: str) -> dict[str, str]:
-        """The fifteen keys of one (cluster, class) budget, by role."""
+        """The sixteen keys of one (cluster, class) budget, by role."""
         check_id("cluster id", cluster)
         check_id("class name", cls)
         base = f"{self.prefix}adm:{{{cluster}/{cls}}}:"
-        return {k: base + k for k in ("lease", "tok", "q", "qlease", "qtok", "seq", "end", *_TICKET_KEYS, "turn")}
+        return {k: base + k
+                for k in ("lease", "tok", "q", "qlease", "qtok", "seq", "end", *_TICKET_KEYS, "turn", "since")}
 
     def _tkeys(self, cluster: str, cls: str) -> list[str]:
         k = self.keys(cluster, cls)
@@ -168,7 +171,7 @@ class Admission(AdmissionRefusals):
         cfg = self.config
         raw = self._reserve(
             keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["seq"], k["end"],
-                  *(k[n] for n in _TICKET_KEYS), k["turn"], *gkeys],
+                  *(k[n] for n in _TICKET_KEYS), k["turn"], *gkeys, k["since"]],
             args=[request_id, tokens, cls.inflight_token_budget, cls.max_concurrent, ttl_ms(lease_ttl_s), mode,
                   cls.queue_limit, ttl_ms(cfg.queue_lease_s), int(max(expected_s, 0.0) * 1000), *gargs,
                   ticket_id, new_ticket_id() if issue else "", ttl_ms(cfg.ticket_unhinted_s), cfg.ticket_limit,
@@ -307,7 +310,8 @@ class Admission(AdmissionRefusals):
         already gone (expired or released): the caller no longer holds budget and should re-reserve or fail."""
         ttl = reservation.lease_ttl_s if lease_ttl_s is None else lease_ttl_s
         k = self.keys(reservation.cluster, reservation.cls)
-        expiry = int(self._renew(keys=[k["lease"], k["tok"]], args=[reservation.request_id, ttl_ms(ttl)]))
+        expiry = int(self._renew(keys=[k["lease"], k["tok"], k["end"], k["since"]],
+                                 args=[reservation.request_id, ttl_ms(ttl)]))
         if expiry == 0:
             return None
         return Reservation(reservation.cluster, reservation.cls, reservation.request_id, reservation.tokens,
@@ -318,7 +322,8 @@ class Admission(AdmissionRefusals):
         pipe = self._r.pipeline(transaction=False)
         for r in reservations:
             k = self.keys(r.cluster, r.cls)
-            self._renew(keys=[k["lease"], k["tok"]], args=[r.request_id, ttl_ms(r.lease_ttl_s)], client=pipe)
+            self._renew(keys=[k["lease"], k["tok"], k["end"], k["since"]], args=[r.request_id, ttl_ms(r.lease_ttl_s)],
+                        client=pipe)
         out: list[Reservation | None] = []
         for r, expiry in zip(reservations, pipe.execute(), strict=True):
             expiry = int(expiry)
@@ -334,7 +339,7 @@ class Admission(AdmissionRefusals):
         pipe = self._r.pipeline(transaction=False)
         for r, remaining_s in held:
             k = self.keys(r.cluster, r.cls)
-            self._reassert(keys=[k["lease"], k["tok"], k["end"]],
+            self._reassert(keys=[k["lease"], k["tok"], k["end"], k["since"]],
                            args=[r.request_id, ttl_ms(r.lease_ttl_s), r.tokens, int(max(remaining_s, 0) * 1000)],
                            client=pipe)  # fmt: skip
         out = []
@@ -354,7 +359,7 @@ class Admission(AdmissionRefusals):
         already gone (released before, or the lease expired). The reservation as admitted (``admitted_ms`` set)
         also reports how long it held its room (the budget's mean holding time, RELEASE)."""
         k = self.keys(reservation.cluster, reservation.cls)
-        return bool(int(self._release(keys=[k["lease"], k["tok"], k["end"], k["turn"]],
+        return bool(int(self._release(keys=[k["lease"], k["tok"], k["end"], k["turn"], k["since"]],
                                       args=[reservation.request_id, reservation.admitted_ms])))
 
     # ---------------------------------------------------------------------------------------- reads
@@ -371,7 +376,7 @@ class Admission(AdmissionRefusals):
             k = self.keys(cluster, cls)
             spec = (specs or {}).get(cls)
             self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"],
-                              *(k[n] for n in _TICKET_KEYS)],
+                              *(k[n] for n in _TICKET_KEYS), k["since"]],
                         args=[spec.inflight_token_budget, spec.max_concurrent] if spec else [0, 0], client=pipe)
         return [ClassLoad(*(int(x) for x in row)) for row in pipe.execute()]
 

@@ -11,8 +11,8 @@ LUA_COMMON = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- Drop the members of lease zset z whose expiry <= now, and the same members from hash h, and from z2 (a zset)
--- or h2 (a hash) if given. In chunks, because unpack() has a stack limit.
-local function purge(z, h, z2, h2)
+-- or h2, h3 (hashes) if given. In chunks, because unpack() has a stack limit.
+local function purge(z, h, z2, h2, h3)
   while true do
     local dead = redis.call('ZRANGEBYSCORE', z, '-inf', now, 'LIMIT', 0, 500)
     if #dead == 0 then return end
@@ -20,6 +20,7 @@ local function purge(z, h, z2, h2)
     redis.call('HDEL', h, unpack(dead))
     if z2 then redis.call('ZREM', z2, unpack(dead)) end
     if h2 then redis.call('HDEL', h2, unpack(dead)) end
+    if h3 and h3 ~= '' then redis.call('HDEL', h3, unpack(dead)) end
   end
 end
 -- The state-loss guard (alive key, recover key, alive ttl ms, grace ms; alive = '' disables it): true while
@@ -40,7 +41,7 @@ end
 """
 
 # KEYS: lease, tok, q, qlease, qtok, seq, end, the seven ticket keys (TICKET_KEYS), turn, alive ('' = no guard),
-#       recover.
+#       recover, since.
 # ARGV: request_id, tokens, budget, max_concurrent, lease_ms, mode (0 try, 1 wait, 2 refuse: only a place in line),
 #       queue_limit, qlease_ms, expected duration ms (0: none), alive ttl ms, recovery grace ms,
 #       presented ticket ('' none), id of a new ticket ('' never issue one), unhinted ticket life ms, ticket limit,
@@ -57,7 +58,7 @@ local rid, tokens = ARGV[1], tonumber(ARGV[2])
 local budget, maxc, lease_ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local mode, qlimit, qlease_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local T = tkeys(8)
-purge(KEYS[1], KEYS[2], nil, KEYS[7])
+purge(KEYS[1], KEYS[2], nil, KEYS[7], KEYS[18])
 purge(KEYS[4], KEYS[5], KEYS[3])
 purge_tickets(T)
 local rec = recovering(KEYS[16], KEYS[17], ARGV[10], ARGV[11])
@@ -111,6 +112,9 @@ if ok then
   redis.call('HDEL', KEYS[5], rid)
   -- the expected end, when the caller gave a duration (none: Admission.retry_after assumes max_wait_s)
   if expected > 0 then redis.call('HSET', KEYS[7], rid, now + expected) end
+  -- its admission moment: while it holds its room, its age is a right-censored holding time (HOLDERS)
+  redis.call('HSET', KEYS[18], rid, now)
+  redis.call('PEXPIRE', KEYS[18], 3600000)
   if lent_from then lend(T, lent_from, rid) end
   local issued, hinted, free = 0, 0, 0
   if tk ~= '' then
@@ -162,20 +166,21 @@ redis.call('HSET', KEYS[5], rid, ARGV[2])
 return {2, sum, count, qlen + 1, 0, r, '', tstate, 0, 0, 0, ''}
 """
 
-# KEYS: lease, tok. ARGV: request_id, lease_ms. Returns the new expiry (ms), or 0 when the lease is gone or expired
-# (renew never revives an expired lease: its tokens may already be promised to someone else; see REASSERT).
+# KEYS: lease, tok, end, since. ARGV: request_id, lease_ms. Returns the new expiry (ms), or 0 when the lease is gone
+# or expired (renew never revives an expired lease: its tokens may already be promised to someone else; see REASSERT).
 RENEW = LUA_COMMON + """
-purge(KEYS[1], KEYS[2])
+purge(KEYS[1], KEYS[2], nil, KEYS[3], KEYS[4])
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 return now + tonumber(ARGV[2])
 """
 
-# KEYS: lease, tok, end. ARGV: request_id, lease_ms, tokens, expected remaining ms.
+# KEYS: lease, tok, end, since. ARGV: request_id, lease_ms, tokens, expected remaining ms. (A lease put back has no
+# admission moment: HOLDERS takes it as a hold of the mean length.)
 # Returns {new expiry ms, 1 if the lease was gone and has been put back else 0}. For a request that is running:
 # its tokens are in use whether or not Redis remembers them, so a lost lease is put back (and counted), not dropped.
 REASSERT = LUA_COMMON + """
-purge(KEYS[1], KEYS[2], nil, KEYS[3])
+purge(KEYS[1], KEYS[2], nil, KEYS[3], KEYS[4])
 local lost = 0
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   lost = 1
@@ -186,18 +191,23 @@ redis.call('HSET', KEYS[3], ARGV[1], now + tonumber(ARGV[4]))
 return {now + tonumber(ARGV[2]), lost}
 """
 
-# KEYS: lease, tok, end, turn. ARGV: request_id, its admission ms (0: unknown). Returns 1 if this call released the
-# lease. A released lease's holding time (admission to release) feeds the budget's mean holding time (turn.hold):
-# the service's own pace, at which a budget of max_concurrent rooms frees places when it is kept busy (retry hints).
+# KEYS: lease, tok, end, turn, since. ARGV: request_id, its admission ms (0: unknown). Returns 1 if this call released
+# the lease. A released lease's holding time (admission to release) feeds the budget's mean holding time (turn.hold)
+# and its spread (turn.hdev, the mean absolute deviation from it, as TCP's RTT variance): the service's own pace, at
+# which a budget of max_concurrent rooms frees places when it is kept busy (retry hints; HOLDERS adds the holds in
+# progress).
 RELEASE = LUA_COMMON + """
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[5], ARGV[1])
 local since = tonumber(ARGV[2])
 if removed == 1 and since > 0 and now > since and now - since < 600000 then
+  local x = now - since
   local hold = tonumber(redis.call('HGET', KEYS[4], 'hold') or '-1')
-  hold = hold < 0 and (now - since) or (0.8 * hold + 0.2 * (now - since))
-  redis.call('HSET', KEYS[4], 'hold', math.floor(hold))
+  local dev = tonumber(redis.call('HGET', KEYS[4], 'hdev') or '0')
+  if hold < 0 then hold = x else dev, hold = 0.75 * dev + 0.25 * math.abs(x - hold), 0.8 * hold + 0.2 * x end
+  redis.call('HSET', KEYS[4], 'hold', math.floor(hold), 'hdev', math.floor(dev))
   redis.call('PEXPIRE', KEYS[4], 3600000)
 end
 return removed
@@ -208,11 +218,11 @@ TOUCH = LUA_COMMON + """
 return recovering(KEYS[1], KEYS[2], ARGV[1], ARGV[2]) and 1 or 0
 """
 
-# KEYS: lease, tok, q, qlease, qtok, end, the seven ticket keys. ARGV: budget, max_concurrent.
+# KEYS: lease, tok, q, qlease, qtok, end, the seven ticket keys, since (optional). ARGV: budget, max_concurrent.
 # Returns {inflight tokens, inflight count, queue length, held places, held places lent to a borrower in flight}.
 STATS = LUA_COMMON + LUA_LINE + """
 local T = tkeys(7)
-purge(KEYS[1], KEYS[2], nil, KEYS[6])
+purge(KEYS[1], KEYS[2], nil, KEYS[6], KEYS[14])
 purge(KEYS[4], KEYS[5], KEYS[3])
 purge_tickets(T)
 local sum, count = inflight(KEYS[1], KEYS[2])
@@ -223,25 +233,50 @@ if A.maxc > 0 then mark_free(A, T) end
 return {sum, count, redis.call('ZCARD', KEYS[3]), redis.call('ZCARD', T.tix), redis.call('HLEN', T.lent)}
 """
 
-# KEYS: lease, tok, q, qtok, end, turn, the seven ticket keys. ARGV: ticket id ('' = the end of the line). Returns
-# {now ms, waiters ahead, their tokens, turnover ms (-1: not measured), last admission ms (-1: none), mean holding
-# time ms (-1: not measured), tokens_1, end_1, tokens_2, ...} over the live leases (end -1: none published).
+# KEYS: lease, tok, q, qtok, end, turn, the seven ticket keys, since. ARGV: ticket id ('' = the end of the line),
+# censored factor, typical spread (retry_hint.CENSORED_FACTOR, TYPICAL_SPREAD). Returns {now ms, waiters ahead, their
+# tokens, turnover ms (-1: not measured), last admission ms (-1: none), mean holding time ms (-1: not measured),
+# tokens_1, end_1, tokens_2, ...} over the live leases (end -1: none published).
 # Waiters ahead: queue entries and held places before the ticket's place (all of them for ''), counted as the line
 # rule counts them (a held place lent to a borrower in flight while its holder is away is no place: its borrower is
 # among the leases).
+# The mean holding time counts the holds in progress as what they are, right-censored observations: a holder of age a
+# will hold its room at least a. While a is within what the completed holds make typical (their mean + spread x their
+# mean absolute deviation) its whole hold is taken as max(mean, a); past that, nothing seen says when it ends, and it
+# is taken as factor x a (its age as likely any fraction of its whole: the median of a lifetime seen only to have
+# lasted a is 2a). The estimate is the mean of those whole holds, at least the completed holds' mean: holders that
+# outlast every recent hold show at once that the service has slowed (a burst), without waiting for one of them to end
+# (and for the completed holds' mean to follow). The end of such a holder is moved to no earlier than admission +
+# factor x a as well.
 HOLDERS = LUA_COMMON + LUA_LINE + """
 local T = tkeys(7)
 local A = {maxc = 1e9, q = KEYS[3], qtok = KEYS[4], lease = KEYS[1], tok = KEYS[2]}
 local place = nil
 if ARGV[1] ~= '' then place = redis.call('ZSCORE', T.tix, ARGV[1]) end
 local s, c = line_ahead(A, T, place, '', 0)
+local hold = tonumber(redis.call('HGET', KEYS[6], 'hold') or '-1')
+local typical = hold + tonumber(ARGV[3]) * tonumber(redis.call('HGET', KEYS[6], 'hdev') or '0')
+local factor = tonumber(ARGV[2])
 local out = {now, c, s, tonumber(redis.call('HGET', KEYS[6], 'ewma') or '-1'),
-             tonumber(redis.call('HGET', KEYS[6], 'last') or '-1'),
-             tonumber(redis.call('HGET', KEYS[6], 'hold') or '-1')}
+             tonumber(redis.call('HGET', KEYS[6], 'last') or '-1'), hold}
+local whole_sum, n = 0, 0
 for _, rid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
+  local e = tonumber(redis.call('HGET', KEYS[5], rid) or '-1')
+  local since = tonumber(redis.call('HGET', KEYS[14], rid) or '-1')
+  if hold >= 0 then
+    local whole = hold  -- no admission moment (a lease put back after a state loss): a hold of the mean length
+    if since >= 0 and now - since > typical then
+      whole = factor * (now - since)
+      e = math.max(e, since + math.floor(whole))
+    elseif since >= 0 then
+      whole = math.max(hold, now - since)
+    end
+    whole_sum, n = whole_sum + whole, n + 1
+  end
   table.insert(out, tonumber(redis.call('HGET', KEYS[2], rid) or '0'))
-  table.insert(out, tonumber(redis.call('HGET', KEYS[5], rid) or '-1'))
+  table.insert(out, e)
 end
+if n > 0 then out[6] = math.floor(math.max(hold, whole_sum / n)) end
 return out
 """
 

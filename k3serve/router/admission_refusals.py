@@ -8,7 +8,7 @@ import redis
 from k3serve.router.admission_lua import REFUSE
 from k3serve.router.admission_types import AdmissionRejected, ClassSpec
 from k3serve.router.membership import ttl_ms
-from k3serve.router.retry_hint import HINT_JITTER, HINT_LATENESS, drain_wait_s
+from k3serve.router.retry_hint import CENSORED_FACTOR, HINT_JITTER, HINT_LATENESS, TYPICAL_SPREAD, drain_wait_s
 from k3serve.router.tickets import Ticket
 
 MIN_RETRY_AFTER_S = 0.05  # a hint of 0 invites a tight retry loop
@@ -58,12 +58,13 @@ class AdmissionRefusals:
         ahead in line, less the concurrency cap)."""
         k = self.keys(cluster, cls.name)
         raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"], k["turn"],
-                                                   *self._tkeys(cluster, cls.name)], args=[ticket_id])]
+                                                   *self._tkeys(cluster, cls.name), k["since"]],
+                                             args=[ticket_id, repr(CENSORED_FACTOR), repr(TYPICAL_SPREAD)])]
         now, queued, queued_tokens, turnover_ms, last_ms, hold_ms = raw[:6]
         queued, queued_tokens = queued + unseen[0], queued_tokens + unseen[1]
-        # the pace at which places come free: the budget's mean holding time over its rooms, the service's own
-        # pace when it is kept busy (tickets.py, "Pace"); the measured interval between admissions before any
-        # request has ended
+        # the pace at which places come free: the budget's mean holding time over its rooms (the holds in progress
+        # counted as the censored observations they are, HOLDERS), the service's own pace when it is kept busy
+        # (tickets.py, "Pace"); the measured interval between admissions before any request has ended
         if hold_ms > 0:
             turnover_ms = hold_ms / cls.max_concurrent
         # a holder that published no end (a caller without a duration estimate): assume the old rule of thumb,

@@ -15,6 +15,12 @@ HINT_LATENESS = 1.15
 # small: within one burst the waits per cluster agree to ~10% (measured), so a wider jitter alone would use up much of
 # the 2x accuracy the hint promises (it was +0-20%, which made half of one run's spread).
 HINT_JITTER = 0.10
+# The holds in progress are right-censored holding times (admission_lua.HOLDERS): a holder older than the completed
+# holds make typical (their mean + TYPICAL_SPREAD x their mean absolute deviation) is taken to hold its room
+# CENSORED_FACTOR x its age in all (a lifetime known only to have lasted a has median 2a, its age as likely any
+# fraction of it), so a service that slows down (a burst) shows in the pace at once, not once those holds have ended.
+CENSORED_FACTOR = 2.0
+TYPICAL_SPREAD = 2.0
 
 
 def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, queued_tokens: int, tokens: int,

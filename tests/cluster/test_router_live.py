@@ -162,7 +162,7 @@ class _Monitor:
             pipe.time()
             for c in self.clusters:
                 k = adm.keys(c, "short")
-                adm._stats(keys=[k[n] for n in ("lease", "tok", "q", "qlease", "qtok", "end", *TICKET_KEYS)],
+                adm._stats(keys=[k[n] for n in ("lease", "tok", "q", "qlease", "qtok", "end", *TICKET_KEYS, "since")],
                            args=[spec.inflight_token_budget, spec.max_concurrent], client=pipe)
                 pipe.zrange(k["tix"], 0, -1, withscores=True)
                 pipe.zrange(k["q"], 0, -1, withscores=True)

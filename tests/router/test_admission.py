@@ -132,7 +132,8 @@ def test_keys_are_namespaced_and_hash_tagged(rclient, ns):
     adm.try_reserve("c0", SHORT, "r1", 10, 30)
     keys = set(rclient.keys(f"k3s:{ns}:*"))
     assert keys == {f"k3s:{ns}:adm:{{c0/short}}:lease", f"k3s:{ns}:adm:{{c0/short}}:tok",
-                    f"k3s:{ns}:adm:{{c0/short}}:turn"}  # (the budget's turnover: one per budget, not per request)
+                    f"k3s:{ns}:adm:{{c0/short}}:turn",  # (the budget's turnover: one per budget, not per request)
+                    f"k3s:{ns}:adm:{{c0/short}}:since"}  # (the admission moments of the holds in progress)
     with pytest.raises(ValueError):
         adm.try_reserve("c:0", SHORT, "r1", 10, 30)
     with pytest.raises(ValueError):

@@ -1,5 +1,7 @@
 """The retry-after rule (router/retry_hint.py) as a pure function: holders, waiters ahead, overdue holders."""
 
+import pytest
+
 from k3serve.router.retry_hint import drain_wait_s
 
 NOW = 1_000_000
@@ -102,3 +104,40 @@ def test_behind_a_line_places_are_paced_by_the_budgets_mean_holding_time(rclient
     assert hints[1] < 0.5 and 0.07 <= hints[2] - hints[1] <= 0.16, hints
     for r in held:
         adm.release(r)
+
+
+def test_holds_in_progress_past_the_typical_hold_lengthen_the_pace_and_the_ends(rclient, ns):
+    """The holds in progress are right-censored holding times (admission_lua.HOLDERS): holders that have held their
+    rooms longer than every recent completed hold show that the service slowed (a burst's first requests) before any
+    of them ends: the hints behind them grow with their age, and so does the first place's (their published ends,
+    long past, no longer say 'now')."""
+    import time
+
+    from k3serve.router.admission import Admission, AdmissionRejected, ClassSpec
+
+    cls = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=2, queue_limit=0, max_wait_s=0.0)
+    adm = Admission(rclient, ns)
+    for i in range(3):  # each holds its room 0.2 s: the completed holds' mean
+        a, b = (adm.reserve_or_wait("c0", cls, f"h{i}{j}", 10, 30, expected_s=0.3) for j in "ab")
+        time.sleep(0.2)
+        adm.release(a)
+        adm.release(b)
+    assert 190 <= int(rclient.hget(adm.keys("c0", "short")["turn"], "hold")) <= 320
+    held = [adm.reserve_or_wait("c0", cls, f"x{j}", 10, 30, expected_s=0.3) for j in range(2)]
+    tickets = []
+    for i in range(2):
+        with pytest.raises(AdmissionRejected) as e:
+            adm.reserve_or_wait("c0", cls, f"r{i}", 10, 30, expected_s=0.3)
+        tickets.append(e.value.ticket.id)
+    young = [adm.retry_after("c0", cls, 10, ticket_id=t) for t in tickets]
+    time.sleep(0.8)
+    old = [adm.retry_after("c0", cls, 10, ticket_id=t) for t in tickets]
+    # young holders (age < the mean hold): the first place at their published ends (0.3 s), the next at the pace
+    assert max(young) <= 0.4, young
+    # 0.8 s in, four times every completed hold: each holder is taken to hold 2 x 0.8 s, so both rooms come free
+    # ~0.8 s from now (it was 0 for the first place, overdue published ends, and one 0.1 s pace for the second)
+    assert all(0.6 <= h <= 1.4 for h in old), old
+    for r in held:
+        adm.release(r)
+    # a hold that ended is forgotten as a hold in progress
+    assert rclient.hlen(adm.keys("c0", "short")["since"]) == 0
