@@ -236,18 +236,17 @@ return {sum, count, redis.call('ZCARD', KEYS[3]), redis.call('ZCARD', T.tix), re
 # KEYS: lease, tok, q, qtok, end, turn, the seven ticket keys, since. ARGV: ticket id ('' = the end of the line),
 # censored factor, typical spread (retry_hint.CENSORED_FACTOR, TYPICAL_SPREAD). Returns {now ms, waiters ahead, their
 # tokens, turnover ms (-1: not measured), last admission ms (-1: none), mean holding time ms (-1: not measured),
-# tokens_1, end_1, tokens_2, ...} over the live leases (end -1: none published).
+# tokens_1, end_1, censored_1, tokens_2, ...} over the live leases (end -1: none published; censored 1: the end is
+# the censored estimate below, 0: it is the published one).
 # Waiters ahead: queue entries and held places before the ticket's place (all of them for ''), counted as the line
 # rule counts them (a held place lent to a borrower in flight while its holder is away is no place: its borrower is
 # among the leases).
-# The mean holding time counts the holds in progress as what they are, right-censored observations: a holder of age a
-# will hold its room at least a. While a is within what the completed holds make typical (their mean + spread x their
-# mean absolute deviation) its whole hold is taken as max(mean, a); past that, nothing seen says when it ends, and it
-# is taken as factor x a (its age as likely any fraction of its whole: the median of a lifetime seen only to have
-# lasted a is 2a). The estimate is the mean of those whole holds, at least the completed holds' mean: holders that
-# outlast every recent hold show at once that the service has slowed (a burst), without waiting for one of them to end
-# (and for the completed holds' mean to follow). The end of such a holder is moved to no earlier than admission +
-# factor x a as well.
+# A hold in progress is a right-censored holding time: a holder of age a will hold its room at least a. While a is
+# within what the completed holds make typical (their mean + spread x their mean absolute deviation, RELEASE) that
+# says nothing new; past it, nothing seen says when it ends, and it is taken to hold its room factor x a in all (its
+# age as likely any fraction of its whole: the median of a lifetime seen only to have lasted a is 2a). Its end is
+# then no earlier than admission + factor x a: holders that outlast every recent hold show at once that the service
+# has slowed (a burst), without waiting for one of them to end and for the completed holds' mean to follow.
 HOLDERS = LUA_COMMON + LUA_LINE + """
 local T = tkeys(7)
 local A = {maxc = 1e9, q = KEYS[3], qtok = KEYS[4], lease = KEYS[1], tok = KEYS[2]}
@@ -256,27 +255,20 @@ if ARGV[1] ~= '' then place = redis.call('ZSCORE', T.tix, ARGV[1]) end
 local s, c = line_ahead(A, T, place, '', 0)
 local hold = tonumber(redis.call('HGET', KEYS[6], 'hold') or '-1')
 local typical = hold + tonumber(ARGV[3]) * tonumber(redis.call('HGET', KEYS[6], 'hdev') or '0')
-local factor = tonumber(ARGV[2])
 local out = {now, c, s, tonumber(redis.call('HGET', KEYS[6], 'ewma') or '-1'),
              tonumber(redis.call('HGET', KEYS[6], 'last') or '-1'), hold}
-local whole_sum, n = 0, 0
 for _, rid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
   local e = tonumber(redis.call('HGET', KEYS[5], rid) or '-1')
-  local since = tonumber(redis.call('HGET', KEYS[14], rid) or '-1')
-  if hold >= 0 then
-    local whole = hold  -- no admission moment (a lease put back after a state loss): a hold of the mean length
-    if since >= 0 and now - since > typical then
-      whole = factor * (now - since)
-      e = math.max(e, since + math.floor(whole))
-    elseif since >= 0 then
-      whole = math.max(hold, now - since)
-    end
-    whole_sum, n = whole_sum + whole, n + 1
+  local since = tonumber(redis.call('HGET', KEYS[14], rid) or '-1')  -- none: a lease put back after a state loss
+  local censored = 0
+  if hold >= 0 and since >= 0 and now - since > typical then
+    local whole = since + math.floor(tonumber(ARGV[2]) * (now - since))
+    if whole > e then e, censored = whole, 1 end
   end
   table.insert(out, tonumber(redis.call('HGET', KEYS[2], rid) or '0'))
   table.insert(out, e)
+  table.insert(out, censored)
 end
-if n > 0 then out[6] = math.floor(math.max(hold, whole_sum / n)) end
 return out
 """
 

@@ -141,3 +141,18 @@ def test_holds_in_progress_past_the_typical_hold_lengthen_the_pace_and_the_ends(
         adm.release(r)
     # a hold that ended is forgotten as a hold in progress
     assert rclient.hlen(adm.keys("c0", "short")["since"]) == 0
+
+
+def test_behind_a_line_the_censored_ends_of_slow_holders_bound_the_wait():
+    # 2 holders of a max_concurrent 2 class, one held place ahead, pace 0.1 s, last admission just now: 2 places
+    # to come free, 0.2 s by the pace alone
+    holders = [(10, NOW + 100), (10, NOW + 100)]
+    assert abs(drain_wait_s(NOW, holders, 1, 10, 10, 1000, 2, turnover_s=0.1) - 0.2) < 1e-9
+    # one holder has outlasted every recent hold and is taken to end 1.5 s from now: the first room is the other
+    # one's (typical, it bounds nothing), the second is the slow one's
+    slow = [(10, NOW + 100), (10, NOW + 1500)]
+    assert abs(drain_wait_s(NOW, slow, 1, 10, 10, 1000, 2, turnover_s=0.1, censored_ends_ms=[NOW + 1500]) - 1.5) < 1e-9
+    # a place further back: the slow holder's room, then one pace for each place beyond the holders
+    assert abs(drain_wait_s(NOW, slow, 3, 30, 10, 1000, 2, turnover_s=0.1, censored_ends_ms=[NOW + 1500]) - 1.7) < 1e-9
+    # with no line ahead, the holders' ends: the first room to come free is the typical holder's
+    assert abs(drain_wait_s(NOW, slow, 0, 0, 10, 1000, 2, turnover_s=0.1) - 0.1) < 1e-9
