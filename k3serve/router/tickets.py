@@ -65,12 +65,13 @@ self-fulfilling: holders come back at their hints, so that interval is the hinte
 burst's first requests are slow) stayed slow with its rooms idle (25% busy, one request in flight of two).
 Hinted at the service's pace, holders that the service is slower than come back early and wait in their places
 (present: they keep the rooms busy); those whose places come free early are passed by whoever is present.
-The mean holding time is not only that of completed holds: a hold in progress is a right-censored observation (a
-request that has held its room for a will hold it at least a). One older than the completed holds make typical
+Holds in progress count too, as right-censored observations (a request that has held its room for a will hold it
+at least a). One older than the completed holds make typical
 (their mean + 2 mean absolute deviations) is taken to hold its room 2 x its age in all (the median of a lifetime
-seen only to have lasted a), and the pace is the mean of the whole holds so taken, at least the completed ones'
-mean (admission_lua.HOLDERS). So a burst that slows the service shows in the hints as soon as its first holders
-outlast the recent holds, not only after they end (the completed holds' mean learned before the burst made its
+seen only to have lasted a): its room comes free no sooner than admission + 2 x its age, which bounds the
+places in line behind it, while the pace of the places beyond stays the completed holds' (admission_lua.HOLDERS,
+retry_hint.drain_wait_s; taken as the pace of every place, it moved the line at that pace: 39% busy). So a
+burst that slows the service shows in the hints as soon as its first holders outlast the recent holds, not only after they end (the completed holds' mean learned before the burst made its
 first seconds' hints 2-4x early).
 
 The wire form:
