@@ -71,8 +71,8 @@ at least a). One older than the completed holds make typical
 seen only to have lasted a): its room comes free no sooner than admission + 2 x its age, which bounds the
 places in line behind it, while the pace of the places beyond stays the completed holds' (admission_lua.HOLDERS,
 retry_hint.drain_wait_s; taken as the pace of every place, it moved the line at that pace: 39% busy). So a
-burst that slows the service shows in the hints as soon as its first holders outlast the recent holds, not only after they end (the completed holds' mean learned before the burst made its
-first seconds' hints 2-4x early).
+burst that slows the service shows in the hints as soon as its first holders outlast the recent holds, not only
+after they end (the completed holds' mean learned before the burst made its first seconds' hints 2-4x early).
 
 The wire form:
 
