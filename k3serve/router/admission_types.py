@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from k3serve.router.membership import check_id
+from k3serve.router.tickets import Ticket, TicketWait
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class Reservation:
     tokens: int
     expires_at: float  # Redis server time, epoch seconds
     lease_ttl_s: float
+    waited: TicketWait | None = None  # got in on a retry ticket: what its hint promised and what happened
+    lent_from: str = ""  # the held place (ticket id) whose room it was lent (tickets.py, "Lending"); "" none
+    admitted_ms: int = 0  # Redis ms of the admission (0: not this object's, e.g. a renewal's copy)
 
 
 @dataclass(frozen=True)
@@ -75,20 +79,25 @@ class ClassLoad:
     tokens: int  # in-flight tokens
     count: int  # in-flight requests
     queued: int  # waiters
+    held: int = 0  # places held for refused requests (retry tickets)
+    lent: int = 0  # of those, places lent to a borrower in flight
 
 
 class AdmissionRejected(Exception):
-    """Not admitted: ``reason`` is "queue_full", "timeout", "over_budget" (no waiting allowed) or "cancelled".
-    Map to gRPC RESOURCE_EXHAUSTED with ``retry_after_s`` as the hint: when the requests holding the budget are
-    expected to have drained enough for this one (``drain_wait_s``)."""
+    """Not admitted: ``reason`` is "queue_full", "timeout", "over_budget" (no waiting allowed), "early" (back on a
+    ticket whose place is not free yet), "refused" (turned away before admission, e.g. at a router's stream limit)
+    or "cancelled". Map to gRPC RESOURCE_EXHAUSTED with
+    ``retry_after_s`` as the hint and ``ticket`` (None: none could be held) as the place held for the request: the
+    hint is when that place is expected to come free (``drain_wait_s``)."""
 
     def __init__(self, retry_after_s: float, message: str, reason: str = "timeout", cluster: str = "",
-                 cls: str = "") -> None:
+                 cls: str = "", ticket: Ticket | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.message = message
         self.reason = reason
         self.cluster, self.cls = cluster, cls
+        self.ticket = ticket
 
 
 @dataclass(frozen=True)
@@ -107,14 +116,32 @@ class RecoveryGuard:
 @dataclass(frozen=True)
 class AdmissionConfig:
     """Waiting behaviour. Waiters poll every U(poll_min_s, poll_max_s) seconds (jitter keeps replicas from
-    polling in lock-step); a waiter that stops polling (crashed router) leaves the queue ``queue_lease_s`` later."""
+    polling in lock-step); a waiter that stops polling (crashed router) leaves the queue ``queue_lease_s`` later.
+
+    Retry tickets (admission.py, "Tickets"): a refused request's place is held until ``ticket_grace_s`` after the
+    moment its hint names (then an abandoned ticket stops blocking the line), ``ticket_unhinted_s`` while its hint
+    is being computed; at most ``ticket_limit`` places per (cluster, class) are held, beyond that refusals carry a
+    hint but no ticket. A holder back before its place is free waits in it while the place is among the next
+    ``max_concurrent`` to come free or expected to within ``ticket_wait_s``.
+
+    Lending (tickets.py): a request may pass a held place whose holder is away only if it is expected to end by
+    the place's hinted moment with ``lend_margin`` x its expected duration (0: no lending)."""
 
     poll_min_s: float = 0.005
     poll_max_s: float = 0.03
     queue_lease_s: float = 2.0
+    ticket_grace_s: float = 2.0
+    ticket_unhinted_s: float = 10.0
+    ticket_limit: int = 1024
+    ticket_wait_s: float = 1.0
+    lend_margin: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 < self.poll_min_s <= self.poll_max_s:
             raise ValueError(f"need 0 < poll_min_s <= poll_max_s, got {self}")
         if self.queue_lease_s <= self.poll_max_s:
             raise ValueError("queue_lease_s must exceed poll_max_s, or live waiters would expire between polls")
+        if self.lend_margin < 0:
+            raise ValueError(f"need lend_margin >= 0 (0: no lending), got {self.lend_margin}")
+        if self.ticket_grace_s <= 0 or self.ticket_unhinted_s <= 0 or self.ticket_limit < 0 or self.ticket_wait_s < 0:
+            raise ValueError(f"need ticket_grace_s > 0, ticket_unhinted_s > 0, ticket_limit >= 0, got {self}")

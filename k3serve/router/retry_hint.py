@@ -15,10 +15,18 @@ HINT_LATENESS = 1.15
 # small: within one burst the waits per cluster agree to ~10% (measured), so a wider jitter alone would use up much of
 # the 2x accuracy the hint promises (it was +0-20%, which made half of one run's spread).
 HINT_JITTER = 0.10
+# The holds in progress are right-censored holding times (admission_lua.HOLDERS): a holder older than the completed
+# holds make typical (their mean + TYPICAL_SPREAD x their mean absolute deviation) is taken to hold its room
+# CENSORED_FACTOR x its age in all (a lifetime known only to have lasted a has median 2a, its age as likely any
+# fraction of it), so a service that slows down (a burst) shows in the hints at once (the rooms those holders hold
+# come free later), not once those holds have ended.
+CENSORED_FACTOR = 2.0
+TYPICAL_SPREAD = 2.0
 
 
 def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, queued_tokens: int, tokens: int,
-                 budget: int, max_concurrent: int, round_s: float = 0.0) -> float:
+                 budget: int, max_concurrent: int, round_s: float = 0.0, turnover_s: float = 0.0,
+                 since_turn_s: float = 0.0, censored_ends_ms: Sequence[int] = ()) -> float:
     """Seconds until a request of ``tokens`` would fit one (cluster, class), if the holders (tokens, expected end
     ms) end when expected and the ``queued`` waiters ahead (``queued_tokens`` in all) get in first.
 
@@ -31,8 +39,40 @@ def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, q
 
     A holder past its published end is still running (its estimate ran early, as they do under a burst): it is
     taken to end half a round from now, not now (measured in the 200-stream burst: holders 0.1-0.15 s overdue
-    made hints of one round where the wait was three).
+    made hints of one round where the wait was three). (One older than the typical completed hold has its end
+    moved by admission_lua.HOLDERS to no earlier than admission + ``CENSORED_FACTOR`` x its age before it gets here.)
+
+    Behind a line (``queued`` > 0) of a budget that binds by its concurrency cap, with a measured ``turnover_s``
+    (the pace of places: the budget's mean holding time over ``max_concurrent``, admission_lua.RELEASE; before any
+    request ended, the mean interval between admissions while the line was not empty, admission_lua.RESERVE): the
+    place comes free after ``n = count + queued + 1 - max_concurrent`` more places have, at that pace, counted from
+    the last admission ``since_turn_s`` ago (the next place is due one turnover after it, or is overdue: n x
+    turnover less the part of it already gone, at most one). Measured holding times count what the published
+    durations miss (a router or cluster slowed by the burst itself: built from the published durations alone,
+    hints behind a line ran at 0.65 of the real wait, median, 200-stream burst on 2 cores), and unlike the
+    interval between admissions they are not set by the hints themselves (tickets.py, "Pace").
+
+    ``censored_ends_ms``: the ends of the holders that have held their rooms longer than the completed holds make
+    typical, taken to hold them ``CENSORED_FACTOR`` x their age (admission_lua.HOLDERS; they are among ``holders``
+    with these ends). Behind a line, the place is then no sooner free than the room of the ``min(n, count)``-th of
+    the holders to end (the others, typical, bound nothing), plus a pace for each place beyond the holders: the
+    completed holds' pace says how fast the places behind turn over, the holds in progress say when the rooms they
+    hold come free. (Measured: the censored estimate as the pace of all the places behind, the mean of the holders'
+    whole holds, made the line move at that pace after the burst's first seconds, 39% busy.)
     """
+    count = len(holders)
+    if (turnover_s > 0 and queued > 0
+            and sum(t for t, _ in holders) + queued_tokens + tokens <= budget):  # not bound by tokens
+        n = max(count + queued + 1 - max_concurrent, 0)
+        if not n:
+            return 0.0
+        wait = max(n * turnover_s - min(max(since_turn_s, 0.0), turnover_s), 0.0)
+        if censored_ends_ms:
+            ends = sorted([max(e - now_ms, 0) / 1000.0 for e in censored_ends_ms]
+                          + [0.0] * max(count - len(censored_ends_ms), 0))
+            k = min(n, len(ends))
+            wait = max(wait, ends[k - 1] + max(n - len(ends), 0) * turnover_s)
+        return wait
     if round_s > 0:
         overdue_end = now_ms + int(round_s * 500)
     else:

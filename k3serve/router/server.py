@@ -5,8 +5,9 @@ replicas make the same decisions. Per request:
 
 ```
  decode (tolerant: bad UTF-8 is INVALID_ARGUMENT) ─▶ API key ─▶ validate ─▶ tenant salt, cache identity
-   ─▶ stream slot (else RESOURCE_EXHAUSTED + retry-after) ─▶ pin (HRW, pending TTL) ─▶ admit on the serving
-   cluster (class from the uncached estimate for *that* cluster) ─▶ confirm pin ─▶ stream (relay.py)
+   ─▶ stream slot (else RESOURCE_EXHAUSTED + retry-after + retry-ticket) ─▶ pin (HRW, pending TTL)
+   ─▶ admit on the serving cluster (class from the uncached estimate for *that* cluster; a retry-ticket it came
+   back with is its held place) ─▶ confirm pin ─▶ stream (relay.py)
                                                       │ transport/cluster fault: breaker marks it suspect,
                                                       ▼ pin moves to the next survivor in HRW order
           resubmit prompt + tokens already streamed, max_tokens - streamed, same seed, same class and reservation
@@ -44,6 +45,8 @@ from k3serve.router.pins import NoHealthyCluster, PinStore
 from k3serve.router.progress import DurationModel, StreamProgress
 from k3serve.router.relay import Attempts, Ending, Target, stream_attempt
 from k3serve.router.slots import StreamSlots
+from k3serve.router.tickets import METADATA_KEY as TICKET_KEY
+from k3serve.router.tickets import MalformedTicket, Ticket, parse_ticket
 from k3serve.router.tenancy import cache_identity, tenant_salt
 from k3serve.router.validate import InvalidRequest, ModelLimits, ValidRequest, validate_generate
 from k3serve.router.wire import Undecodable, tolerant
@@ -73,7 +76,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.api_keys = frozenset(api_keys)
         self.policy = policy or (gate.policy if gate is not None else PrefixCachePolicy())
         self.durations = durations or DurationModel()
-        self.slots = StreamSlots(max_streams)
+        self.slots = StreamSlots(max_streams, ticket_extra=HEADROOM_THREADS // 2)
         self._channels: dict[str, tuple[str, grpc.Channel]] = {}
         self._lock = threading.Lock()
         self._tok = ByteTokenizer() if limits.byte_tokenizer else None
@@ -114,7 +117,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         api_key = self._check_api_key(context)
         try:
             req = validate_generate(request, self.limits)
-        except InvalidRequest as e:
+            ticket = self._presented_ticket(context)
+        except (InvalidRequest, MalformedTicket) as e:
             self.counters.inc("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         with self._lock:
@@ -126,7 +130,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         first = True
         outcome = "failed"
         try:
-            for msg in self._generate(req, api_key, context):
+            for msg in self._generate(req, api_key, context, ticket):
                 if first:
                     self.metrics.ttft.observe(time.monotonic() - started)
                     first = False
@@ -230,12 +234,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 return c
         return None
 
-    def _reject(self, context, hint_s: float, by: str, message: str) -> None:
+    @staticmethod
+    def _presented_ticket(context) -> Ticket | None:
+        """The ``retry-ticket`` request metadata (tickets.py); MalformedTicket when it is not well formed."""
+        text = dict(context.invocation_metadata()).get(TICKET_KEY, "")
+        return parse_ticket(text) if text else None
+
+    def _reject(self, context, hint_s: float, by: str, message: str, ticket: Ticket | None = None) -> None:
         self.counters.inc("rejected")
-        context.set_trailing_metadata((("retry-after-s", f"{hint_s:.3f}"), ("k3serve-rejected-by", by)))
+        md = [("retry-after-s", f"{hint_s:.3f}"), ("k3serve-rejected-by", by)]
+        if ticket is not None:  # the place held for this request: come back with it (request metadata)
+            md.append((TICKET_KEY, str(ticket)))
+        context.set_trailing_metadata(tuple(md))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry after {hint_s:.2f}s")
 
-    def _generate(self, req: ValidRequest, api_key: str, context) -> Iterator[router_pb2.GenerateResponse]:
+    def _generate(self, req: ValidRequest, api_key: str, context,
+                  ticket: Ticket | None = None) -> Iterator[router_pb2.GenerateResponse]:
         salt = tenant_salt(self._secret, api_key, req.cache_salt)
         key = cache_identity(req.session_id, req.prompt_ids, salt, self.policy.block_size)
         try:
@@ -247,32 +261,39 @@ class RouterService(router_pb2_grpc.RouterServicer):
                           f"suspect {[c for c in snap.alive_ids() if not self.view.breaker.allows(c)]}")
         progress = StreamProgress("", req.sampling.max_tokens, self.durations)
         progress.pending_on = pin.serving
-        if not self.slots.try_acquire(progress):
-            # room for this request needs slots here (the median end of this router's streams) and room in the
-            # admission budget it would join (that budget's drain time): the later of the two
-            hint, by = self.slots.retry_after_s(), "router"
+        holder = self.gate is not None and self.gate.holds(ticket)  # a real, held place: may take a ticket slot
+        if not self.slots.try_acquire(progress, ticket=holder):
+            # it gets a place in the line of the admission budget it would join (a ticket), and the hint is when
+            # that place comes free: coming back on its ticket, it may take one of the router's ticket slots.
+            # Without a place (ticket limit, Redis down) the hint is the later of that budget's drain time and the
+            # median end of this router's streams (when slots free here)
+            hint, by, message = self.slots.retry_after_s(), "router", \
+                f"this router serves {self.slots.max_streams} streams at most"
+            held = None
             if self.gate is not None and self.gate.enabled:
                 uncached = self.gate.uncached_tokens(key, req.prompt_ids, pin.serving)
                 cls = self.gate.request_class(uncached)
                 progress.cls = cls.name
-                # this router's streams bound there that Redis does not show yet are waiters ahead (in a burst
-                # they are most of them: measured hints at half the real wait without them)
+                # without a ticket (limit reached), this router's streams bound there that Redis does not show yet
+                # are waiters ahead
                 ahead = self.slots.pending_on(pin.serving)
-                hint = max(hint, self.gate.retry_hint(pin.serving, cls, uncached, progress.remaining_s(),
-                                                      (ahead, ahead * uncached)))
-                by = f"router:{pin.serving}/{cls.name}"
-            self._reject(context, hint, by, f"this router serves {self.slots.max_streams} streams at most")
+                rej = self.gate.refuse(pin.serving, cls, req.request_id, uncached, message, ticket=ticket,
+                                       expected_s=progress.remaining_s(), at_least_s=hint,
+                                       unseen=(ahead, ahead * uncached))
+                hint, held, by = rej.retry_after_s, rej.ticket, f"router:{pin.serving}/{cls.name}"
+            self._reject(context, hint, by, message, held)
         try:
-            yield from self._serve(req, key, salt, pin.serving, progress, context)
+            yield from self._serve(req, key, salt, pin.serving, progress, context, ticket)
         finally:
             self.slots.release(progress)
 
-    def _serve(self, req: ValidRequest, key: str, salt: str, cluster: str, progress: StreamProgress, context):
+    def _serve(self, req: ValidRequest, key: str, salt: str, cluster: str, progress: StreamProgress, context,
+               ticket: Ticket | None = None):
         cancelled = threading.Event()
         context.add_callback(cancelled.set)
         st = Attempts()
         tried: set[str] = set()
-        res = self._admit(cluster, req, key, progress, cancelled, context)
+        res = self._admit(cluster, req, key, progress, cancelled, context, ticket)
         self.pins.confirm(key)
         try:
             while True:
@@ -313,7 +334,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self.gate.release(res)
 
     def _admit(self, cluster: str, req: ValidRequest, key: str, progress: StreamProgress,
-               cancelled: threading.Event, context):
+               cancelled: threading.Event, context, ticket: Ticket | None = None):
         if self.gate is None:
             return None
         uncached = self.gate.uncached_tokens(key, req.prompt_ids, cluster)
@@ -322,11 +343,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         t = time.monotonic()
         progress.pending_on = ""  # from here Redis counts it (queued or holding)
         try:
-            res = self.gate.admit(cluster, req.request_id, uncached, cancelled, progress.remaining_s, cls)
+            res = self.gate.admit(cluster, req.request_id, uncached, cancelled, progress.remaining_s, cls, ticket)
         except AdmissionRejected as e:
             self.metrics.rejections.labels(cls=cls.name).inc()
-            self._reject(context, e.retry_after_s, f"admission:{e.cluster}/{e.cls}", e.message)
+            self._reject(context, e.retry_after_s, f"admission:{e.cluster}/{e.cls}", e.message, e.ticket)
         self.metrics.admission_wait.labels(cls=cls.name).observe(time.monotonic() - t)
+        if res is not None and res.waited is not None:  # came back on a ticket: how true was its hint?
+            self.metrics.hint_accuracy.labels(cls=cls.name).observe(res.waited.accuracy())
         progress.started = time.monotonic()  # time to first token is learned from admission on
         return res
 
