@@ -39,7 +39,7 @@ ELEMENTWISE_VEC = 64
 BMM_MIN_OUT = 16
 # The smallest row tile: from 4 rows on, a row of a GEMM gets the same bits whether its tile has 4, 8 or 16
 # rows (one kernel; fewer than 4 rows take another: tests/model/test_numerics_invariants.py).
-MIN_TILE = 4
+MIN_TILE = 16
 
 
 def tile_rows(rows: int, tile: int) -> int:

@@ -111,7 +111,7 @@ def test_an_absorbed_mla_row_has_the_same_bits_in_any_gemm_from_min_tile_rows(on
     x, w = torch.randn(3, 1024, k, generator=g), torch.randn(3, n, k, generator=g)
     tiles = torch.stack([torch.cat([torch.mm(x[h, i: i + 16], w[h].t()) for i in range(0, 1024, 16)])
                          for h in range(3)])  # [3, 1024, n]
-    for rows, at in ((MIN_TILE, 0), (5, 61), (12, 7), (100, 64), (1024, 0)):
+    for rows, at in ((MIN_TILE, 0), (MIN_TILE + 1, 61), (2 * MIN_TILE - 4, 7), (100, 64), (1024, 0)):
         assert torch.equal(per_head_gemm(x[:, at: at + rows], w), tiles[:, at: at + rows]), (rows, at)
         got = torch.bmm(x[:1, at: at + rows], w[:1].transpose(1, 2))
         assert torch.equal(got[0], tiles[0, at: at + rows]), (rows, at)
@@ -129,12 +129,14 @@ def test_a_wide_linear_row_has_the_same_bits_in_one_gemm_of_any_row_count(one_th
     per expert run): from MIN_TILE rows on, a row of one [M, K] x [K, n] GEMM has the bits of its 16-row tile
     for M up to 4096 (mm, and the grouped GEMM's per-run mm). Not so for n = 1 (b_proj's unit), which keeps
     the tiles."""
+    from k3serve.model.deterministic import MIN_TILE
+
     g = torch.Generator().manual_seed(k * n)
     w, x = torch.randn(n, k, generator=g), torch.randn(4096, k, generator=g)
     want = torch.cat([torch.mm(x[i: i + 16], w.t()) for i in range(0, 4096, 16)])
-    for m in (4, 5, 7, 13, 63, 100, 257, 1000, 4096):
+    for m in (MIN_TILE, MIN_TILE + 1, MIN_TILE + 3, 2 * MIN_TILE - 3, 63, 100, 257, 1000, 4096):
         assert torch.equal(torch.mm(x[:m], w.t()), want[:m]), m
-    runs = torch.tensor([4, 4, 0, 100, 7, 300], dtype=torch.int32)
+    runs = torch.tensor([MIN_TILE, MIN_TILE, 0, 100, MIN_TILE + 3, 300], dtype=torch.int32)
     grouped = F.grouped_mm(x[: int(runs.sum())], w.t().unsqueeze(0).expand(6, k, n).contiguous(),
                            offs=runs.cumsum(0).to(torch.int32))
     assert torch.equal(grouped, want[: int(runs.sum())])

@@ -1,5 +1,7 @@
 """Decode's stacked input projections (KDA and MLA layers: one GEMV over the row-stacked weights) against the
-separate projections: the same bits for one token per request, the same values to rounding for a batch."""
+separate projections: the same values to rounding (default numerics; the stacked GEMV's bits are the separate
+GEMVs' on some CPUs and not on others: AVX-512 MKL differs, so bits are asserted only in numerics mode
+deterministic, below)."""
 
 from __future__ import annotations
 
@@ -36,10 +38,7 @@ def test_stacked_projections_equal_separate(name: str, batch: int) -> None:
         assert layer.attn.w_in is not None  # the default numerics build the stacks
         layer.attn.w_in = None  # the separate GEMVs on the same (view) weights
     a, b = _decode_logits(stacked, batch, 7), _decode_logits(separate, batch, 7)
-    if batch == 1:
-        assert torch.equal(a, b)
-    else:
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-linear"])
