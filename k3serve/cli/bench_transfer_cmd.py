@@ -23,6 +23,23 @@ def _pairs(text: str) -> tuple[tuple[int, int], ...]:
     return out
 
 
+def _run_or_exit(run, as_json: bool) -> dict | None:
+    """Run a bench; a plan or value error exits 2 with its message. With ``--json`` print the result and return
+    None (nothing more to print), else return it for the table."""
+    from k3serve.transfer.plan import PlanError
+
+    try:
+        result = run()
+    except (PlanError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return None
+    return result
+
+
 @app.command("transfer")
 def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="prefill x decode TP pairs"),
              tokens: int = typer.Option(32768, "--tokens", help="context length of the state moved"),
@@ -47,26 +64,22 @@ def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="p
     Mooncake and a raw TCP socket, side by side; report GB/s, the ratios and CPU seconds per GB."""
     from k3serve.bench.transfer import TransferBenchConfig, run_transfer_bench
     from k3serve.bench.transfer_handoff import HandoffBenchConfig
-    from k3serve.transfer.plan import PlanError
     from k3serve.transfer.spec import DEFAULT_CHUNK_BYTES
 
     chunk_bytes = chunk_kib << 10 if chunk_kib > 0 else DEFAULT_CHUNK_BYTES
-    try:
-        tps = _pairs(handoff_tp)
-        if len(tps) != 1:
-            raise typer.BadParameter(f"--handoff-tp takes one P x D pair, got {handoff_tp!r}")
-        (hp, hd), = tps
+    tps = _pairs(handoff_tp)
+    if len(tps) != 1:
+        raise typer.BadParameter(f"--handoff-tp takes one P x D pair, got {handoff_tp!r}")
+    (hp, hd), = tps
+
+    def run() -> dict:
         hcfg = HandoffBenchConfig(handoff_preset, handoff_tokens, handoff_last_chunk, hp, hd, reps,
                                   chunk_bytes) if handoff else None
-        cfg = TransferBenchConfig(_pairs(pairs), tokens, preset, chunk_bytes, page_tokens, reps, layerwise, host,
-                                  mooncake, hcfg)
-        result = run_transfer_bench(cfg)
-    except (PlanError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    if as_json:
-        json.dump(result, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        return run_transfer_bench(TransferBenchConfig(_pairs(pairs), tokens, preset, chunk_bytes, page_tokens, reps,
+                                                      layerwise, host, mooncake, hcfg))
+
+    result = _run_or_exit(run, as_json)
+    if result is None:
         return
     typer.echo(f"preset {result['preset']}, {result['tokens']} tokens, chunks {result['chunk_bytes'] >> 10} KiB, "
                f"{result['cpus']} CPUs")
@@ -103,16 +116,10 @@ def transfer_overlap(pairs: str = typer.Option("1x1,2x2,4x2", "--pairs", help="p
     """Our gRPC path with CRC and placement overlapped, inline (the default), and bare gRPC-Python, interleaved
     in one run (k3serve.bench.transfer_overlap): paired ratios and CPU seconds per GB."""
     from k3serve.bench.transfer_overlap import OverlapBenchConfig, run_overlap_bench
-    from k3serve.transfer.plan import PlanError
 
-    try:
-        result = run_overlap_bench(OverlapBenchConfig(_pairs(pairs), tokens, preset, reps=reps, host=host))
-    except (PlanError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    if as_json:
-        json.dump(result, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+    result = _run_or_exit(lambda: run_overlap_bench(OverlapBenchConfig(_pairs(pairs), tokens, preset, reps=reps,
+                                                                       host=host)), as_json)
+    if result is None:
         return
     typer.echo(f"preset {result['preset']}, {result['tokens']} tokens, {result['reps']} reps, load average "
                f"{result['load_avg_1m_start']} -> {result['load_avg_1m_end']} on {result['cpus']} CPUs")

@@ -8,8 +8,8 @@ are equal except at near-ties (tests/exactness.py states the rule).
 divisible (prefill TP, decode TP), because every operation is computed in shapes and orders that do not depend
 on batching, chunking, cache hits or TP (docs/numerics.md):
 
-* linear layers and expert matmuls with each row's bits those of a fixed row tile (one GEMM of at least 4 rows,
-  measured to give a row the bits of its 4 .. ``row_tile``-row tile), split into the ``shard_units`` column /
+* linear layers and expert matmuls with each row's bits those of a fixed row tile (one GEMM of at least 16 rows,
+  measured to give a row the bits of its 16 .. ``row_tile``-row tile), split into the ``shard_units`` column /
   reduction units of the largest supported TP; partial sums of row-parallel layers are gathered and added in
   unit order on every TP (including 1);
 * MLA attention over fixed ``key_block``-key blocks at absolute positions, one softmax order for prefill and
@@ -41,7 +41,7 @@ class NumericsMode(str, Enum):
 @dataclass(frozen=True)
 class Numerics:
     mode: NumericsMode = NumericsMode.DEFAULT
-    row_tile: int = 16  # most rows per GEMM tile in deterministic mode (4, 8 .. row_tile; the last zero-padded)
+    row_tile: int = 16  # most rows per GEMM tile in deterministic mode (>= 16; the last zero-padded)
     key_block: int = 64  # MLA keys per attention block, at absolute positions 0, key_block, ...
     grid: int = 64  # prefill chunk ends lie on multiples of this (a multiple of the KDA chunk size, 32)
     threads: int = 1  # torch intra-op threads during a deterministic forward
@@ -54,6 +54,8 @@ class Numerics:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise NumericsError(f"numerics.{name} must be a positive integer, got {v!r}")
+        if self.row_tile % 16:  # model/deterministic.MIN_TILE: fewer rows take another GEMM kernel on some CPUs
+            raise NumericsError(f"numerics.row_tile must be a multiple of 16, got {self.row_tile}")
         if self.grid % 32:
             raise NumericsError(f"numerics.grid must be a multiple of the KDA chunk size 32, got {self.grid}")
 

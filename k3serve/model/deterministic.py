@@ -6,8 +6,8 @@ former code (``F.linear`` and one all-reduce), :class:`DeterministicOps` compute
 and orders that do not depend on how many rows share the call or on the TP degree:
 
 ```
- rows     x [N, K] ──pad to >= 4 rows──▶ one [N, K] x [K, n] GEMM: each row has the bits of its [R, K] x [K, n]
-          tile GEMM (R = 4, 8 or 16 = numerics.row_tile; measured: from 4 rows on a row's bits do not depend on
+ rows     x [N, K] ──pad to >= 16 rows─▶ one [N, K] x [K, n] GEMM: each row has the bits of its [R, K] x [K, n]
+          tile GEMM (R = MIN_TILE .. numerics.row_tile; measured: from 16 rows on a row's bits do not depend on
           the row count); weights narrower than BMM_MIN_OUT (n = 1 does depend on it) run one mm per R-row tile
  columns  W [n_local, K] = units_local x [n/U, K]: one GEMM per unit (U = shard units: the largest TP)
  reduce   row-parallel W [N, K_local], K_local = units_local x K/U:
@@ -16,10 +16,13 @@ and orders that do not depend on how many rows share the call or on the TP degre
           out = ((p_0 + p_1) + p_2) + ... + p_{U-1}     on every TP, including 1
 ```
 Measured on this CPU at one thread (tests/model/test_numerics_invariants.py): a row of a GEMM does not depend on
-the other rows nor on its place, and from 4 rows on not on the row count either (up to 4096 rows for the model's
-shapes; 1-column weights excepted), and a batch of tiles equals separate calls; a GEMM with fewer than 4 rows
+the other rows nor on its place, and from MIN_TILE rows on not on the row count either (up to 4096 rows for the
+model's shapes; 1-column weights excepted), and a batch of tiles equals separate calls; a GEMM with fewer rows
 takes another kernel (a ~1e-5 different result), and 1 vs 2 threads differ (with 2 threads the row count does
-change a row's bits); that is why calls are padded to 4 rows and the thread count is fixed during a forward.
+change a row's bits); that is why calls are padded to MIN_TILE rows and the thread count is fixed during a forward.
+Where the small-M kernel starts depends on the CPU: on an AVX2 Xeon (the machine of the fourth wave) from 4 rows,
+on an AVX-512 Xeon with AMX (Sapphire Rapids class, MKL 2.13's CPU build) only from 16 rows for K >= 192 (with 4,
+58 deterministic tests failed there); 16 holds on both and is the floor.
 """
 
 from __future__ import annotations
@@ -37,14 +40,15 @@ from k3serve.model.tp import TPGroup
 ELEMENTWISE_VEC = 64
 # Output widths from which the row tiles of one linear run as one bmm (narrower: one mm per tile).
 BMM_MIN_OUT = 16
-# The smallest row tile: from 4 rows on, a row of a GEMM gets the same bits whether its tile has 4, 8 or 16
-# rows (one kernel; fewer than 4 rows take another: tests/model/test_numerics_invariants.py).
+# The smallest row tile: from 16 rows on, a row of a GEMM gets the same bits whatever the GEMM's row count (one
+# kernel; fewer rows take another for K >= 192 on AVX-512 MKL, fewer than 4 on AVX2: see the module docstring and
+# tests/model/test_numerics_invariants.py, which names the shape if a CPU breaks it).
 MIN_TILE = 16
 
 
 def tile_rows(rows: int, tile: int) -> int:
     """Rows per tile for a call of `rows` rows: the smallest of MIN_TILE, 2 MIN_TILE, ... up to `tile` that
-    holds them (a decode step of 1 row pads to 4, not 16). Every choice gives a row the same bits (MIN_TILE)."""
+    holds them (a decode step of 1 row pads to MIN_TILE). Every choice gives a row the same bits (MIN_TILE)."""
     t = MIN_TILE
     while t < rows and t < tile:
         t *= 2
