@@ -146,8 +146,11 @@ class PagedLatentCache:
             self.pool[pages, mla_idx, offs] = rows[b].to(self.pool.dtype)
 
     def read(self, mla_idx: int, b: int, length: int) -> torch.Tensor:
-        pages, offs = self._slots(b, 0, length)
-        return self.pool[pages, mla_idx, offs]
+        # whole pages in one gather (a page's rows are contiguous), then the rows past the end cut off: the
+        # same values as a per-row gather at a fraction of its cost (a prefix hit reads 8K rows per layer)
+        n = -(-length // self.page_size)
+        pages = self.pool[self.block_tables[b, :n], mla_idx]  # [n, page_size, D]
+        return pages.view(-1, pages.shape[-1])[:length]
 
     def read_blocks(self, mla_idx: int, lengths: list[int], block: int) -> torch.Tensor:
         """When blocks tile pages (page_size a multiple of `block`), whole blocks are copied out of their pages
