@@ -15,7 +15,8 @@ from torch.profiler import record_function
 
 from k3serve.contracts.numerics import Numerics
 from k3serve.model.config import ModelConfig
-from k3serve.model.deterministic import DefaultOps, make_ops
+from k3serve.model.deterministic import BMM_MIN_OUT, MIN_TILE, DefaultOps, make_ops
+from k3serve.model.gemm_facts import check_row_floor, linear_shapes
 from k3serve.model.layers.attn_res import attn_res_mix
 from k3serve.model.layers.ffn import MoE, DenseFFN
 from k3serve.model.layers.kda import KDAAttention
@@ -69,6 +70,8 @@ class HybridModel:
         cfg.check_tp(tp.world)
         self.cfg, self.tp = cfg, tp
         self.ops = make_ops(cfg, tp, numerics)
+        if self.ops.deterministic:  # refuse a CPU whose GEMMs break the mode's row fact (model/gemm_facts.py)
+            check_row_floor(linear_shapes(weights, self.ops.units, BMM_MIN_OUT), MIN_TILE, numerics.threads)
         p = cfg.name_prefix
         self.embed = weights[p + "embed_tokens.weight"]
         self.layers = [DecoderLayer(cfg, weights, i, tp, self.ops) for i in range(cfg.num_hidden_layers)]
