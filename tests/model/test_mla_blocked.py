@@ -15,14 +15,6 @@ from k3serve.model.state import DenseLatentCache, PagedLatentCache
 NOPE, ROPE, RANK, V, KB = 32, 16, 64, 32, 64
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _case(heads: int, length: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     w_uk = torch.randn(heads, NOPE, RANK, generator=g) * 0.1

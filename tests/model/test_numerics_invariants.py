@@ -23,14 +23,6 @@ from tests.exactness import SEEDS, random_prompt
 PAGE = 16
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_a_row_of_a_fixed_shape_gemm_ignores_the_other_rows_and_its_place(one_thread):
     g = torch.Generator().manual_seed(0)
     w, row = torch.randn(384, 256, generator=g), torch.randn(1, 256, generator=g)
