@@ -157,10 +157,25 @@ class Deployment:
         if address:
             ray.init(address=address, runtime_env=env, log_to_driver=False)
         else:
-            # a local instance stays on loopback: rank rendezvous and gRPC never leave this machine
-            ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False,
-                     runtime_env=env, _node_ip_address="127.0.0.1")
+            self._start_local_ray(env)
             self._own_ray = True
+
+    def _start_local_ray(self, env: dict, attempts: int = 3) -> None:
+        """Start a private local Ray instance, kept on loopback (rank rendezvous and gRPC never leave this
+        machine). Ray waits a fixed 30 s for its raylet to register and then raises a bare Exception; on a
+        loaded 2-core machine that wait is sometimes too short, so a start that timed out is shut down and
+        tried again (the other start errors are raised at once)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False,
+                         runtime_env=env, _node_ip_address="127.0.0.1")
+                return
+            except Exception as exc:  # Ray raises a plain Exception for this one case
+                if "timed out during startup" not in str(exc) or attempt == attempts:
+                    raise
+                log.warning("local Ray start %d of %d timed out; shutting it down and starting again", attempt,
+                            attempts)
+                ray.shutdown()
 
     def _start_redis(self) -> None:
         url = self.deploy.control.redis_url or os.environ.get("REDIS_URL", "")
