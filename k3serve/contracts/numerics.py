@@ -9,7 +9,8 @@ divisible (prefill TP, decode TP), because every operation is computed in shapes
 on batching, chunking, cache hits or TP (docs/numerics.md):
 
 * linear layers and expert matmuls with each row's bits those of a fixed row tile (one GEMM of at least 16 rows,
-  measured to give a row the bits of its 16 .. ``row_tile``-row tile), split into the ``shard_units`` column /
+  measured to give a row the bits of its 16 .. ``row_tile``-row tile; reductions of at least ``packed_min_k``
+  on oneDNN's packed GEMM, whose rows keep their bits from 2 rows on), split into the ``shard_units`` column /
   reduction units of the largest supported TP; partial sums of row-parallel layers are gathered and added in
   unit order on every TP (including 1);
 * MLA attention over fixed ``key_block``-key blocks at absolute positions, one softmax order for prefill and
@@ -45,6 +46,12 @@ class Numerics:
     key_block: int = 64  # MLA keys per attention block, at absolute positions 0, key_block, ...
     grid: int = 64  # prefill chunk ends lie on multiples of this (a multiple of the KDA chunk size, 32)
     threads: int = 1  # torch intra-op threads during a deterministic forward
+    # linears whose reduction (K, or K / units of a row-parallel unit) is at least this long run on oneDNN's
+    # packed GEMM, whose rows keep their bits from 2 rows on (model/packed_gemm.py); 0: every linear on MKL tiles
+    packed_min_k: int = 1024
+    # and weights whose GEMM shape does not change with TP (routed experts, replicated projections, row-parallel
+    # units) of at least this many elements
+    packed_min_elements: int = 1 << 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, NumericsMode):
@@ -54,6 +61,10 @@ class Numerics:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise NumericsError(f"numerics.{name} must be a positive integer, got {v!r}")
+        for name in ("packed_min_k", "packed_min_elements"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise NumericsError(f"numerics.{name} must be a non-negative integer (0: off), got {v!r}")
         if self.row_tile % 16:  # model/deterministic.MIN_TILE: fewer rows take another GEMM kernel on some CPUs
             raise NumericsError(f"numerics.row_tile must be a multiple of 16, got {self.row_tile}")
         if self.grid % 32:
@@ -64,13 +75,26 @@ class Numerics:
         return self.mode is NumericsMode.DETERMINISTIC
 
     @property
+    def packs(self) -> bool:
+        """Whether some linears run on oneDNN's packed GEMM (model/packed_gemm.py)."""
+        return bool(self.packed_min_k or self.packed_min_elements)
+
+    @property
     def chunk_grid(self) -> int:
         """Prefill chunk ends must be multiples of this (1: anywhere)."""
         return self.grid if self.deterministic else 1
 
     @classmethod
     def parse(cls, value: object) -> "Numerics":
-        """From the deploy file's `numerics:` value: "default" | "deterministic"."""
+        """From the deploy file's `numerics:` value: "default" | "deterministic", or a mapping with ``mode`` and
+        any of the fields (``{mode: deterministic, packed_min_k: 0}``); an unknown key is refused by name."""
+        if isinstance(value, dict):
+            fields = {f for f in cls.__dataclass_fields__ if f != "mode"}
+            unknown = sorted(set(value) - fields - {"mode"})
+            if unknown:
+                raise NumericsError(f"numerics: unknown key {unknown[0]!r} (known: mode, {', '.join(sorted(fields))})")
+            rest = {k: v for k, v in value.items() if k != "mode"}
+            return cls(cls.parse(value.get("mode", NumericsMode.DEFAULT.value)).mode, **rest)
         try:
             return cls(NumericsMode(value))
         except ValueError:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.contracts.numerics import Numerics
+from k3serve.model.packed_gemm import PackedWeights, packed_gemm_available
 from k3serve.model.tp import TPGroup
 
 # Elements per padded elementwise call: a multiple of 2 x the widest vector (AVX-512: 16 floats).
@@ -74,6 +75,24 @@ class DefaultOps:
         """x `[..., K]`, w `[n, K]` (replicated, or this rank's column slice of `units` units) -> `[..., n]`."""
         return F.linear(x, w)
 
+    def stack_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x `[..., K]` times a layer's row-stacked input projections w `[sum n_i, K]` (layers/stacked.py: this
+        rank's column slices next to replicated weights, so its width changes with TP) -> `[..., sum n_i]`."""
+        return F.linear(x, w)
+
+    def whole_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x `[N, K]` times a model weight w `[n, K]` whose shape is the same on every TP (a routed expert on its
+        owning rank, a replicated projection) -> `[N, n]`."""
+        return F.linear(x, w)
+
+    def transient_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x `[N, K]` times a weight w `[n, K]` made for this call (a dequantised MXFP4 block) -> `[N, n]`."""
+        return F.linear(x, w)
+
+    def uses_packed(self, k: int, n: int, dtype: torch.dtype, sized: bool = False) -> bool:
+        """Whether a GEMM unit of reduction `k` and width `n` runs on the packed GEMM (deterministic mode only)."""
+        return False
+
     def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[..., K_local]`, w `[n, K_local]` (this rank's input columns) -> the TP-reduced `[..., n]`."""
         return self.tp.all_reduce(F.linear(x, w))
@@ -107,6 +126,21 @@ class DeterministicOps(DefaultOps):
         self.numerics, self.units, self.units_local = numerics, units, units // tp.world
         self.col_units = self.units_local
         self.tile = numerics.row_tile
+        # oneDNN's packed GEMM for long reductions (model/packed_gemm.py); None: MKL tiles for every linear
+        self.packed = PackedWeights() if numerics.packs and packed_gemm_available() else None
+
+    def uses_packed(self, k: int, n: int, dtype: torch.dtype, sized: bool = False) -> bool:
+        """Whether a GEMM unit of reduction `k` and width `n` runs on the packed GEMM (model/packed_gemm.py).
+
+        Both numbers must be TP-invariant, so that every TP picks the same kernel: K against
+        ``numerics.packed_min_k`` always, and with `sized` (a shard unit of a column- or row-parallel weight, a
+        replicated weight, a routed expert: shapes that do not change with TP) also the size k x n against
+        ``numerics.packed_min_elements``; a rank's stack of input projections (stack_linear) changes width with
+        TP and decides by K alone."""
+        if self.packed is None or n < BMM_MIN_OUT or dtype != torch.float32:
+            return False
+        min_k, min_elements = self.numerics.packed_min_k, self.numerics.packed_min_elements
+        return bool(min_k and k >= min_k) or bool(sized and min_elements and k * n >= min_elements)
 
     # ------------------------------------------------------------------------------------------- tiles
     def _tiled(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -141,7 +175,11 @@ class DeterministicOps(DefaultOps):
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k)
         n_u = w.shape[0] // units
-        if units == 1:
+        if self.uses_packed(k, n_u, w.dtype, sized=True) and x.dtype == torch.float32:
+            # a column's bits do not depend on the GEMM's width: the local weight in one call is each unit's GEMM
+            # (a unit's shape, like a replicated weight's, is the same on every TP, so it may decide by size)
+            out = self.packed.linear(flat, w)
+        elif units == 1:
             out = self._tiled(flat, w)
         elif n_u >= BMM_MIN_OUT and (tile := self._one_tile(flat)) is not None:
             # one tile (a decode step): the units' GEMMs as one bmm, each batch entry the same [R, K] x [K, n/U]
@@ -152,13 +190,30 @@ class DeterministicOps(DefaultOps):
             out = torch.cat([self._tiled(flat, wu) for wu in w.chunk(units)], dim=-1)
         return out.view(*lead, w.shape[0])
 
+    def stack_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, k)
+        if self.uses_packed(k, w.shape[0], w.dtype) and x.dtype == torch.float32:  # by K only (docstring)
+            return self.packed.linear(flat, w).view(*lead, w.shape[0])
+        return self._tiled(flat, w).view(*lead, w.shape[0])
+
+    def whole_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.uses_packed(w.shape[1], w.shape[0], w.dtype, sized=True) and x.dtype == torch.float32:
+            return self.packed.linear(x, w)
+        return self.linear(x, w)
+
+    def transient_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self._tiled(x, w)
+
     def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k)
         ul, n = self.units_local, w.shape[0]
         width = k // ul
         tile = self._one_tile(flat) if n >= BMM_MIN_OUT else None
-        if tile is not None:
+        if self.uses_packed(width, n, w.dtype, sized=True) and x.dtype == torch.float32:
+            parts = self.packed.unit_partials(flat, w, ul)  # [units_local, N, n]: a packed copy per unit
+        elif tile is not None:
             # one tile: the units' partial GEMMs [R, K/U] x [K/U, n] as one bmm over contiguous unit slices
             # (strided views, no copies: a GEMM's bits do not depend on its operands' leading dimensions,
             # tests/model/test_numerics_invariants.py)

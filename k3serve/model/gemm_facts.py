@@ -26,6 +26,7 @@ import platform
 import torch
 
 from k3serve.contracts.numerics import NumericsError
+from k3serve.model.packed_gemm import PACKED_MIN_ROWS, PackedWeights, pack_weight, packed_mm
 
 # how many rows the largest probe GEMM has (above 2 MIN_TILE, not a multiple of the tile)
 _EXTRA_ROWS = 5
@@ -79,5 +80,34 @@ def check_row_floor(shapes: list[tuple[int, int]], min_tile: int, threads: int, 
                         f"torch {torch.__version__}, {threads} thread(s)): a row of a [{m}, {k}] x [{k}, {n}] GEMM "
                         f"has other bits than in its {tile}-row tile, so a row's result would depend on how many "
                         f"rows share the call (docs/numerics.md); use numerics: default here")
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_packed_rows(shapes: list[tuple[int, int]], threads: int) -> None:
+    """Raise NumericsError if oneDNN's packed GEMM (model/packed_gemm.py) breaks one of its facts for a (K, n)
+    of `shapes` at `threads` threads: a row's bits the same for 1 (padded), 2, 3, 17 and 37 rows and at another
+    place in x, and a column's the same in a GEMM of half the width (a shard unit's slice)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        rows = 2 * 16 + _EXTRA_ROWS
+        for k, n in shapes:
+            x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+            want = packed_mm(x, pack_weight(w))
+            ops = PackedWeights()
+            probes = [(f"[{m}, {k}] x [{k}, {n}]", ops.linear(x[:m], w), want[:m]) for m in (1, PACKED_MIN_ROWS, 3, 17)]
+            probes.append((f"rows 5..21 of [{rows}, {k}] x [{k}, {n}]", ops.linear(x[5:22], w), want[5:22]))
+            half = max(n // 2, 1)
+            probes.append((f"the first {half} columns of [{rows}, {k}] x [{k}, {n}]", ops.linear(x, w[:half]),
+                           want[:, :half]))
+            for what, got, ref in probes:
+                if not torch.equal(got, ref):
+                    raise NumericsError(
+                        f"numerics: deterministic cannot hold on this CPU ({cpu_name()}, torch {torch.__version__}, "
+                        f"{threads} thread(s)): oneDNN's packed GEMM gives {what} other bits than the {rows}-row "
+                        f"GEMM (docs/numerics.md); use MKL tiles only (numerics: {{mode: deterministic, packed_min_k: 0, "
+                        f"packed_min_elements: 0}}) or numerics: default")
     finally:
         torch.set_num_threads(before)

@@ -81,6 +81,15 @@ def test_numerics_key(tmp_path):
         load_deploy(_write(tmp_path, "numerics: exact\n"))
 
 
+def test_numerics_mapping_sets_the_packed_gemm_fields_and_names_unknown_keys(tmp_path):
+    cfg = load_deploy(_write(tmp_path, "numerics: {mode: deterministic, packed_min_k: 0, packed_min_elements: 0}\n"))
+    assert cfg.numerics.deterministic and not cfg.numerics.packs
+    with pytest.raises(DeployError, match=r"numerics: unknown key 'packed_min'"):
+        load_deploy(_write(tmp_path, "numerics: {mode: deterministic, packed_min: 0}\n"))
+    with pytest.raises(DeployError, match=r"numerics.packed_min_k must be a non-negative integer"):
+        load_deploy(_write(tmp_path, "numerics: {mode: deterministic, packed_min_k: -4}\n"))
+
+
 def test_deterministic_numerics_with_speculative_decoding_is_accepted(tmp_path):
     cfg = load_deploy(_write(tmp_path, "numerics: deterministic\nclusters: {speculative: {method: ngram}}\n"))
     assert cfg.numerics.deterministic and cfg.clusters.speculative.method == "ngram"

@@ -38,3 +38,24 @@ def test_the_check_leaves_the_thread_count_as_it_was() -> None:
         check_row_floor([(96, 384)], 1, 1)
     check_row_floor([(64, 32)], MIN_TILE, 1)
     assert torch.get_num_threads() == before
+
+
+def test_a_packed_kernel_that_moves_bits_is_refused_naming_the_shape(monkeypatch) -> None:
+    """check_packed_rows compares the mode's packed linear with one reference GEMM; a kernel whose result moved
+    with the row count (here: the reference nudged by one ulp) must be refused, the shape and the way out named."""
+    import k3serve.model.gemm_facts as facts
+    from k3serve.model.packed_gemm import packed_mm
+
+    monkeypatch.setattr(facts, "packed_mm", lambda x, p: torch.nextafter(packed_mm(x, p), torch.tensor(float("inf"))))
+    with pytest.raises(NumericsError, match=r"\[1, 1024\] x \[1024, 64\].*packed_min_k: 0"):
+        facts.check_packed_rows([(1024, 64)], 1)
+
+
+def test_a_deterministic_model_with_packed_linears_builds_and_uses_them() -> None:
+    import dataclasses
+
+    cfg = preset("tiny")
+    model = HybridModel(cfg, random_weights(cfg, 0), numerics=dataclasses.replace(DETERMINISTIC, packed_min_k=64))
+    assert model.ops.uses_packed(cfg.hidden_size, cfg.vocab_size, torch.float32)
+    assert not HybridModel(cfg, random_weights(cfg, 0), numerics=DETERMINISTIC).ops.uses_packed(
+        cfg.hidden_size, cfg.vocab_size, torch.float32)  # tiny's K (256) is under the default 1024

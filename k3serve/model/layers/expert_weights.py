@@ -15,7 +15,6 @@ kernel call for all of them (``moe_mxfp4.py``); the objects (views of its stacks
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,9 +33,10 @@ class DenseLinear:
         """x `[N, in]` -> `[N, out]`."""
         return F.linear(x, self.weight)
 
-    def tiled(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """x `[N, in]` -> `[N, out]` through ``linear(x, W)`` (numerics mode deterministic: fixed row tiles)."""
-        return linear(x, self.weight)
+    def tiled(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """x `[N, in]` -> `[N, out]` through the numerics mode's ``ops.whole_linear`` (model/deterministic.py:
+        fixed row tiles, or the packed GEMM for a large expert)."""
+        return ops.whole_linear(x, self.weight)
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,13 @@ class MXFP4Linear:
             return cpu(x)
         return mxfp4_linear(x, self.packed, self.scale, backend=self.backend)
 
-    def tiled(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """x `[N, in]` -> `[N, out]` through ``linear(x, W_block)`` over fixed blocks of dequantised weight rows
+    def tiled(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """x `[N, in]` -> `[N, out]` through ``ops.transient_linear(x, W_block)`` over fixed blocks of dequantised
+        weight rows (made per call, so never packed: model/packed_gemm.py caches model weights)
         (numerics mode deterministic: every call has a shape independent of N, so bits do not depend on how many
         tokens share the expert). fp32 math, like the torch path."""
-        return mxfp4_linear_blocks(x, self.packed, self.scale, linear, self.cpu.svals if self.cpu else None)
+        return mxfp4_linear_blocks(x, self.packed, self.scale, ops.transient_linear,
+                                   self.cpu.svals if self.cpu else None)
 
 
 def expert_linear(weights: dict[str, torch.Tensor], name: str) -> DenseLinear | MXFP4Linear:

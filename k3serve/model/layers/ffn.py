@@ -241,7 +241,7 @@ def moe_deterministic(moe: MoE, flat: torch.Tensor) -> torch.Tensor:
         u[n]    = ((y[n, 0] + y[n, 1]) + ...) + y[n, k-1]
     """
     c, ops = moe.cfg, moe.ops
-    fused = ops.linear(flat, moe.w_in).split(moe.in_sizes, -1) if moe.w_in is not None else None
+    fused = ops.stack_linear(flat, moe.w_in).split(moe.in_sizes, -1) if moe.w_in is not None else None
     scores = ops.unary(torch.sigmoid, fused[0] if fused else ops.linear(flat.float(), moe.w_router))
     ids = torch.topk(scores + moe.score_bias, c.num_experts_per_token, dim=-1).indices
     w = scores.gather(-1, ids)
@@ -261,8 +261,8 @@ def moe_deterministic(moe: MoE, flat: torch.Tensor) -> torch.Tensor:
     for e, rows, slot in expert_runs(order, counts, ids.shape[1], moe.expert_ids):
         w1, w3, w2 = moe.experts[e]
         zi = z[rows]
-        out = w2.tiled(glu(w1.tiled(zi, ops.linear), w3.tiled(zi, ops.linear), c.hidden_act,
-                           c.activation_situ_beta, c.activation_situ_linear_beta), ops.linear)
+        out = w2.tiled(glu(w1.tiled(zi, ops), w3.tiled(zi, ops), c.hidden_act,
+                           c.activation_situ_beta, c.activation_situ_linear_beta), ops)
         y[rows, slot] = out.float() * w[rows, slot].unsqueeze(-1)
     return _finish_deterministic(moe, flat, y, shared_in)
 
@@ -292,6 +292,9 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     inter, e_in = moe.stacked.w1.shape[1], moe.stacked.w1.shape[2]
     if min(inter, e_in) < BMM_MIN_OUT or inter % ELEMENTWISE_VEC:
         return False
+    if (ops.uses_packed(e_in, inter, moe.stacked.w1.dtype, sized=True)
+            or ops.uses_packed(inter, e_in, moe.stacked.w2.dtype, sized=True)):
+        return False  # ops.whole_linear runs these experts on the packed GEMM (model/packed_gemm.py): the loop
     act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
     k = ids.shape[1]
     if longest <= ops.tile and len(active) >= PADDED_MIN_ACTIVE:
@@ -313,6 +316,10 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
         dev = z.device
         stacked = moe.stacked
         if len(active) < len(local):
+            if len(active) < PADDED_MIN_ACTIVE:
+                # few experts (decode-sized batches): the loop's one ops.linear per expert reads views of the
+                # stack; the copy of their weights cost more than the GEMMs (bench preset, batch 1: 4 of 32)
+                return False
             at = torch.tensor(active, device=dev)
             stacked = StackedExperts(*(t.index_select(0, at) for t in (stacked.w1, stacked.w3, stacked.w2)))
         n_act = torch.tensor([local[i] for i in active], device=dev)
@@ -340,7 +347,7 @@ def _finish_deterministic(moe: MoE, flat: torch.Tensor, y: torch.Tensor, shared_
         u += y[:, s]
     shared = moe.shared.reduced(flat, *shared_in) if moe.shared is not None else None
     if c.uses_latent_moe:
-        routed = ops.linear(rms_norm(u.to(flat.dtype), moe.latent_norm, c.rms_norm_eps), moe.w_up)
+        routed = ops.whole_linear(rms_norm(u.to(flat.dtype), moe.latent_norm, c.rms_norm_eps), moe.w_up)
     else:
         routed = u.to(flat.dtype)
     return routed if shared is None else routed + shared

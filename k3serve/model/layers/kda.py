@@ -76,7 +76,7 @@ class KDAAttention:
         conv = kda_conv_view(blocks, k, cfg.conv_window)
         off = record_offsets(k)
         if self.w_in is not None and self.ops.deterministic:  # every call: the same tiled GEMM (stacked.py)
-            fused = lin(x, self.w_in).split(self.in_sizes, -1)
+            fused = self.ops.stack_linear(x, self.w_in).split(self.in_sizes, -1)
         else:
             fused = F.linear(x, self.w_in).split(self.in_sizes, -1) if decode and self.w_in is not None else None
         qkv = []

@@ -84,7 +84,7 @@ class MLAAttention:
         cfg = self.cfg
         bsz, t, _ = x.shape
         if self.w_in is not None and self.ops.deterministic:  # every call: the same tiled GEMM (stacked.py)
-            fused = self.ops.linear(x, self.w_in).split(self.in_sizes, -1)
+            fused = self.ops.stack_linear(x, self.w_in).split(self.in_sizes, -1)
         elif batch.decode and self.w_in is not None:
             fused = F.linear(x, self.w_in).split(self.in_sizes, -1)
         else:

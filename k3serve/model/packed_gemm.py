@@ -1,0 +1,101 @@
+"""oneDNN's packed fp32 GEMM for the deterministic mode's wide linears (model/deterministic.py).
+
+MKL's fp32 GEMM gives a row the bits of its 16-row tile only from 16 rows on (docs/numerics.md, "Fifth"), so the
+mode pads a decode step's one row to 16 and pays ~3x the GEMV the default mode runs (a [1024 x 1024] weight at
+one thread: 700 us against 250 us). oneDNN's fp32 matmul (``mkldnn::_linear_pointwise``, the brgemm kernels)
+accumulates every output element over K in one fixed order whatever the row count, measured on this CPU (Intel
+Xeon, AVX-512 + AMX, oneDNN 3.12, 1 and 2 threads) for every bench / tiny preset shape and 2 .. 2053 rows::
+
+    rows      a row of an [M, K] x [K, n] GEMM has the same bits for every M >= 2 and at any place in x
+              (M = 1 takes another kernel when K > 1024, so one row is zero-padded to PACKED_MIN_ROWS)
+    columns   a column has the same bits whatever n (a weight's column slice, a stack of weights)
+    packing   the weight reordered once (``_reorder_linear_weight``) gives the bits of the plain weight
+
+and it runs one row at 1.1-1.4x the GEMV and 16 .. 256 rows 5-25% faster than MKL (same harness). Each call
+costs ~13 us more than MKL's, so the mode uses it only for reductions of at least ``numerics.packed_min_k``
+(a TP-invariant property of a weight: K of a replicated or column-parallel weight, K / units of a row-parallel
+unit). The facts are checked for the model's own shapes when it is built (model/gemm_facts.py) and pinned by
+tests/model/test_numerics_invariants.py.
+
+The packed copies are cached per weight (its storage, offset, shape, strides and version: an in-place update
+makes a new entry), holding a reference to the weight so its memory cannot be reused under the key; they add
+one copy of every packed weight to the process's memory. A forward that needs gradients through a packed
+weight is refused (the op has no backward); the deterministic mode is a serving mode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3serve.contracts.numerics import NumericsError
+
+# A one-row call takes another kernel for K > 1024 (measured), two rows and more the same one.
+PACKED_MIN_ROWS = 2
+
+
+def packed_gemm_available() -> bool:
+    """Whether this torch build has oneDNN's fp32 linear (CPU builds with MKL-DNN)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x `[M, K]` (M >= PACKED_MIN_ROWS, fp32) times a packed weight of `[n, K]` -> `[M, n]`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """w `[n, K]` fp32 (any strides) -> oneDNN's reordered copy for :func:`packed_mm`."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+
+
+class PackedWeights:
+    """The packed copies of the weights one model's deterministic operators multiply by (module docstring)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, tuple[torch.Tensor, object]] = {}
+
+    def _lookup(self, w: torch.Tensor, extra, make):
+        # data_ptr (storage + offset), shape and strides name the view; the version names its contents
+        key = (w.data_ptr(), w.shape, w.stride(), extra)  # fp32 only (DeterministicOps.uses_packed)
+        hit = self._cache.get(key)
+        if hit is None or hit[0]._version != hit[2]:
+            hit = self._cache[key] = (w, make(w.detach()), w._version)  # made anew after an in-place update
+        return hit[1]
+
+    def get(self, w: torch.Tensor) -> torch.Tensor:
+        """The packed copy of w `[n, K]` (made on first use)."""
+        return self._lookup(w, None, pack_weight)
+
+    def get_units(self, w: torch.Tensor, units: int) -> list[torch.Tensor]:
+        """The packed copies of w `[n, K]`'s `units` column blocks `[n, K / units]`, in order."""
+        width = w.shape[1] // units
+        return self._lookup(w, units, lambda d: [pack_weight(d[:, u * width: (u + 1) * width]) for u in range(units)])
+
+    @staticmethod
+    def _check_grad(x: torch.Tensor, w: torch.Tensor) -> None:
+        if (x.requires_grad or w.requires_grad) and torch.is_grad_enabled():
+            raise NumericsError("numerics: deterministic runs its wide linears on oneDNN's packed GEMM, which has "
+                                "no backward; run a forward that needs gradients with numerics: default")
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x `[N, K]` (any N) times w `[n, K]`^T -> `[N, n]`, each row with the bits of any other row count's."""
+        self._check_grad(x, w)
+        rows = x.shape[0]
+        if rows < PACKED_MIN_ROWS:
+            return packed_mm(F.pad(x, (0, 0, 0, PACKED_MIN_ROWS - rows)), self.get(w))[:rows]
+        return packed_mm(x.contiguous(), self.get(w))
+
+    def unit_partials(self, x: torch.Tensor, w: torch.Tensor, units: int) -> torch.Tensor:
+        """x `[N, K]`, w `[n, K]` -> `[units, N, n]`: the partial products of the `units` column blocks
+        (x[:, K_u] W[:, K_u]^T, a row-parallel layer's shard units), each one packed GEMM."""
+        self._check_grad(x, w)
+        rows, width = x.shape[0], x.shape[1] // units
+        if rows < PACKED_MIN_ROWS:
+            x = F.pad(x, (0, 0, 0, PACKED_MIN_ROWS - rows))
+        xu = x.view(x.shape[0], units, width).transpose(0, 1).contiguous()  # [units, M, K / units]: one copy
+        parts = torch.stack([packed_mm(xu[u], p) for u, p in enumerate(self.get_units(w, units))])
+        return parts[:, :rows] if rows < PACKED_MIN_ROWS else parts
+
+    def __len__(self) -> int:
+        return len(self._cache)
