@@ -56,6 +56,11 @@ def tile_rows(rows: int, tile: int) -> int:
     return min(t, tile) if tile >= MIN_TILE else tile
 
 
+def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The packed GEMM (oneDNN, CPU) takes fp32 CPU operands; others (CUDA) keep the tiled path."""
+    return x.dtype == torch.float32 and w.is_cpu
+
+
 def shard_units(cfg) -> int:
     """The largest TP degree the model supports: the fixed shard unit count of deterministic reductions."""
     return math.gcd(cfg.kda_num_heads, cfg.num_attention_heads, cfg.num_experts, cfg.intermediate_size,
@@ -175,7 +180,7 @@ class DeterministicOps(DefaultOps):
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k)
         n_u = w.shape[0] // units
-        if self.uses_packed(k, n_u, w.dtype, sized=True) and x.dtype == torch.float32:
+        if self.uses_packed(k, n_u, w.dtype, sized=True) and _packable(x, w):
             # a column's bits do not depend on the GEMM's width: the local weight in one call is each unit's GEMM
             # (a unit's shape, like a replicated weight's, is the same on every TP, so it may decide by size)
             out = self.packed.linear(flat, w)
@@ -193,12 +198,12 @@ class DeterministicOps(DefaultOps):
     def stack_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k)
-        if self.uses_packed(k, w.shape[0], w.dtype) and x.dtype == torch.float32:  # by K only (docstring)
+        if self.uses_packed(k, w.shape[0], w.dtype) and _packable(x, w):  # by K only (docstring)
             return self.packed.linear(flat, w).view(*lead, w.shape[0])
         return self._tiled(flat, w).view(*lead, w.shape[0])
 
     def whole_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.uses_packed(w.shape[1], w.shape[0], w.dtype, sized=True) and x.dtype == torch.float32:
+        if self.uses_packed(w.shape[1], w.shape[0], w.dtype, sized=True) and _packable(x, w):
             return self.packed.linear(x, w)
         return self.linear(x, w)
 
@@ -211,7 +216,7 @@ class DeterministicOps(DefaultOps):
         ul, n = self.units_local, w.shape[0]
         width = k // ul
         tile = self._one_tile(flat) if n >= BMM_MIN_OUT else None
-        if self.uses_packed(width, n, w.dtype, sized=True) and x.dtype == torch.float32:
+        if self.uses_packed(width, n, w.dtype, sized=True) and _packable(x, w):
             parts = self.packed.unit_partials(flat, w, ul)  # [units_local, N, n]: a packed copy per unit
         elif tile is not None:
             # one tile: the units' partial GEMMs [R, K/U] x [K/U, n] as one bmm over contiguous unit slices
