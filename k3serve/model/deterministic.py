@@ -56,6 +56,15 @@ def tile_rows(rows: int, tile: int) -> int:
     return min(t, tile) if tile >= MIN_TILE else tile
 
 
+def per_head_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x `[H, M, K]`, w `[H, n, K]` -> `[H, M, n]`: one `[M, K] x [K, n]` GEMM per head (B transposed), rows
+    zero-padded to MIN_TILE (fewer rows take another kernel; from MIN_TILE on a row's bits do not depend on M)."""
+    m = x.shape[1]
+    if m < MIN_TILE:
+        x = torch.cat([x, x.new_zeros(x.shape[0], MIN_TILE - m, x.shape[2])], dim=1)
+    return torch.bmm(x, w.transpose(1, 2))[:, :m]
+
+
 def _packable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The packed GEMM (oneDNN, CPU) takes fp32 CPU operands; others (CUDA) keep the tiled path."""
     return x.dtype == torch.float32 and w.is_cpu
@@ -89,6 +98,11 @@ class DefaultOps:
         """x `[N, K]` times a model weight w `[n, K]` whose shape is the same on every TP (a routed expert on its
         owning rank, a replicated projection) -> `[N, n]`."""
         return F.linear(x, w)
+
+    def whole_linear_pair(self, x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x w_a^T, x w_b^T) for two weights of ``whole_linear`` with the same input (an expert's gate and up)."""
+        return self.whole_linear(x, w_a), self.whole_linear(x, w_b)
 
     def transient_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[N, K]` times a weight w `[n, K]` made for this call (a dequantised MXFP4 block) -> `[N, n]`."""
@@ -207,8 +221,26 @@ class DeterministicOps(DefaultOps):
             return self.packed.linear(x, w)
         return self.linear(x, w)
 
+    def whole_linear_pair(self, x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (w_a.shape == w_b.shape and self.uses_packed(w_a.shape[1], w_a.shape[0], w_a.dtype, sized=True)
+                and _packable(x, w_a)):
+            # one packed GEMM over [w_a; w_b]: a column's bits do not depend on the other columns of the call
+            both = self.packed.linear_stacked(x, (w_a, w_b))
+            return both[:, : w_a.shape[0]], both[:, w_a.shape[0]:]
+        return self.whole_linear(x, w_a), self.whole_linear(x, w_b)
+
     def transient_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self._tiled(x, w)
+
+    def head_gemm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x `[H, M, K]`, w `[H, n, K]` (this rank's heads of a model weight) -> `[H, M, n]`: the MLA's per-head
+        GEMMs (layers/mla_blocked.py), packed per head when a head's `[n, K]` is large (its shape does not change
+        with TP), else ``per_head_gemm``'s padded bmm."""
+        heads, _, k = x.shape
+        if self.uses_packed(k, w.shape[1], w.dtype, sized=True) and _packable(x, w):
+            return torch.stack([self.packed.linear(x[h], w[h]) for h in range(heads)])
+        return per_head_gemm(x, w)
 
     def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]

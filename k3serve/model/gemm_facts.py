@@ -87,7 +87,8 @@ def check_row_floor(shapes: list[tuple[int, int]], min_tile: int, threads: int, 
 def check_packed_rows(shapes: list[tuple[int, int]], threads: int) -> None:
     """Raise NumericsError if oneDNN's packed GEMM (model/packed_gemm.py) breaks one of its facts for a (K, n)
     of `shapes` at `threads` threads: a row's bits the same for 1 (padded), 2, 3, 17 and 37 rows and at another
-    place in x, and a column's the same in a GEMM of half the width (a shard unit's slice)."""
+    place in x, and a column's the same in a GEMM of half the width (a shard unit's slice) and of twice the width
+    (two weights stacked, ``DeterministicOps.whole_linear_pair``)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -99,6 +100,8 @@ def check_packed_rows(shapes: list[tuple[int, int]], threads: int) -> None:
             ops = PackedWeights()
             probes = [(f"[{m}, {k}] x [{k}, {n}]", ops.linear(x[:m], w), want[:m]) for m in (1, PACKED_MIN_ROWS, 3, 17)]
             probes.append((f"rows 5..21 of [{rows}, {k}] x [{k}, {n}]", ops.linear(x[5:22], w), want[5:22]))
+            probes.append((f"the first {n} columns of [{rows}, {k}] x [{k}, {2 * n}] (a stacked pair)",
+                           ops.linear_stacked(x, (w, w))[:, :n], want))
             half = max(n // 2, 1)
             probes.append((f"the first {half} columns of [{rows}, {k}] x [{k}, {n}]", ops.linear(x, w[:half]),
                            want[:, :half]))

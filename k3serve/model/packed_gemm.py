@@ -67,6 +67,11 @@ class PackedWeights:
         """The packed copy of w `[n, K]` (made on first use)."""
         return self._lookup(w, None, pack_weight)
 
+    def get_stacked(self, ws: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One packed copy of the weights `ws` (each `[n_i, K]`) stacked by rows, `[sum n_i, K]`."""
+        head, rest = ws[0], tuple((t.data_ptr(), t.shape, t.stride(), t._version) for t in ws[1:])
+        return self._lookup(head, rest, lambda d: pack_weight(torch.cat([d] + [t.detach() for t in ws[1:]])))
+
     def get_units(self, w: torch.Tensor, units: int) -> list[torch.Tensor]:
         """The packed copies of w `[n, K]`'s `units` column blocks `[n, K / units]`, in order."""
         width = w.shape[1] // units
@@ -85,6 +90,15 @@ class PackedWeights:
         if rows < PACKED_MIN_ROWS:
             return packed_mm(F.pad(x, (0, 0, 0, PACKED_MIN_ROWS - rows)), self.get(w))[:rows]
         return packed_mm(x.contiguous(), self.get(w))
+
+    def linear_stacked(self, x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x `[N, K]` times the weights `ws` stacked by rows -> `[N, sum n_i]` (columns: each weight's GEMM's)."""
+        for t in ws:
+            self._check_grad(x, t)
+        rows = x.shape[0]
+        if rows < PACKED_MIN_ROWS:
+            return packed_mm(F.pad(x, (0, 0, 0, PACKED_MIN_ROWS - rows)), self.get_stacked(ws))[:rows]
+        return packed_mm(x.contiguous(), self.get_stacked(ws))
 
     def unit_partials(self, x: torch.Tensor, w: torch.Tensor, units: int) -> torch.Tensor:
         """x `[N, K]`, w `[n, K]` -> `[units, N, n]`: the partial products of the `units` column blocks

@@ -1,9 +1,10 @@
 """Numerics mode ``deterministic`` with its wide linears on oneDNN's packed GEMM (model/packed_gemm.py): the
 serving paths give the reference's logits bit for bit, as with MKL tiles.
 
-The default ``packed_min_k`` (1024) leaves every linear of the tiny preset on MKL tiles, so these tests lower it
-to 64: then nearly every linear (projections, experts, the LM head) runs packed, one row padded to 2, and the
-experts take the per-expert loop. The reference is a TP=1 model with the same numerics."""
+The defaults (``packed_min_k`` 1024, ``packed_min_elements`` 65536) leave almost every GEMM of the tiny preset on
+MKL tiles, so these tests lower them to 64 and 1024: then nearly every linear (projections, row-parallel units,
+experts as gate/up pairs, the MLA's per-head GEMMs, the LM head) runs packed, one row padded to 2, and the experts
+take the per-expert loop. The reference is a TP=1 model with the same numerics."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from k3serve.model.reference import reference_generate
 from k3serve.prefill.engine import PrefillConfig
 from tests.engine.test_deterministic_paths import _assert_bitwise, _requests, _serve
 
-PACKED = dataclasses.replace(DETERMINISTIC, packed_min_k=64)
+PACKED = dataclasses.replace(DETERMINISTIC, packed_min_k=64, packed_min_elements=1024)
 
 
 @pytest.fixture(scope="module")

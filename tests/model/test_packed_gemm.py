@@ -23,6 +23,8 @@ def test_rows_keep_their_bits_from_one_row_to_many(one_thread, k, n, threads):
         assert torch.equal(ops.linear(x[:m], w), full[:m]), f"[{m}, {k}] x [{k}, {n}]"
     assert torch.equal(ops.linear(x[7:40], w), full[7:40])
     assert torch.equal(ops.linear(x, w[n // 4: n // 2]), full[:, n // 4: n // 2])
+    w2 = torch.randn(n, k, generator=g)
+    assert torch.equal(ops.linear_stacked(x[:3], (w, w2)), torch.cat([full[:3], ops.linear(x[:3], w2)], dim=1))
     torch.testing.assert_close(full, x @ w.t(), rtol=1e-4, atol=1e-3)
 
 

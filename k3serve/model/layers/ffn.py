@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import BMM_MIN_OUT, ELEMENTWISE_VEC, MIN_TILE, DefaultOps, tile_rows
-from k3serve.model.layers.expert_weights import expert_linear
+from k3serve.model.layers.expert_weights import DenseLinear, expert_linear
 from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, StackedExperts, grouped_experts,
                                                padded_experts, stack_dense_experts)
 from k3serve.model.layers.moe_mxfp4 import fuse_mxfp4_experts
@@ -261,8 +261,11 @@ def moe_deterministic(moe: MoE, flat: torch.Tensor) -> torch.Tensor:
     for e, rows, slot in expert_runs(order, counts, ids.shape[1], moe.expert_ids):
         w1, w3, w2 = moe.experts[e]
         zi = z[rows]
-        out = w2.tiled(glu(w1.tiled(zi, ops), w3.tiled(zi, ops), c.hidden_act,
-                           c.activation_situ_beta, c.activation_situ_linear_beta), ops)
+        if isinstance(w1, DenseLinear) and isinstance(w3, DenseLinear):
+            gate, up = ops.whole_linear_pair(zi, w1.weight, w3.weight)
+        else:
+            gate, up = w1.tiled(zi, ops), w3.tiled(zi, ops)
+        out = w2.tiled(glu(gate, up, c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta), ops)
         y[rows, slot] = out.float() * w[rows, slot].unsqueeze(-1)
     return _finish_deterministic(moe, flat, y, shared_in)
 

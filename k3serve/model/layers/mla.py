@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from k3serve.kernels.mla_decode import mla_decode
 from k3serve.model.config import ModelConfig
-from k3serve.model.deterministic import DefaultOps
+from k3serve.model.deterministic import DefaultOps, per_head_gemm
 from k3serve.model.layers.mla_blocked import attend_blocks
 from k3serve.model.layers.mla_prefill import (absorbed_is_cheaper, attend_absorbed_flash_cpu, attend_blocked,
                                               attend_flash_cpu, decompress_padded)
@@ -115,7 +115,10 @@ class MLAAttention:
         starts, kb = list(batch.start_positions), ops.numerics.key_block
         lengths = [s + t for s in starts]
         blocks = batch.latent.read_blocks(self.mla_idx, lengths, kb).float()  # [sum nb, KB, rank + rope]
-        outs = attend_blocks(list(q.unbind(0)), blocks, lengths, starts, self.w_uk.float(), self.w_uv.float(), kb)
+        w_uk, w_uv = self.w_uk.float(), self.w_uv.float()
+        # the packed GEMM caches model weights: a bf16 model's fp32 copies are made per call, so they keep the bmm
+        head_gemm = ops.head_gemm if w_uk is self.w_uk and w_uv is self.w_uv else per_head_gemm
+        outs = attend_blocks(list(q.unbind(0)), blocks, lengths, starts, w_uk, w_uv, kb, head_gemm)
         attn = torch.stack(outs).flatten(2)  # [B, T, H_local * v]
         if self.w_gate is not None:
             gate = ops.linear(x, self.w_gate, ops.col_units) if gate is None else gate

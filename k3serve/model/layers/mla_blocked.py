@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from k3serve.model.deterministic import ELEMENTWISE_VEC, MIN_TILE
+from k3serve.model.deterministic import ELEMENTWISE_VEC, MIN_TILE, per_head_gemm
 from k3serve.model.state import blocks_of
 
 # Most fp32 score elements one row chunk of a long request materialises (as mla.py's decompressed path).
@@ -65,15 +65,6 @@ def blocked_attention(queries: list[torch.Tensor], rows: list[torch.Tensor], sta
     """
     lengths = [r.shape[0] for r in rows]
     return attend_blocks(queries, blocks_of(rows, key_block), lengths, starts, w_uk, w_uv, key_block)
-
-
-def per_head_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x `[H, M, K]`, w `[H, n, K]` -> `[H, M, n]`: one `[M, K] x [K, n]` GEMM per head (B transposed), rows
-    zero-padded to MIN_TILE (fewer rows take another kernel; from MIN_TILE on a row's bits do not depend on M)."""
-    m = x.shape[1]
-    if m < MIN_TILE:
-        x = torch.cat([x, x.new_zeros(x.shape[0], MIN_TILE - m, x.shape[2])], dim=1)
-    return torch.bmm(x, w.transpose(1, 2))[:, :m]
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
@@ -114,9 +105,12 @@ def _attend(qa: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, key_block: 
 
 
 def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: list[int], starts: list[int],
-                  w_uk: torch.Tensor, w_uv: torch.Tensor, key_block: int) -> list[torch.Tensor]:
+                  w_uk: torch.Tensor, w_uv: torch.Tensor, key_block: int,
+                  head_gemm=per_head_gemm) -> list[torch.Tensor]:
     """:func:`blocked_attention` over key blocks already gathered: blocks `[sum_b ceil(lengths[b] / KB), KB,
-    rank + rope]` fp32 (request order, zero-padded: ``LatentCache.read_blocks``)."""
+    rank + rope]` fp32 (request order, zero-padded: ``LatentCache.read_blocks``). head_gemm: the per-head
+    weight GEMM (``DeterministicOps.head_gemm``: the packed GEMM for large heads; same signature as
+    ``per_head_gemm``)."""
     heads, nope, rank = w_uk.shape
     dev = queries[0].device
     d = blocks.shape[-1]
@@ -126,7 +120,7 @@ def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: li
     offs = [sum(ts[:b]) for b in range(len(ts))]
     q = torch.cat(queries) if len(queries) > 1 else queries[0]  # [N, H, Dq]
     q = q.transpose(0, 1)  # [H, N, Dq]
-    q_lat = per_head_gemm(q[..., :nope], w_uk.transpose(1, 2))  # [H, N, rank]
+    q_lat = head_gemm(q[..., :nope], w_uk.transpose(1, 2))  # [H, N, rank]
     qa = torch.cat([q_lat, q[..., nope:]], dim=-1)  # [H, N, D]
     ctx = qa.new_empty(heads, qa.shape[1], rank)
     # groups: requests with the same (queries, blocks) run as one bmm; long requests are cut into row chunks
@@ -156,7 +150,7 @@ def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: li
         out = _attend(q_g, keys, pos.repeat(1, heads), key_block, rank).view(g, heads, t, rank)
         for i, b in enumerate(reqs):
             ctx[:, offs[b]: offs[b] + t] = out[i]
-    out = per_head_gemm(ctx, w_uv).transpose(0, 1)  # [N, H, v]
+    out = head_gemm(ctx, w_uv).transpose(0, 1)  # [N, H, v]
     return [out[o: o + t] for o, t in zip(offs, ts)]
 
 
