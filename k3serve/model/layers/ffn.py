@@ -117,6 +117,8 @@ class MoE:
             self.latent_norm = weights[m + "routed_expert_norm.weight"]
             self.w_up = weights[m + "routed_expert_up_proj.weight"]
         self._stack_input_projections()
+        dense = [t for t in self.experts.values() if all(isinstance(m, DenseLinear) for m in t)]
+        self.ops.prepack_experts([(w1.weight, w3.weight) for w1, w3, _ in dense], [w2.weight for _, _, w2 in dense])
 
     def _stack_input_projections(self) -> None:
         """Numerics mode ``deterministic``: the projections of the layer's input (router, latent down, shared
