@@ -115,6 +115,10 @@ class DefaultOps:
         """Whether a GEMM unit of reduction `k` and width `n` runs on the packed GEMM (deterministic mode only)."""
         return False
 
+    def whole_packed(self, w: torch.Tensor) -> bool:
+        """Whether ``whole_linear`` multiplies by the CPU weight w `[n, K]` on the packed GEMM."""
+        return False
+
     def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[..., K_local]`, w `[n, K_local]` (this rank's input columns) -> the TP-reduced `[..., n]`."""
         return self.tp.all_reduce(F.linear(x, w))
@@ -219,11 +223,11 @@ class DeterministicOps(DefaultOps):
             return self.packed.linear(flat, w).view(*lead, w.shape[0])
         return self._tiled(flat, w).view(*lead, w.shape[0])
 
-    def _whole_packed(self, w: torch.Tensor) -> bool:
-        return self.uses_packed(w.shape[1], w.shape[0], w.dtype, sized=True) and w.is_cpu
+    def whole_packed(self, w: torch.Tensor) -> bool:
+        return w.is_cpu and self.uses_packed(w.shape[1], w.shape[0], w.dtype, sized=True)
 
     def whole_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self._whole_packed(w) and _packable(x, w):
+        if self.whole_packed(w) and x.dtype == torch.float32:
             return self.packed.linear(x, w)
         return self.linear(x, w)
 
@@ -231,15 +235,15 @@ class DeterministicOps(DefaultOps):
         # a decode step routes to experts it has not seen for dozens of steps: packing each on its first token
         # made the bench preset's first ~20 deterministic steps 30-40% slower (measured)
         for w_a, w_b in pairs:
-            if w_a.shape == w_b.shape and self._whole_packed(w_a):
+            if w_a.shape == w_b.shape and self.whole_packed(w_a):
                 self.packed.get_stacked((w_a, w_b))
         for w in downs:
-            if self._whole_packed(w):
+            if self.whole_packed(w):
                 self.packed.get(w)
 
     def whole_linear_pair(self, x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        if w_a.shape == w_b.shape and self._whole_packed(w_a) and _packable(x, w_a):
+        if w_a.shape == w_b.shape and self.whole_packed(w_a) and x.dtype == torch.float32:
             # one packed GEMM over [w_a; w_b]: a column's bits do not depend on the other columns of the call
             both = self.packed.linear_stacked(x, (w_a, w_b))
             return both[:, : w_a.shape[0]], both[:, w_a.shape[0]:]

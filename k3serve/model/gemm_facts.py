@@ -17,10 +17,14 @@ Only the CPU is checked (the mode's Triton paths are not deterministic, docs/num
 run fixed-shape tiles, which need no such fact); the attention's per-head GEMMs are pinned by
 tests/model/test_numerics_invariants.py instead. Cost: a few GEMMs of at most 2 MIN_TILE + 5 rows per distinct
 shape, milliseconds for the tiny preset.
+
+The shapes the mode runs on oneDNN's packed GEMM (model/packed_gemm.py) are checked by ``check_packed_rows``
+against that kernel's own facts instead (rows from 2 on, columns whatever the width).
 """
 
 from __future__ import annotations
 
+import contextlib
 import platform
 
 import torch
@@ -59,12 +63,21 @@ def linear_shapes(weights: dict[str, torch.Tensor], units: int, min_out: int) ->
     return sorted(shapes)
 
 
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch's intra-op thread count set to `n` for the block (the mode's count), then put back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def check_row_floor(shapes: list[tuple[int, int]], min_tile: int, threads: int, tile: int = 16) -> None:
     """Raise NumericsError if a GEMM row of one of `shapes` (K, n) changes bits with the row count from
     `min_tile` rows on, at `threads` intra-op threads (module docstring)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         g = torch.Generator().manual_seed(0)
         rows = 2 * min_tile + _EXTRA_ROWS
         padded = -(-rows // tile) * tile
@@ -80,8 +93,6 @@ def check_row_floor(shapes: list[tuple[int, int]], min_tile: int, threads: int, 
                         f"torch {torch.__version__}, {threads} thread(s)): a row of a [{m}, {k}] x [{k}, {n}] GEMM "
                         f"has other bits than in its {tile}-row tile, so a row's result would depend on how many "
                         f"rows share the call (docs/numerics.md); use numerics: default here")
-    finally:
-        torch.set_num_threads(before)
 
 
 def check_packed_rows(shapes: list[tuple[int, int]], threads: int) -> None:
@@ -89,9 +100,7 @@ def check_packed_rows(shapes: list[tuple[int, int]], threads: int) -> None:
     of `shapes` at `threads` threads: a row's bits the same for 1 (padded), 2, 3, 17 and 37 rows and at another
     place in x, and a column's the same in a GEMM of half the width (a shard unit's slice) and of twice the width
     (two weights stacked, ``DeterministicOps.whole_linear_pair``)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         g = torch.Generator().manual_seed(0)
         rows = 2 * 16 + _EXTRA_ROWS
         for k, n in shapes:
@@ -112,5 +121,3 @@ def check_packed_rows(shapes: list[tuple[int, int]], threads: int) -> None:
                         f"{threads} thread(s)): oneDNN's packed GEMM gives {what} other bits than the {rows}-row "
                         f"GEMM (docs/numerics.md); use MKL tiles only (numerics: {{mode: deterministic, packed_min_k: 0, "
                         f"packed_min_elements: 0}}) or numerics: default")
-    finally:
-        torch.set_num_threads(before)

@@ -12,14 +12,14 @@ Xeon, AVX-512 + AMX, oneDNN 3.12, 1 and 2 threads) for every bench / tiny preset
     packing   the weight reordered once (``_reorder_linear_weight``) gives the bits of the plain weight
 
 and it runs one row at 1.1-1.4x the GEMV and 16 .. 256 rows 5-25% faster than MKL (same harness). Each call
-costs ~13 us more than MKL's, so the mode uses it only for reductions of at least ``numerics.packed_min_k``
-(a TP-invariant property of a weight: K of a replicated or column-parallel weight, K / units of a row-parallel
-unit). The facts are checked for the model's own shapes when it is built (model/gemm_facts.py) and pinned by
-tests/model/test_numerics_invariants.py.
+costs ~20-30 us more than MKL's for small weights, so the mode uses it only for long reductions and large
+fixed-shape units (``DeterministicOps.uses_packed``: ``numerics.packed_min_k``, ``numerics.packed_min_elements``,
+both decided from TP-invariant shapes). The facts are checked for the model's own shapes when it is built
+(model/gemm_facts.py) and pinned for the bench preset's shapes by tests/model/test_packed_gemm.py.
 
-The packed copies are cached per weight (its storage, offset, shape, strides and version: an in-place update
-makes a new entry), holding a reference to the weight so its memory cannot be reused under the key; they add
-one copy of every packed weight to the process's memory. A forward that needs gradients through a packed
+The packed copies are cached per weight view (its data pointer, shape and strides; remade after an in-place
+update, seen by the version counter), holding a reference to the weight so its memory cannot be reused under
+the key; they add one copy of every packed weight to the process's memory. A forward that needs gradients through a packed
 weight is refused (the op has no backward); the deterministic mode is a serving mode.
 """
 
@@ -83,22 +83,24 @@ class PackedWeights:
             raise NumericsError("numerics: deterministic runs its wide linears on oneDNN's packed GEMM, which has "
                                 "no backward; run a forward that needs gradients with numerics: default")
 
+    @staticmethod
+    def _mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """packed_mm for any row count: fewer than PACKED_MIN_ROWS rows are zero-padded, then cut off."""
+        rows = x.shape[0]
+        if rows < PACKED_MIN_ROWS:
+            return packed_mm(F.pad(x, (0, 0, 0, PACKED_MIN_ROWS - rows)), packed)[:rows]
+        return packed_mm(x.contiguous(), packed)
+
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[N, K]` (any N) times w `[n, K]`^T -> `[N, n]`, each row with the bits of any other row count's."""
         self._check_grad(x, w)
-        rows = x.shape[0]
-        if rows < PACKED_MIN_ROWS:
-            return packed_mm(F.pad(x, (0, 0, 0, PACKED_MIN_ROWS - rows)), self.get(w))[:rows]
-        return packed_mm(x.contiguous(), self.get(w))
+        return self._mm(x, self.get(w))
 
     def linear_stacked(self, x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x `[N, K]` times the weights `ws` stacked by rows -> `[N, sum n_i]` (columns: each weight's GEMM's)."""
         for t in ws:
             self._check_grad(x, t)
-        rows = x.shape[0]
-        if rows < PACKED_MIN_ROWS:
-            return packed_mm(F.pad(x, (0, 0, 0, PACKED_MIN_ROWS - rows)), self.get_stacked(ws))[:rows]
-        return packed_mm(x.contiguous(), self.get_stacked(ws))
+        return self._mm(x, self.get_stacked(ws))
 
     def unit_partials(self, x: torch.Tensor, w: torch.Tensor, units: int) -> torch.Tensor:
         """x `[N, K]`, w `[n, K]` -> `[units, N, n]`: the partial products of the `units` column blocks

@@ -297,8 +297,7 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     inter, e_in = moe.stacked.w1.shape[1], moe.stacked.w1.shape[2]
     if min(inter, e_in) < BMM_MIN_OUT or inter % ELEMENTWISE_VEC:
         return False
-    if moe.stacked.w1.is_cpu and (ops.uses_packed(e_in, inter, moe.stacked.w1.dtype, sized=True)
-                                  or ops.uses_packed(inter, e_in, moe.stacked.w2.dtype, sized=True)):
+    if ops.whole_packed(moe.stacked.w1[0]) or ops.whole_packed(moe.stacked.w2[0]):
         return False  # ops.whole_linear runs these experts on the packed GEMM (model/packed_gemm.py): the loop
     act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
     k = ids.shape[1]
