@@ -81,7 +81,9 @@ def _attend(q_latent, q_pe, kv_pages, block_table, lens, longest, softmax_scale)
     page_ids = block_table[:, :npg].to(torch.long)
     used = torch.arange(npg, device=lens.device)[None, :] * ps < lens[:, None]
     page_ids = torch.where(used, page_ids, torch.zeros_like(page_ids))   # garbage -> page 0
-    kv = kv_pages[page_ids].reshape(B, npg * ps, -1).to(torch.float32)   # [B, L, Dl + R]
+    # index_select, not kv_pages[page_ids]: on a strided pool view advanced indexing runs ~30x slower (measured:
+    # 16 pages of [64, 576] from pool[:, layer], one thread, 1.47 ms vs 51 us); the same copy
+    kv = kv_pages.index_select(0, page_ids.reshape(-1)).view(B, npg * ps, -1).to(torch.float32)  # [B, L, Dl + R]
     c, k_pe = kv[..., :Dl], kv[..., Dl:]
     s = (q_latent.float() @ c.transpose(1, 2) + q_pe.float() @ k_pe.transpose(1, 2)) * softmax_scale
     valid = torch.arange(npg * ps, device=lens.device)[None, :] < lens[:, None]   # [B, L]

@@ -98,3 +98,34 @@ def test_paged_read_blocks_equal_the_dense_cache_blocks_for_every_page_size():
                 pos = torch.arange(lengths[b])
                 pool[order[b, pos // page], layer, pos % page] = r + layer
             assert torch.equal(paged.read_blocks(layer, lengths, KB), dense.read_blocks(layer, lengths, KB)), page
+
+
+def test_paged_writes_and_reads_land_on_the_table_rows_of_their_layer():
+    """Rows written through the cache (index_copy_ on flat row ids) sit at pool[table[p // page], layer,
+    p % page] and nowhere else, and read / read_blocks give them back; the decode kernel's page gather too."""
+    from k3serve.kernels.mla_decode import mla_decode, naive_mla_decode
+
+    g = torch.Generator().manual_seed(5)
+    page, layers, d = 16, 3, RANK + ROPE
+    pool = torch.randn(12, layers, page, d, generator=g)
+    table = torch.tensor([[7, 2, 9, 0], [4, 11, 5, 1]])
+    paged, before = PagedLatentCache(pool, table), pool.clone()
+    writes = {(1, 0): torch.randn(2, 21, d, generator=g), (1, 21): torch.randn(2, 30, d, generator=g)}
+    for (layer, start), rows in writes.items():
+        paged.write(layer, rows, [start, start])
+    want = torch.cat([writes[(1, 0)], writes[(1, 21)]], dim=1)  # [2, 51, d]
+    touched = torch.zeros(pool.shape[:3], dtype=torch.bool)
+    for b in range(2):
+        for p in range(51):
+            assert torch.equal(pool[table[b, p // page], 1, p % page], want[b, p])
+            touched[table[b, p // page], 1, p % page] = True
+        assert torch.equal(paged.read(1, b, 51), want[b])
+    assert torch.equal(pool[~touched], before[~touched])  # other layers, pages and rows untouched
+    dense = DenseLatentCache(layers, 2)
+    dense._rows[1] = [want[0], want[1, :40]]
+    assert torch.equal(paged.read_blocks(1, [51, 40], 8), dense.read_blocks(1, [51, 40], 8))
+    assert torch.equal(paged.read_blocks(1, [51, 40], 32), dense.read_blocks(1, [51, 40], 32))
+    q, q_pe = torch.randn(2, 4, RANK, generator=g), torch.randn(2, 4, ROPE, generator=g)
+    lens = torch.tensor([51, 40])
+    got = mla_decode(q, q_pe, pool[:, 1], table, lens, 0.1, backend="torch")
+    torch.testing.assert_close(got, naive_mla_decode(q, q_pe, pool[:, 1], table, lens, 0.1), atol=1e-5, rtol=1e-5)
