@@ -39,6 +39,16 @@ class NumericsMode(str, Enum):
     DETERMINISTIC = "deterministic"
 
 
+class GemmLibrary(str, Enum):
+    """The default mode's fp32 CPU GEMM (model/cpu_gemm.py): ``auto`` oneDNN's packed GEMM for calls of 2 rows and
+    more, and for one row unless the CPU is GenuineIntel (MKL's GEMV is faster there); ``onednn`` every call;
+    ``mkl`` ``F.linear`` everywhere (no packed weight copies)."""
+
+    AUTO = "auto"
+    ONEDNN = "onednn"
+    MKL = "mkl"
+
+
 @dataclass(frozen=True)
 class Numerics:
     mode: NumericsMode = NumericsMode.DEFAULT
@@ -52,11 +62,19 @@ class Numerics:
     # and weights whose GEMM shape does not change with TP (routed experts, replicated projections, row-parallel
     # units) of at least this many elements
     packed_min_elements: int = 1 << 16
+    # numerics default: the fp32 CPU GEMM library (GemmLibrary; "auto", "onednn", "mkl")
+    default_gemm: GemmLibrary = GemmLibrary.AUTO
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, NumericsMode):
             raise NumericsError(f"numerics: mode must be one of {[m.value for m in NumericsMode]}, "
                                 f"got {self.mode!r}")
+        if not isinstance(self.default_gemm, GemmLibrary):
+            try:
+                object.__setattr__(self, "default_gemm", GemmLibrary(self.default_gemm))
+            except ValueError:
+                raise NumericsError(f"numerics.default_gemm must be one of {[g.value for g in GemmLibrary]}, "
+                                    f"got {self.default_gemm!r}") from None
         for name in ("row_tile", "key_block", "grid", "threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.contracts.numerics import Numerics
+from k3serve.model.cpu_gemm import CpuGemm
 from k3serve.model.packed_gemm import PackedWeights, packed_gemm_available
 from k3serve.model.tp import TPGroup
 
@@ -77,39 +78,54 @@ def shard_units(cfg) -> int:
 
 
 class DefaultOps:
-    """The default mode: whatever shapes the batch gives, one all-reduce per row-parallel output."""
+    """The default mode: whatever shapes the batch gives, one all-reduce per row-parallel output; the linears on
+    ``gemm`` (model/cpu_gemm.py: oneDNN's packed GEMM or MKL per call; None: ``F.linear``)."""
 
     deterministic = False
     col_units = 1  # units of a column-parallel weight on this rank (pass to linear)
 
-    def __init__(self, tp: TPGroup) -> None:
+    def __init__(self, tp: TPGroup, gemm: CpuGemm | None = None) -> None:
         self.tp = tp
+        self.gemm = gemm
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w) if self.gemm is None else self.gemm.linear(x, w)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, units: int = 1) -> torch.Tensor:
         """x `[..., K]`, w `[n, K]` (replicated, or this rank's column slice of `units` units) -> `[..., n]`."""
-        return F.linear(x, w)
+        return self._linear(x, w)
 
     def stack_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[..., K]` times a layer's row-stacked input projections w `[sum n_i, K]` (layers/stacked.py: this
         rank's column slices next to replicated weights, so its width changes with TP) -> `[..., sum n_i]`."""
-        return F.linear(x, w)
+        return self._linear(x, w)
 
     def whole_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[N, K]` times a model weight w `[n, K]` whose shape is the same on every TP (a routed expert on its
         owning rank, a replicated projection) -> `[N, n]`."""
-        return F.linear(x, w)
+        return self._linear(x, w)
 
     def whole_linear_pair(self, x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x w_a^T, x w_b^T) for two weights of ``whole_linear`` with the same input (an expert's gate and up)."""
+        if self.gemm is not None:
+            return self.gemm.linear_pair(x, w_a, w_b)
         return self.whole_linear(x, w_a), self.whole_linear(x, w_b)
 
     def prepack_experts(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], downs: list[torch.Tensor]) -> None:
         """Make now what ``whole_linear_pair`` / ``whole_linear`` would make on an expert's first token."""
+        if self.gemm is not None:
+            self.gemm.prepack(downs, pairs)
 
     def transient_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[N, K]` times a weight w `[n, K]` made for this call (a dequantised MXFP4 block) -> `[N, n]`."""
-        return F.linear(x, w)
+        return F.linear(x, w) if self.gemm is None else self.gemm.transient(x, w)
+
+    def gemm_loops_experts(self, x: torch.Tensor) -> bool:
+        """Whether the routed experts of a call with input x `[N, e_in]` run one ``whole_linear_pair`` and one
+        ``whole_linear`` (or an MXFP4 expert's ``tiled``) per active expert, their GEMMs on oneDNN
+        (model/cpu_gemm.py), instead of the stacked forms' MKL GEMMs."""
+        return self.gemm is not None and self.gemm.takes(x)
 
     def uses_packed(self, k: int, n: int, dtype: torch.dtype, sized: bool = False) -> bool:
         """Whether a GEMM unit of reduction `k` and width `n` runs on the packed GEMM (deterministic mode only)."""
@@ -121,7 +137,7 @@ class DefaultOps:
 
     def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[..., K_local]`, w `[n, K_local]` (this rank's input columns) -> the TP-reduced `[..., n]`."""
-        return self.tp.all_reduce(F.linear(x, w))
+        return self.tp.all_reduce(self._linear(x, w))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a per-rank partial `[...]` over the TP group."""
@@ -331,5 +347,5 @@ class DeterministicOps(DefaultOps):
 def make_ops(cfg, tp: TPGroup, numerics: Numerics | None) -> DefaultOps:
     """The operators for `numerics` (None: default)."""
     if numerics is None or not numerics.deterministic:
-        return DefaultOps(tp)
+        return DefaultOps(tp, CpuGemm((numerics or Numerics()).default_gemm))
     return DeterministicOps(tp, numerics, shard_units(cfg))

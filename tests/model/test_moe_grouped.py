@@ -58,6 +58,23 @@ def test_stacked_forms_on_an_expert_parallel_rank(rank: int, padded: bool, monke
     torch.testing.assert_close(stacked, looped, rtol=1e-5 if padded else 0, atol=1e-6 if padded else 0)
 
 
+@pytest.mark.parametrize("counts", [[0, 1, 0, 0, 0, 2, 0, 1], [3, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+def test_looped_active_experts_equal_the_grouped_gemm_bitwise(counts: list[int]) -> None:
+    """The decode form for spans that are mostly idle (only the non-empty runs, one mm each) gives the grouped
+    GEMM's bits, empty groups and all."""
+    from k3serve.model.layers.moe_grouped import StackedExperts, grouped_experts, looped_experts
+
+    g = torch.Generator().manual_seed(len(counts) + sum(counts))
+    e, inner, d = len(counts), 64, 96
+    st = StackedExperts(*(torch.randn(e, a, b, generator=g) for a, b in ((inner, d), (inner, d), (d, inner))))
+    z = torch.randn(sum(counts), d, generator=g)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    active = [i for i, n in enumerate(counts) if n]
+    want = grouped_experts(z, offs, st, "silu", 1.0, 1.0)
+    got = looped_experts(z, [counts[i] for i in active], [st.span(i, i + 1) for i in active], "silu", 1.0, 1.0)
+    assert torch.equal(got, want)
+
+
 def test_weights_held_once_and_training_keeps_the_loop() -> None:
     cfg = preset("tiny")
     weights = random_weights(cfg, 0)

@@ -15,7 +15,7 @@ from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import BMM_MIN_OUT, ELEMENTWISE_VEC, MIN_TILE, DefaultOps, tile_rows
 from k3serve.model.layers.expert_weights import DenseLinear, expert_linear
 from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, StackedExperts, grouped_experts,
-                                               padded_experts, stack_dense_experts)
+                                               looped_experts, padded_experts, stack_dense_experts)
 from k3serve.model.layers.moe_mxfp4 import fuse_mxfp4_experts
 from k3serve.model.layers.norm import glu, rms_norm
 from k3serve.model.layers.stacked import stack_rows
@@ -59,9 +59,10 @@ class GatedMLP:
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """x `[N, d]` -> this rank's partial output `[N, d]`."""
         c = self.cfg
-        h = glu(F.linear(x, self.w_gate), F.linear(x, self.w_up), c.hidden_act,
-                c.activation_situ_beta, c.activation_situ_linear_beta)
-        return F.linear(h, self.w_down)
+        lin = F.linear if self.ops is None else self.ops.linear
+        h = glu(lin(x, self.w_gate), lin(x, self.w_up), c.hidden_act, c.activation_situ_beta,
+                c.activation_situ_linear_beta)
+        return lin(h, self.w_down)
 
     def reduced(self, x: torch.Tensor, gate: torch.Tensor | None = None,
                 up: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,10 +194,18 @@ class MoE:
             span = self.stacked.span(first, last)
             act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
             width = max(counts[e0 + first: e0 + last])
-            if decode and len(active) >= PADDED_MIN_ACTIVE and width <= PADDED_MAX_ROWS:  # 3 padded bmm
+            if self.ops.gemm_loops_experts(z):  # the CPU GEMM the other linears run (model/cpu_gemm.py)
+                y = looped_experts(z[rows], [counts[e0 + i] for i in active], [self.stacked.span(i, i + 1)
+                                                                                for i in active], *act, self.ops)
+            elif decode and len(active) >= PADDED_MIN_ACTIVE and width <= PADDED_MAX_ROWS:  # 3 padded bmm
                 expert = ids.reshape(-1)[mine] - (e0 + first)
                 pos = torch.arange(hi - lo, device=z.device) - (run.cumsum(0) - run)[expert]
                 y = padded_experts(z[rows], expert, pos, width, span, *act)
+            elif 2 * len(active) < last - first:
+                # most of the span idle (a decode step of a few requests): the active experts' GEMMs one by one,
+                # the same mm per run that grouped_mm issues (bit-identical), without its one mm per idle group
+                y = looped_experts(z[rows], [counts[e0 + i] for i in active], [self.stacked.span(i, i + 1)
+                                                                                for i in active], *act)
             else:
                 y = grouped_experts(z[rows], run.cumsum(0).to(torch.int32), span, *act)
             out.index_add_(0, rows, y.float() * w[rows, slot].unsqueeze(-1))
@@ -205,7 +214,12 @@ class MoE:
         for e, rows, slot in expert_runs(order, counts, k, self.expert_ids):
             w1, w3, w2 = self.experts[e]
             zi = z[rows]
-            y = w2(glu(w1(zi), w3(zi), c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta))
+            if self.ops.gemm_loops_experts(zi):  # oneDNN, as the stacked experts: MXFP4 blocks as plain weights
+                h = glu(w1.tiled(zi, self.ops), w3.tiled(zi, self.ops), c.hidden_act, c.activation_situ_beta,
+                        c.activation_situ_linear_beta)
+                y = w2.tiled(h, self.ops)
+            else:
+                y = w2(glu(w1(zi), w3(zi), c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta))
             ys.append(y.float() * w[rows, slot].unsqueeze(-1))
             rows_used.append(rows)
         out.index_add_(0, torch.cat(rows_used), torch.cat(ys))
@@ -220,8 +234,8 @@ class MoE:
         ids, w = self.route(flat)
         decode = shape[-2] == 1 and flat.shape[0] > 1  # [B, 1, d]: a decode step over several requests
         if self.cfg.uses_latent_moe:
-            u = self.tp.all_reduce(self._routed_partial(F.linear(flat, self.w_down), ids, w, decode))
-            routed = F.linear(rms_norm(u.to(x.dtype), self.latent_norm, self.cfg.rms_norm_eps), self.w_up)
+            u = self.tp.all_reduce(self._routed_partial(self.ops.linear(flat, self.w_down), ids, w, decode))
+            routed = self.ops.linear(rms_norm(u.to(x.dtype), self.latent_norm, self.cfg.rms_norm_eps), self.w_up)
             shared = self.tp.all_reduce(self.shared.partial(flat)) if self.shared else 0
             out = routed + shared
         else:

@@ -7,7 +7,6 @@ all-reduced); a rank sees only its local heads' blocks.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from k3serve.kernels.gate import kda_gate
 from k3serve.kernels.kda import chunk_kda, recurrent_kda
@@ -78,7 +77,7 @@ class KDAAttention:
         if self.w_in is not None and self.ops.deterministic:  # every call: the same tiled GEMM (stacked.py)
             fused = self.ops.stack_linear(x, self.w_in).split(self.in_sizes, -1)
         else:
-            fused = F.linear(x, self.w_in).split(self.in_sizes, -1) if decode and self.w_in is not None else None
+            fused = self.ops.stack_linear(x, self.w_in).split(self.in_sizes, -1) if decode and self.w_in is not None else None
         qkv = []
         for i, w_proj in enumerate((self.w_q, self.w_k, self.w_v)):
             raw = fused[i] if fused is not None else lin(x, w_proj, cu)  # [B, T, H*K]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from k3serve.kernels.mla_decode import mla_decode
 from k3serve.model.config import ModelConfig
@@ -86,7 +85,7 @@ class MLAAttention:
         if self.w_in is not None and self.ops.deterministic:  # every call: the same tiled GEMM (stacked.py)
             fused = self.ops.stack_linear(x, self.w_in).split(self.in_sizes, -1)
         elif batch.decode and self.w_in is not None:
-            fused = F.linear(x, self.w_in).split(self.in_sizes, -1)
+            fused = self.ops.stack_linear(x, self.w_in).split(self.in_sizes, -1)
         else:
             fused = (None, None, None)
         batch.latent.write(self.mla_idx, self.latent_rows(x, fused[0]), batch.start_positions)
@@ -101,10 +100,9 @@ class MLAAttention:
             attn = torch.stack([self._decompressed(q_nope[b], q_pe[b], batch, b) for b in range(bsz)])
         attn = attn.flatten(2)  # [B, T, H_local * v]
         if self.w_gate is not None:
-            gate = fused[2] if fused[0] is not None else F.linear(x, self.w_gate)
+            gate = fused[2] if fused[0] is not None else self.ops.linear(x, self.w_gate)
             attn = attn * torch.sigmoid(gate.float())
-        out = F.linear(attn.to(x.dtype), self.w_o)
-        return self.tp.all_reduce(out)
+        return self.ops.row_linear(attn.to(x.dtype), self.w_o)
 
     def _forward_blocked(self, x: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
                          batch: ForwardBatch, gate: torch.Tensor | None = None) -> torch.Tensor:
