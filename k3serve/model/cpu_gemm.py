@@ -9,14 +9,16 @@ on an AMD EPYC (Zen 5, AVX-512, 2 cores), weights cycling through 512 MiB so non
 and on the Intel Xeon (AVX-512 + AMX) of the earlier wave oneDNN ran 16-256 rows 5-25% faster than MKL but one
 row at 1.1-1.4x MKL's GEMV time (model/packed_gemm.py). Hence ``numerics.default_gemm``:
 
-    auto     oneDNN for calls of 2 rows and more; for one row too unless the CPU is GenuineIntel
+    auto     oneDNN where it is the faster library: weights of 2 MiB and more at any row count, smaller ones
+             from 32 rows on (``CpuGemm.takes_shape``); one-row calls stay on MKL on GenuineIntel CPUs
     onednn   oneDNN for every call
     mkl      F.linear everywhere (the former default; no packed copies)
 
-A one-row call on oneDNN is zero-padded to 2 rows (``PACKED_MIN_ROWS``): a row of a oneDNN GEMM has the same bits
-for every row count from 2 on (measured, model/packed_gemm.py) but one row alone takes another kernel, so padding
-makes a decode row's linears independent of how many requests share the step, and makes a plain-weight call (a
-dequantised MXFP4 block, ``transient``) give the packed weight's bits (both measured equal from 2 rows on). Only
+A oneDNN call is zero-padded to a bucket of rows (``row_bucket``; one row to 2): a row of a oneDNN GEMM has the
+same bits for every row count from 2 on (measured, model/packed_gemm.py) but one row alone takes another kernel,
+and every new row count costs a primitive. So a decode row's oneDNN linears do not depend on how many requests
+share the step, and a plain-weight call (a dequantised MXFP4 block, ``transient``) gives the packed weight's bits
+(both measured equal from 2 rows on). Only
 fp32 CPU operands without gradients take oneDNN (training keeps ``F.linear`` and its autograd). The packed
 copies are one more copy of every fp32 weight a call has used (``PackedWeights``); ``mkl`` holds none.
 """
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.contracts.numerics import GemmLibrary
-from k3serve.model.packed_gemm import PACKED_MIN_ROWS, PackedWeights, packed_gemm_available
+from k3serve.model.packed_gemm import PACKED_MIN_ROWS, PackedWeights, packed_gemm_available, packed_mm
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,6 +47,38 @@ def cpu_vendor() -> str:
     return ""
 
 
+# oneDNN's per-call cost (~20-40 us, and a zero-padded second row) loses to MKL's GEMV on weights that sit in
+# cache (measured, 2 threads, AMD: [256, 256] one row 9 vs 46 us, [512, 1024] 51 vs 67 us hot) and wins on weights
+# streamed from memory (a decode step of a model larger than the cache: [512, 1024] 105 vs 70 us cold, [4232, 1024]
+# 1044 vs 361 us). Calls of fewer than MANY_ROWS rows therefore take oneDNN for weights of at least
+# FEW_ROWS_MIN_ELEMENTS (2 MiB fp32: the bench preset's experts and projections; none of the tiny preset's), and
+# calls of MANY_ROWS rows and more, where oneDNN's kernels are faster whatever the weight (32 rows: [256, 512]
+# 57 vs 84 us, [1024, 1024] 233 vs 742 us; 512 rows 2-3x), for weights of at least MANY_ROWS_MIN_ELEMENTS.
+FEW_ROWS_MIN_ELEMENTS = 1 << 19
+MANY_ROWS = 32
+MANY_ROWS_MIN_ELEMENTS = 1 << 16
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a oneDNN call is zero-padded to::
+
+        1, 2          -> 2            (one row alone takes another kernel)
+        3 .. 64       -> multiple of 8
+        65 ..         -> 4 steps per octave: 65..128 by 16, 129..256 by 32, ... (at most +25% rows, +12% typical)
+
+    oneDNN makes (and JIT-compiles) a primitive per row count on its first call: 0.7-8 ms per weight shape
+    (measured), which a prefill of every new length, or a test suite of many prompt lengths, paid on every call
+    (the suite ran 26 min instead of 17 with exact row counts); bucketing bounds the primitives to ~40 per weight
+    shape up to 8192 rows. A row's bits do not depend on the call's row count from 2 rows on
+    (model/packed_gemm.py), so the padding changes no value."""
+    if rows <= PACKED_MIN_ROWS:
+        return PACKED_MIN_ROWS
+    if rows <= 64:
+        return -(-rows // 8) * 8
+    step = 1 << (rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
 class CpuGemm:
     """One model's default-mode linears (module docstring); the packed copies are this object's."""
 
@@ -53,21 +87,38 @@ class CpuGemm:
         self.packed = None if self.library is GemmLibrary.MKL else PackedWeights()
         self._one_row = self.library is GemmLibrary.ONEDNN or cpu_vendor() != "GenuineIntel"
 
-    def takes(self, x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
-        """Whether x `[..., K]` times w `[n, K]`^T runs on oneDNN (w None: any fp32 CPU weight without grad)."""
-        w = x.detach() if w is None else w
-        if self.packed is None or x.dtype != torch.float32 or w.dtype != torch.float32 or not (x.is_cpu and w.is_cpu):
+    def takes_shape(self, x: torch.Tensor, n: int, k: int, weight_grad: bool = False) -> bool:
+        """Whether x `[..., K]` times an fp32 CPU weight `[n, k]` runs on oneDNN (weight_grad: the weight requires
+        grad). The rule (``auto``: rows and weight size, module constants; ``onednn``: every call)."""
+        if self.packed is None or x.dtype != torch.float32 or not x.is_cpu:
             return False
-        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        if torch.is_grad_enabled() and (x.requires_grad or weight_grad):
             return False  # the packed op has no backward: training keeps F.linear
         rows = x.numel() // max(x.shape[-1], 1)
-        return rows >= PACKED_MIN_ROWS or (rows == 1 and self._one_row)
+        if rows == 0 or (rows == 1 and not self._one_row):
+            return False
+        if self.library is GemmLibrary.ONEDNN:
+            return True
+        return n * k >= (MANY_ROWS_MIN_ELEMENTS if rows >= MANY_ROWS else FEW_ROWS_MIN_ELEMENTS)
+
+    def takes(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether x `[..., K]` times w `[n, K]`^T runs on oneDNN."""
+        return w.dtype == torch.float32 and w.is_cpu and self.takes_shape(x, w.shape[0], w.shape[1], w.requires_grad)
+
+    @staticmethod
+    def _mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x `[N, K]` padded to ``row_bucket(N)`` rows times a packed (or plain) weight -> `[N, n]`."""
+        rows = x.shape[0]
+        padded = row_bucket(rows)
+        xp = F.pad(x, (0, 0, 0, padded - rows)) if padded > rows else x.contiguous()
+        out = packed_mm(xp, weight)
+        return out[:rows] if padded > rows else out
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[..., K]` times a model weight w `[n, K]`^T -> `[..., n]` (packed on first use)."""
         if not self.takes(x, w):
             return F.linear(x, w)
-        return self.packed._mm(x.reshape(-1, x.shape[-1]), self.packed.get(w)).view(*x.shape[:-1], w.shape[0])
+        return self._mm(x.reshape(-1, x.shape[-1]), self.packed.get(w)).view(*x.shape[:-1], w.shape[0])
 
     def linear_pair(self, x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,27 +126,27 @@ class CpuGemm:
         depend on the other columns of the call: model/packed_gemm.py)."""
         if w_a.shape != w_b.shape or not self.takes(x, w_a):
             return self.linear(x, w_a), self.linear(x, w_b)
-        both = self.packed._mm(x, self.packed.get_stacked((w_a, w_b)))
+        both = self._mm(x, self.packed.get_stacked((w_a, w_b)))
         return both[:, : w_a.shape[0]], both[:, w_a.shape[0]:]
 
     def prepack(self, ws: list[torch.Tensor], pairs: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
         """Pack now what the first calls would (a MoE layer's experts: a decode step reaches a new one for dozens
-        of steps, each first use paying its packing)."""
+        of steps, each first use paying its packing); weights below every size floor are left to MKL."""
         if self.packed is None:
             return
+        floor = 0 if self.library is GemmLibrary.ONEDNN else MANY_ROWS_MIN_ELEMENTS
         for a, b in pairs:
-            if a.dtype == torch.float32 and a.is_cpu and a.shape == b.shape:
+            if a.dtype == torch.float32 and a.is_cpu and a.shape == b.shape and a.numel() >= floor:
                 self.packed.get_stacked((a, b))
         for w in ws:
-            if w.dtype == torch.float32 and w.is_cpu:
+            if w.dtype == torch.float32 and w.is_cpu and w.numel() >= floor:
                 self.packed.get(w)
 
-    def transient(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x `[N, K]` times a weight made for this call (a dequantised MXFP4 block; never cached) -> `[N, n]`:
-        oneDNN on the plain weight where ``linear`` would take oneDNN (the same bits), else F.linear."""
-        if not self.takes(x, w):
+    def transient(self, x: torch.Tensor, w: torch.Tensor, whole: tuple[int, int] | None = None) -> torch.Tensor:
+        """x `[N, K]` times a weight made for this call (a block of rows of a dequantised MXFP4 weight of shape
+        `whole`, default w's own; never cached) -> `[N, n]`: oneDNN on the plain weight where ``linear`` would
+        take oneDNN for the whole weight (the same bits), else F.linear."""
+        n, k = whole if whole is not None else w.shape
+        if not (w.dtype == torch.float32 and w.is_cpu and self.takes_shape(x, n, k, w.requires_grad)):
             return F.linear(x, w)
-        rows = x.shape[0]
-        xp = F.pad(x, (0, 0, 0, PACKED_MIN_ROWS - rows)) if rows < PACKED_MIN_ROWS else x.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(xp, w.contiguous(), None, "none", [], "")
-        return out[:rows] if rows < PACKED_MIN_ROWS else out
+        return self._mm(x, w.contiguous())

@@ -117,15 +117,17 @@ class DefaultOps:
         if self.gemm is not None:
             self.gemm.prepack(downs, pairs)
 
-    def transient_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x `[N, K]` times a weight w `[n, K]` made for this call (a dequantised MXFP4 block) -> `[N, n]`."""
-        return F.linear(x, w) if self.gemm is None else self.gemm.transient(x, w)
+    def transient_linear(self, x: torch.Tensor, w: torch.Tensor, whole: tuple[int, int] | None = None
+                         ) -> torch.Tensor:
+        """x `[N, K]` times a weight w `[n, K]` made for this call (a block of rows of a dequantised MXFP4 weight
+        of shape `whole`) -> `[N, n]`."""
+        return F.linear(x, w) if self.gemm is None else self.gemm.transient(x, w, whole)
 
-    def gemm_loops_experts(self, x: torch.Tensor) -> bool:
-        """Whether the routed experts of a call with input x `[N, e_in]` run one ``whole_linear_pair`` and one
-        ``whole_linear`` (or an MXFP4 expert's ``tiled``) per active expert, their GEMMs on oneDNN
-        (model/cpu_gemm.py), instead of the stacked forms' MKL GEMMs."""
-        return self.gemm is not None and self.gemm.takes(x)
+    def gemm_loops_experts(self, x: torch.Tensor, n: int, k: int) -> bool:
+        """Whether routed experts of weight shape `[n, k]` (their gate) with input x `[N, k]` run one
+        ``whole_linear_pair`` and one ``whole_linear`` (or an MXFP4 expert's ``tiled``) per active expert on the
+        CPU GEMM of model/cpu_gemm.py, instead of the stacked forms' MKL grouped / padded GEMMs."""
+        return self.gemm is not None and self.gemm.takes_shape(x, n, k)
 
     def uses_packed(self, k: int, n: int, dtype: torch.dtype, sized: bool = False) -> bool:
         """Whether a GEMM unit of reduction `k` and width `n` runs on the packed GEMM (deterministic mode only)."""
@@ -265,7 +267,8 @@ class DeterministicOps(DefaultOps):
             return both[:, : w_a.shape[0]], both[:, w_a.shape[0]:]
         return self.whole_linear(x, w_a), self.whole_linear(x, w_b)
 
-    def transient_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def transient_linear(self, x: torch.Tensor, w: torch.Tensor, whole: tuple[int, int] | None = None
+                         ) -> torch.Tensor:
         return self._tiled(x, w)
 
     def head_gemm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

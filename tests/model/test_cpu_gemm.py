@@ -18,22 +18,31 @@ def _gemm(library: GemmLibrary, vendor: str, monkeypatch) -> CpuGemm:
     return CpuGemm(library)
 
 
-@pytest.mark.parametrize("library,vendor,one_row,two_rows", [
+@pytest.mark.parametrize("library,vendor,one_row,few_rows", [
     (GemmLibrary.AUTO, "AuthenticAMD", True, True),
     (GemmLibrary.AUTO, "GenuineIntel", False, True),  # MKL's GEMV is the faster one-row call there
     (GemmLibrary.ONEDNN, "GenuineIntel", True, True),
     (GemmLibrary.MKL, "AuthenticAMD", False, False),
 ])
-def test_which_calls_take_onednn(library, vendor, one_row, two_rows, monkeypatch):
+def test_which_calls_take_onednn(library, vendor, one_row, few_rows, monkeypatch):
     g = _gemm(library, vendor, monkeypatch)
-    w = torch.randn(64, 128)
-    assert g.takes(torch.randn(1, 128), w) is one_row
-    assert g.takes(torch.randn(2, 3, 128), w) is two_rows  # rows counted over the leading dims
-    assert not g.takes(torch.randn(4, 128).bfloat16(), w.bfloat16())  # fp32 only
-    trained = w.clone().requires_grad_(True)
-    assert not g.takes(torch.randn(4, 128), trained)  # training keeps F.linear (no backward)
+    big, small = torch.randn(512, 1024), torch.randn(256, 256)  # 2 MiB (FEW_ROWS_MIN_ELEMENTS); 256 KiB
+    assert g.takes(torch.randn(1, 1024), big) is one_row
+    assert g.takes(torch.randn(2, 3, 1024), big) is few_rows  # rows counted over the leading dims
+    many = library is not GemmLibrary.MKL
+    assert g.takes(torch.randn(cpu_gemm.MANY_ROWS, 256), small) is many
+    assert g.takes(torch.randn(8, 256), small) is (library is GemmLibrary.ONEDNN)  # cached weights: MKL's
+    assert not g.takes(torch.randn(4, 1024).bfloat16(), big.bfloat16())  # fp32 only
+    trained = big.clone().requires_grad_(True)
+    assert not g.takes(torch.randn(4, 1024), trained)  # training keeps F.linear (no backward)
     with torch.no_grad():
-        assert g.takes(torch.randn(4, 128), trained) is two_rows
+        assert g.takes(torch.randn(4, 1024), trained) is few_rows
+
+
+def test_row_buckets_bound_the_row_counts_and_waste_at_most_a_quarter():
+    buckets = {cpu_gemm.row_bucket(r) for r in range(1, 8193)}
+    assert len(buckets) <= 45 and cpu_gemm.row_bucket(1) == 2
+    assert all(r <= cpu_gemm.row_bucket(r) <= max(2, r * 1.25, r + 7) for r in range(1, 8193))
 
 
 def test_products_equal_f_linear_to_rounding_and_one_row_has_the_bits_of_two(monkeypatch):
@@ -47,7 +56,7 @@ def test_products_equal_f_linear_to_rounding_and_one_row_has_the_bits_of_two(mon
     a, b = g.linear_pair(x, w, w2)
     assert torch.equal(a, full) and torch.equal(b, g.linear(x, w2))
     for m in (1, 2, 9):  # a weight made per call, in row blocks: the packed weight's bits
-        blocks = torch.cat([g.transient(x[:m], w[r: r + 64]) for r in range(0, 300, 64)], dim=1)
+        blocks = torch.cat([g.transient(x[:m], w[r: r + 64], (300, 1024)) for r in range(0, 300, 64)], dim=1)
         assert torch.equal(blocks, full[:m])
     assert len(g.packed) == 3  # w, w2 and their stack; the transient blocks are not cached
 

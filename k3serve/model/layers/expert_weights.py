@@ -33,6 +33,11 @@ class DenseLinear:
         """x `[N, in]` -> `[N, out]`."""
         return F.linear(x, self.weight)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`(out, in)`."""
+        return tuple(self.weight.shape)
+
     def tiled(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x `[N, in]` -> `[N, out]` through the numerics mode's ``ops.whole_linear`` (model/deterministic.py:
         fixed row tiles, or the packed GEMM for a large expert)."""
@@ -68,8 +73,17 @@ class MXFP4Linear:
         weight rows (made per call, so never packed: model/packed_gemm.py caches model weights)
         (numerics mode deterministic: every call has a shape independent of N, so bits do not depend on how many
         tokens share the expert). fp32 math, like the torch path."""
-        return mxfp4_linear_blocks(x, self.packed, self.scale, ops.transient_linear,
-                                   self.cpu.svals if self.cpu else None)
+        whole = self.shape
+
+        def block_linear(xf: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+            return ops.transient_linear(xf, block, whole)  # decided by the whole weight's shape, as a dense one's
+
+        return mxfp4_linear_blocks(x, self.packed, self.scale, block_linear, self.cpu.svals if self.cpu else None)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's logical `(out, in)`."""
+        return self.packed.shape[0], self.packed.shape[1] * 2
 
 
 def expert_linear(weights: dict[str, torch.Tensor], name: str) -> DenseLinear | MXFP4Linear:

@@ -194,7 +194,7 @@ class MoE:
             span = self.stacked.span(first, last)
             act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
             width = max(counts[e0 + first: e0 + last])
-            if self.ops.gemm_loops_experts(z):  # the CPU GEMM the other linears run (model/cpu_gemm.py)
+            if self.ops.gemm_loops_experts(z, *self.stacked.w1.shape[1:]):  # the CPU GEMM of model/cpu_gemm.py
                 y = looped_experts(z[rows], [counts[e0 + i] for i in active], [self.stacked.span(i, i + 1)
                                                                                 for i in active], *act, self.ops)
             elif decode and len(active) >= PADDED_MIN_ACTIVE and width <= PADDED_MAX_ROWS:  # 3 padded bmm
@@ -214,7 +214,7 @@ class MoE:
         for e, rows, slot in expert_runs(order, counts, k, self.expert_ids):
             w1, w3, w2 = self.experts[e]
             zi = z[rows]
-            if self.ops.gemm_loops_experts(zi):  # oneDNN, as the stacked experts: MXFP4 blocks as plain weights
+            if self.ops.gemm_loops_experts(zi, *w1.shape):  # as the stacked experts; MXFP4 blocks as plain weights
                 h = glu(w1.tiled(zi, self.ops), w3.tiled(zi, self.ops), c.hidden_act, c.activation_situ_beta,
                         c.activation_situ_linear_beta)
                 y = w2.tiled(h, self.ops)
