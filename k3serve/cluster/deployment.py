@@ -25,6 +25,11 @@ from k3serve.cluster.nodes import LostNode
 
 log = logging.getLogger(__name__)
 
+# Ray's wait for its GCS server's port file (its own default 30 s; 120 s with its RocksDB backend), raised for
+# local starts on small loaded machines (Deployment._start_local_ray)
+GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
+GCS_PORT_WAIT_S = 120
+
 
 @dataclass
 class Deployment:
@@ -164,7 +169,13 @@ class Deployment:
         """Start a private local Ray instance, kept on loopback (rank rendezvous and gRPC never leave this
         machine). Ray waits a fixed 30 s for its raylet to register and then raises a bare Exception; on a
         loaded 2-core machine that wait is sometimes too short, so a start that timed out is shut down and
-        tried again (the other start errors are raised at once)."""
+        tried again (the other start errors are raised at once).
+
+        Ray also waits 30 s (by default) for its GCS server to write its port file, and on a timeout leaves
+        the half-started head behind, so that wait is not retried but lengthened to ``GCS_PORT_WAIT_S``
+        unless the operator set ``RAY_gcs_server_port_wait_time_s`` (seen in the test suite on a loaded
+        2-core machine: a GCS that needed over 30 s failed every test of the package's deployment)."""
+        os.environ.setdefault(GCS_PORT_WAIT_ENV, str(GCS_PORT_WAIT_S))
         for attempt in range(1, attempts + 1):
             try:
                 ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False,

@@ -1,6 +1,8 @@
 """Starting the private local Ray instance: a raylet that registers late (Ray's fixed 30 s wait, seen on a
 loaded 2-core CI machine) is retried; any other start error is raised at once."""
 
+import os
+
 import pytest
 import ray
 
@@ -60,3 +62,15 @@ def test_other_start_errors_are_not_retried(fake_ray):
     with pytest.raises(ValueError, match="bad runtime_env"):
         _deployment()._start_ray()
     assert (fake.inits, fake.shutdowns) == (1, 0)
+
+
+def test_the_gcs_port_wait_is_lengthened_unless_the_operator_set_it(fake_ray, monkeypatch):
+    from k3serve.cluster import deployment
+
+    fake_ray([])
+    monkeypatch.delenv(deployment.GCS_PORT_WAIT_ENV, raising=False)
+    _deployment()._start_ray()
+    assert int(os.environ[deployment.GCS_PORT_WAIT_ENV]) == deployment.GCS_PORT_WAIT_S
+    monkeypatch.setenv(deployment.GCS_PORT_WAIT_ENV, "45")
+    _deployment()._start_ray()
+    assert os.environ[deployment.GCS_PORT_WAIT_ENV] == "45"
