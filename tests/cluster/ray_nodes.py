@@ -3,7 +3,8 @@ a user joins a second machine), each node with its own custom resource, in a pri
 picked free, so it never meets another Ray instance of this machine.
 
 Cleanup kills only what it started: each ``ray start`` runs in its own session (process group), and Ray's
-daemons and workers stay in it; whatever still names the private temp dir on its command line is killed too.
+daemons and workers stay in it; whatever still names the private temp dir, on its command line or in an open
+file (Ray's agents rename themselves ``ray::DashboardAgent`` and keep their logs there open), is killed too.
 """
 
 from __future__ import annotations
@@ -81,31 +82,61 @@ class TwoNodeRay:
         self._ray(f"--address={self.address}", f'--resources={{"{self.worker_resource}": 100}}')
 
     def stop(self) -> None:
-        for pgid in self._groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:  # that group is gone already (e.g. the killed node's)
-                pass
+        kill_ray_session(self.temp_dir, self._groups)
         self._groups.clear()
-        if self.temp_dir:
-            for pid in _pids_naming(self.temp_dir):  # anything that left our groups but is ours
+
+
+def kill_ray_session(temp_dir: str, groups: list[int]) -> list[int]:
+    """SIGKILL the process groups ``groups`` (our ``ray start`` sessions) and every process that names
+    ``temp_dir`` (``_pids_naming``), then remove the temp dir. Returns the pids still naming it afterwards
+    (none expected: a test asserts it, so a leaked Ray daemon fails the test that leaked it instead of slowing
+    every test after it)."""
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:  # that group is gone already (e.g. the killed node's)
+            pass
+    left: list[int] = []
+    if temp_dir:
+        deadline = time.monotonic() + 10
+        while (left := _pids_naming(temp_dir)) and time.monotonic() < deadline:
+            for pid in left:  # anything that left our groups but is ours
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            time.sleep(0.5)
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            time.sleep(0.2)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    return left
 
 
 def _pids_naming(text: str) -> list[int]:
-    out = []
+    """Processes (not this one, not zombies) whose command line or open files name ``text``."""
+    out, needle = [], text.encode()
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
+                    continue  # a zombie holds nothing; its parent reaps it
             with open(f"/proc/{name}/cmdline", "rb") as f:
-                if text.encode() in f.read():
+                if needle in f.read():
                     out.append(int(name))
+                    continue
+            if any(target.startswith(text) for target in _open_files(int(name))):
+                out.append(int(name))
         except OSError:  # exited since listdir
+            continue
+    return out
+
+
+def _open_files(pid: int) -> list[str]:
+    """The paths of ``pid``'s open file descriptors (those that close meanwhile left out)."""
+    fds, out = f"/proc/{pid}/fd", []
+    for fd in os.listdir(fds):
+        try:
+            out.append(os.readlink(f"{fds}/{fd}"))
+        except OSError:  # closed since listdir
             continue
     return out

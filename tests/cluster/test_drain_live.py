@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from live_clients import check_refused_while_draining, prompt, start_streams, wait_for_file, write_deploy
+from tests.cluster.ray_nodes import kill_ray_session
 from k3serve.contracts.sampling import SamplingParams
 from tests.exactness import References
 
@@ -90,32 +91,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pids_mentioning(text: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    pids.append(int(d.name))
-            except OSError:  # gone meanwhile
-                pass
-    return pids
-
-
-def _kill_ray_session(temp_dir: Path) -> None:
-    """Stop the Ray head this test started, and only it (`ray stop` would stop every Ray on the machine):
-    its processes are the ones whose command line names its temp dir."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in _pids_mentioning(str(temp_dir)):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 10
-        while _pids_mentioning(str(temp_dir)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-
 @pytest.mark.skipif(shutil.which("ray", path=str(BIN)) is None, reason="no ray CLI in this environment")
 def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, refs):
     # short temp dir: Ray's socket paths must fit in 107 bytes
@@ -125,11 +100,20 @@ def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, refs):
     # exceed the deployment's drain_timeout_s, or in-flight streams are cut
     head_env = _env(RAY_AUTH_MODE="token", RAY_JOB_STOP_WAIT_TIME_S="150")
     ray = str(BIN / "ray")
-    started = subprocess.run([ray, "start", "--head", "--port=0", "--node-ip-address=127.0.0.1", "--num-cpus=4",
-                              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={port}",
-                              f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-                             env=head_env, capture_output=True, text=True, timeout=180)
-    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    # its own session (process group), which Ray's daemons keep: the cleanup kills that group (ray_nodes.py)
+    head = subprocess.Popen([ray, "start", "--head", "--port=0", "--node-ip-address=127.0.0.1", "--num-cpus=4",
+                             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={port}",
+                             f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+                            env=head_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        started, _ = head.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        kill_ray_session(str(temp_dir), [head.pid])
+        raise
+    if head.returncode != 0:
+        kill_ray_session(str(temp_dir), [head.pid])
+        pytest.fail(f"ray start failed ({head.returncode}): {started[-3000:]}")
     cli_env = _env(RAY_AUTH_MODE="token", RAY_API_SERVER_ADDRESS=dash)
     job = f"k3serve-drain-{os.getpid()}"
     try:
@@ -162,5 +146,5 @@ def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, refs):
         print(f"ray job stop -> stopped in {took:.1f} s; drained: "
               f"{[ln for ln in logs.splitlines() if 'drained in' in ln]}")
     finally:
-        _kill_ray_session(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        left = kill_ray_session(str(temp_dir), [head.pid])
+    assert not left, f"Ray processes of this test survived its cleanup: {left}"  # they would slow every later test
