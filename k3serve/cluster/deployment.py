@@ -7,6 +7,7 @@ checkpoint in the deploy file it makes one from the preset (on a shared path whe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -29,6 +30,20 @@ log = logging.getLogger(__name__)
 # local starts on small loaded machines (Deployment._start_local_ray)
 GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
 GCS_PORT_WAIT_S = 120
+
+
+@contextlib.contextmanager
+def _gcs_port_wait():
+    """``GCS_PORT_WAIT_ENV`` = ``GCS_PORT_WAIT_S`` in this process's environment while the block runs, unless the
+    operator set it (then untouched); removed again afterwards."""
+    if GCS_PORT_WAIT_ENV in os.environ:
+        yield
+        return
+    os.environ[GCS_PORT_WAIT_ENV] = str(GCS_PORT_WAIT_S)
+    try:
+        yield
+    finally:
+        os.environ.pop(GCS_PORT_WAIT_ENV, None)
 
 
 @dataclass
@@ -174,12 +189,13 @@ class Deployment:
         Ray also waits 30 s (by default) for its GCS server to write its port file, and on a timeout leaves
         the half-started head behind, so that wait is not retried but lengthened to ``GCS_PORT_WAIT_S``
         unless the operator set ``RAY_gcs_server_port_wait_time_s`` (seen in the test suite on a loaded
-        2-core machine: a GCS that needed over 30 s failed every test of the package's deployment)."""
-        os.environ.setdefault(GCS_PORT_WAIT_ENV, str(GCS_PORT_WAIT_S))
+        2-core machine: a GCS that needed over 30 s failed every test of the package's deployment). Ray reads
+        that wait from the driver's environment inside ``ray.init``, so it is set for the call only."""
         for attempt in range(1, attempts + 1):
             try:
-                ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False,
-                         runtime_env=env, _node_ip_address="127.0.0.1")
+                with _gcs_port_wait():
+                    ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False,
+                             runtime_env=env, _node_ip_address="127.0.0.1")
                 return
             except Exception as exc:  # Ray raises a plain Exception for this one case
                 if "timed out during startup" not in str(exc) or attempt == attempts:

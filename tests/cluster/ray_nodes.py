@@ -89,7 +89,7 @@ class TwoNodeRay:
 def kill_ray_session(temp_dir: str, groups: list[int]) -> list[int]:
     """SIGKILL the process groups ``groups`` (our ``ray start`` sessions) and every process that names
     ``temp_dir`` (``_pids_naming``), then remove the temp dir. Returns the pids still naming it afterwards
-    (none expected: a test asserts it, so a leaked Ray daemon fails the test that leaked it instead of slowing
+    (none expected: test_drain_live asserts it, so a leaked Ray daemon fails the test that leaked it instead of slowing
     every test after it)."""
     for pgid in groups:
         try:

@@ -64,13 +64,18 @@ def test_other_start_errors_are_not_retried(fake_ray):
     assert (fake.inits, fake.shutdowns) == (1, 0)
 
 
-def test_the_gcs_port_wait_is_lengthened_unless_the_operator_set_it(fake_ray, monkeypatch):
+def test_the_gcs_port_wait_is_lengthened_for_the_start_unless_the_operator_set_it(fake_ray, monkeypatch):
     from k3serve.cluster import deployment
 
-    fake_ray([])
+    fake = fake_ray([])
+    seen = []
+    init = fake.init
+    monkeypatch.setattr(ray, "init", lambda **kw: (seen.append(os.environ.get(deployment.GCS_PORT_WAIT_ENV)),
+                                                   init(**kw)))
     monkeypatch.delenv(deployment.GCS_PORT_WAIT_ENV, raising=False)
     _deployment()._start_ray()
-    assert int(os.environ[deployment.GCS_PORT_WAIT_ENV]) == deployment.GCS_PORT_WAIT_S
+    assert seen == [str(deployment.GCS_PORT_WAIT_S)]  # what Ray reads during ray.init
+    assert deployment.GCS_PORT_WAIT_ENV not in os.environ  # and not left behind
     monkeypatch.setenv(deployment.GCS_PORT_WAIT_ENV, "45")
     _deployment()._start_ray()
-    assert os.environ[deployment.GCS_PORT_WAIT_ENV] == "45"
+    assert seen[-1] == "45" and os.environ[deployment.GCS_PORT_WAIT_ENV] == "45"
