@@ -12,8 +12,10 @@ decompressed, kept or compared::
     scores    s = qa [c | k_pe]^T = q_nope W_UK c^T + q_pe k_pe^T     rows: (head, query) pairs of the group,
               keys past a row's position -> -inf                        columns: the blocks it may see
     softmax   m = rowmax s (exact);  p = exp(s - m)
-              l   = ((sum p_0 + sum p_1) + sum p_2) + ...                p_j: the KB columns of block j
-              ctx = ((p_0 c_0 + p_1 c_1) + p_2 c_2) + ...               one [M, KB] x [KB, rank] GEMM per block
+              l   = fold_j (sum p_j)                                     p_j: the KB columns of block j
+              ctx = fold_j (p_j c_j)                                     one [M, KB] x [KB, rank] GEMM per block
+              fold: the blocks summed by folding halves (:func:`fold_blocks`: an order in which the zero blocks
+              past a row's own change nothing, so it needs no per-block loop)
     out       out_h = (ctx_h / l_h) W_UV_h^T     one [N, rank] x [rank, v] GEMM per head over all N rows
 
 Why a row gets the same bits in every call (measured facts, tests/model/test_numerics_invariants.py): from
@@ -22,7 +24,7 @@ not depend on the other columns; the score GEMM's entries are therefore those of
 ``[M, rank + rope] x [rank + rope, KB]`` GEMM for any batch, chunk or row count, and the per-block context GEMM
 has a fixed reduction length KB. A block wholly after a row's position is an exact no-op for it (p = 0: it adds
 exact zeros to l and ctx), and the max ignores -inf, so a prefill row that also sees later blocks of its chunk
-gets the bits of the decode row that stops at its own block. Every exp runs on whole rows of KB-multiples
+gets the bits of the decode row that stops at its own block (the fold adds those blocks' exact zeros only). Every exp runs on whole rows of KB-multiples
 (vector code; a tensor whose size is off the vector grid is padded, as ``DeterministicOps.unary``).
 
 Why absorbed (docs/numerics.md, fourth wave): the decompressed form read every request's per-head keys and
@@ -77,9 +79,34 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(flat)[: x.numel()].view(x.shape)
 
 
+def fold_blocks(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum x over `dim` (the key blocks, in block order 0 .. n-1) by folding halves: with P the power of two
+    >= n, ``x_j += x_{j + P/2}`` for the j that have a partner, then the same over the first P/2, down to one::
+
+        n = 5 (P = 8):  [x0 x1 x2 x3 x4] -> [x0+x4, x1, x2, x3] -> [(x0+x4)+x2, x1+x3] -> ((x0+x4)+x2)+(x1+x3)
+
+    Why this order: a row sees exact zeros in the blocks past its own (p = 0), and folding n blocks of which
+    only the first n0 are non-zero adds only exact zeros until the width is the power of two >= n0, so the
+    result is the one a call with n0 blocks gives (x + 0 = x): a row's bits do not depend on how many blocks
+    its call holds. x is summed in place (a temporary of the caller's). log2(n) whole-tensor adds instead of n - 1 adds of one block each (a Python loop of 2 ops
+    per block, the largest cost of a long prefill's attention: docs/numerics.md, "Eighth")."""
+    n = x.shape[dim]
+    while n > 1:
+        half = 1 << ((n - 1).bit_length() - 1)  # P / 2
+        head = x.narrow(dim, 0, half)
+        head.narrow(dim, 0, n - half).add_(x.narrow(dim, half, n - half))
+        x, n = head, half
+    return x.squeeze(dim)
+
+
 def _attend(qa: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, key_block: int, rank: int) -> torch.Tensor:
     """One group: qa `[g, M, D]` (rows: (head, query) pairs), keys `[g, nb KB, D]` (each entry's blocks 0 ..
-    nb-1, contiguous rows), pos `[g, M]` each row's absolute position -> ctx / l `[g, M, rank]`."""
+    nb-1, contiguous rows), pos `[g, M]` each row's absolute position -> ctx / l `[g, M, rank]`.
+
+    Memory passes over the `[g, M, nb KB]` scores are what a long prefill pays for: the softmax runs in place
+    (one buffer from the score GEMM to the probabilities), and the per-block context GEMMs read the
+    probabilities as strided `[M, KB]` blocks of it (leading dimension nb KB: the same bits as a copy,
+    tests/model/test_numerics_invariants.py) instead of a transposed copy."""
     g, m, _ = qa.shape
     length = keys.shape[1]
     nb = length // key_block
@@ -87,20 +114,25 @@ def _attend(qa: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, key_block: 
     if pad:
         qa = torch.cat([qa, qa.new_zeros(g, pad, qa.shape[2])], dim=1)
         pos = torch.cat([pos, pos[:, -1:].expand(g, pad)], dim=1)
+    rows = qa.shape[1]
     s = torch.bmm(qa, keys.transpose(1, 2))  # [g, M, nb KB]
     lo = int(pos.min()) + 1  # keys before lo are visible to every row
     if lo < length:
         hidden = torch.arange(lo, length, device=qa.device).view(1, 1, -1) > pos.unsqueeze(-1)
         s[..., lo:].masked_fill_(hidden, float("-inf"))
-    p = _exp(s - s.amax(-1, keepdim=True)).view(g, -1, nb, key_block)  # [g, M, nb, KB]
+    grad = torch.is_grad_enabled() and s.requires_grad
+    # p = exp(s - rowmax s): in place when no gradient is taken (the same kernels, so the same bits); every exp
+    # runs in vector code (M x nb KB is a multiple of ELEMENTWISE_VEC)
+    p = _exp(s - s.amax(-1, keepdim=True)) if grad else s.sub_(s.amax(-1, keepdim=True)).exp_()
+    p = p.view(g, rows, nb, key_block)
     sums = p.sum(-1)  # [g, M, nb]: one KB-element row sum per block
-    values = keys.view(g * nb, key_block, -1)[..., :rank]  # [g nb, KB, rank] (a view: c of each block)
-    pv = torch.bmm(p.transpose(1, 2).reshape(g * nb, -1, key_block), values).view(g, nb, -1, rank)
-    l_sum, ctx = sums[..., 0:1], pv[:, 0]
-    for j in range(1, nb):  # block order, one rounding per block, the same in every call
-        l_sum = l_sum + sums[..., j: j + 1]
-        ctx = ctx + pv[:, j]
-    out = ctx / l_sum
+    values = keys.view(g, nb, key_block, -1)[..., :rank]  # [g, nb, KB, rank] (a view: c of each block)
+    if g == 1:  # the blocks of p as strided [M, KB] matrices: no copy
+        pv = torch.bmm(p[0].transpose(0, 1), values[0]).unsqueeze(0)  # [1, nb, M, rank]
+    else:
+        pv = torch.bmm(p.transpose(1, 2).reshape(g * nb, rows, key_block),
+                       values.reshape(g * nb, key_block, -1)).view(g, nb, rows, rank)
+    out = fold_blocks(pv, 1) / fold_blocks(sums, 2).unsqueeze(-1)
     return out[:, : m] if pad else out
 
 
