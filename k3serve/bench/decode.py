@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from k3serve.bench.numerics_compare import numerics_side_by_side
+from k3serve.bench.numerics_compare import add_default_at_bench_threads, mode_threads, numerics_side_by_side
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.engine.block_hash import model_fingerprint
@@ -141,9 +141,15 @@ def run_decode_bench(preset_name: str = "bench", batches: tuple[int, ...] = (1, 
             tokens_per_s[str(b)] = rate
             achieved[str(b)] = step_bytes(cfg, b, context) * rate / b / 1e9
         numerics = None
-        if deterministic:
-            det = {str(b): _decode_rate(ckpt, cfg, b, context, steps, DETERMINISTIC)[0] for b in batches}
-            numerics = numerics_side_by_side(tokens_per_s, det, lower_is_better=False)
+        if deterministic:  # both modes at the mode's thread count, batch by batch (bench/numerics_compare.py)
+            with mode_threads() as bench_threads:
+                same, det = {}, {}
+                for b in batches:
+                    same[str(b)] = (tokens_per_s[str(b)] if bench_threads == DETERMINISTIC.threads
+                                    else _decode_rate(ckpt, cfg, b, context, steps)[0])
+                    det[str(b)] = _decode_rate(ckpt, cfg, b, context, steps, DETERMINISTIC)[0]
+            numerics = add_default_at_bench_threads(numerics_side_by_side(same, det, lower_is_better=False),
+                                                    tokens_per_s, bench_threads, lower_is_better=False)
     return {"preset": preset_name, "numerics": numerics, "context_tokens": context, "steps": steps, "threads": torch.get_num_threads(),
             "tokens_per_s": tokens_per_s, "copy_gbps": ceiling, "achieved_gbps": achieved,
             "achieved_fraction": {b: g / ceiling for b, g in achieved.items()},

@@ -20,7 +20,7 @@ import random
 import tempfile
 import time
 
-from k3serve.bench.numerics_compare import numerics_side_by_side
+from k3serve.bench.numerics_compare import add_default_at_bench_threads, mode_threads, numerics_side_by_side
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.engine.block_hash import model_fingerprint
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
@@ -136,13 +136,17 @@ def run_prefix_bench(preset_name: str = "tiny", sessions: int = 3, turns: int = 
         naive = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="naive", naive_chunk=4096), trace)
         ttft = ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment)
         numerics = None
-        if deterministic:
-            k3_det = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace, DETERMINISTIC)
-            ttft_det = ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment, DETERMINISTIC)
-            numerics = numerics_side_by_side(
-                {"trace_wall_s": k3["wall_s"], "cold_ttft_s": ttft["cold_ttft_s"], "hit_ttft_s": ttft["hit_ttft_s"]},
-                {"trace_wall_s": k3_det["wall_s"], "cold_ttft_s": ttft_det["cold_ttft_s"],
-                 "hit_ttft_s": ttft_det["hit_ttft_s"]}, lower_is_better=True)
+        if deterministic:  # both modes at the mode's thread count, alternating (bench/numerics_compare.py)
+            figures = lambda tr, tt: {"trace_wall_s": tr["wall_s"], "cold_ttft_s": tt["cold_ttft_s"],  # noqa: E731
+                                      "hit_ttft_s": tt["hit_ttft_s"]}
+            with mode_threads() as bench_threads:
+                same = (figures(k3, ttft) if bench_threads == DETERMINISTIC.threads else
+                        figures(run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace),
+                                ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment)))
+                k3_det = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace, DETERMINISTIC)
+                det = figures(k3_det, ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment, DETERMINISTIC))
+            numerics = add_default_at_bench_threads(numerics_side_by_side(same, det, lower_is_better=True),
+                                                    figures(k3, ttft), bench_threads, lower_is_better=True)
             numerics["deterministic_reuse_ratio"] = k3_det["reuse_ratio"]
     return {"preset": preset_name, "numerics": numerics,
             "trace": {"sessions": sessions, "turns": turns, "system_prompt_tokens": system_len,

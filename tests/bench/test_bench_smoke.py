@@ -18,6 +18,27 @@ def test_prefix_bench_reports_both_schemes():
     assert out["ttft"]["hit_cached_tokens"] == 1024 and "hit_speedup" in out
 
 
+def test_prefix_bench_side_by_side_at_the_modes_thread_count():
+    import torch
+
+    from k3serve.contracts.numerics import DETERMINISTIC
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(DETERMINISTIC.threads + 1)
+    try:
+        out = run_prefix_bench("tiny", sessions=2, turns=2, system_len=256, increment=(20, 40), reply=16,
+                               ttft_prefix=256, ttft_increment=16, deterministic=True)
+    finally:
+        torch.set_num_threads(before)
+    num = out["numerics"]
+    keys = {"trace_wall_s", "cold_ttft_s", "hit_ttft_s"}
+    assert set(num["default"]) == set(num["deterministic"]) == set(num["slowdown"]) == keys
+    assert num["threads"] == DETERMINISTIC.threads
+    assert num["default_at_bench_threads"]["threads"] == DETERMINISTIC.threads + 1
+    assert num["default_at_bench_threads"]["default"]["cold_ttft_s"] == out["ttft"]["cold_ttft_s"]
+    assert 0.0 <= num["deterministic_reuse_ratio"] <= 1.0
+
+
 def test_agentic_trace_grows_each_session():
     trace = agentic_trace(2, 3, 100, (5, 5), 7)
     by_session = {}
@@ -70,7 +91,22 @@ def test_quant_bench_keys_side_by_side(tmp_path):
 
 
 def test_decode_bench_reports_both_numerics_modes_side_by_side():
-    out = run_decode_bench("tiny", batches=(1, 2), context=16, steps=2, deterministic=True)
+    import torch
+
+    from k3serve.contracts.numerics import DETERMINISTIC
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(DETERMINISTIC.threads + 1)  # a bench run at another thread count than the mode's
+    try:
+        out = run_decode_bench("tiny", batches=(1, 2), context=16, steps=2, deterministic=True)
+        assert torch.get_num_threads() == DETERMINISTIC.threads + 1  # restored after the side-by-side runs
+    finally:
+        torch.set_num_threads(before)
     num = out["numerics"]
     assert set(num["default"]) == set(num["deterministic"]) == set(num["slowdown"]) == {"1", "2"}
     assert num["max_slowdown"] == max(num["slowdown"].values()) and num["target_max_slowdown"] == 1.5
+    # the ratio is taken at the mode's own thread count; the bench's threads' default figures are beside it
+    assert num["threads"] == DETERMINISTIC.threads
+    other = num["default_at_bench_threads"]
+    assert other["threads"] == DETERMINISTIC.threads + 1 and other["default"] == out["tokens_per_s"]
+    assert other["slowdown"]["1"] == other["default"]["1"] / num["deterministic"]["1"]

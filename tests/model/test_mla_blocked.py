@@ -129,3 +129,20 @@ def test_paged_writes_and_reads_land_on_the_table_rows_of_their_layer():
     lens = torch.tensor([51, 40])
     got = mla_decode(q, q_pe, pool[:, 1], table, lens, 0.1, backend="torch")
     torch.testing.assert_close(got, naive_mla_decode(q, q_pe, pool[:, 1], table, lens, 0.1), atol=1e-5, rtol=1e-5)
+
+
+def test_fold_blocks_ignores_trailing_zero_blocks_bit_for_bit():
+    """The block sum's order (folding halves): n0 non-zero blocks followed by any number of exact-zero blocks (the
+    blocks past a row's own) give the bits of the n0 blocks alone, along any dim; and the value is the sum."""
+    from k3serve.model.layers.mla_blocked import fold_blocks
+
+    g = torch.Generator().manual_seed(11)
+    for n0 in (1, 2, 3, 5, 8, 13, 64, 130):
+        x = torch.randn(3, n0, 7, generator=g) * torch.logspace(-3, 3, n0).view(1, n0, 1)
+        want = fold_blocks(x.clone(), 1)
+        assert torch.allclose(want.double(), x.double().sum(1), rtol=1e-5, atol=1e-4), n0
+        for extra in (1, 2, 3, 7, 60):
+            padded = torch.cat([x, torch.zeros(3, extra, 7)], dim=1)
+            assert torch.equal(fold_blocks(padded, 1), want), (n0, extra)
+            last = torch.cat([x, torch.zeros(3, extra, 7)], dim=1).transpose(1, 2).contiguous()  # [3, 7, n]
+            assert torch.equal(fold_blocks(last, 2), want), (n0, extra)
