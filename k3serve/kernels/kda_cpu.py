@@ -1,0 +1,207 @@
+"""Chunked KDA forward as one fused CPU kernel (numba): the CPU default of ``kda.chunk_kda`` (backend "cpu").
+
+Same algorithm, chunk size (C = 32) and decay factors as ``kda_torch.chunk_kda_torch`` (its module docstring
+has the chunked WY form), but each (batch, head) sequence walks its chunks in order inside one thread and does a
+chunk's whole work while its rows are in cache, instead of ~20 batched torch ops over all chunks followed by a
+128-step Python loop of small ``baddbmm`` calls::
+
+    prange over the B*H sequences (threads: min(torch.get_num_threads(), numba's), one sequence per task)
+      S = initial state of (b, h)                                  fp32 [Kp, Vp] private copy
+      for each chunk c (rows t = c*C .. c*C + C - 1, zero rows past T):
+        load_rows   q*scale, k, beta*v; G = cumulative g in fp64
+        scores      Aqk, beta*Akk (sub-chunks of 16: earlier blocks, centred or pairwise diagonal blocks)
+        gates       q e^G, beta k e^G, k e^(G_last - G), e^G_last
+        solve       [W | U] = (I + L)^-1 [beta k e^G | beta v]
+        state_step  Vn = U - W S;  O = q e^G S + Aqk Vn;  S = Diag(e^G_last) S + (k e^(G_last-G))^T Vn
+      final state of (b, h) = S
+
+(stages in ``kda_cpu_chunk``, their scratch layout in its docstring). The inner loops are 16-lane vector code
+(``_simd``: register tiles of 4-8 rows x 16-32 columns, explicit FMAs), because LLVM's auto-vectorised loops
+kept their accumulators in memory (docs/profile.md, fifth pass).
+
+Numerics (the contract the tests pin, tests/kernels/test_kda_cpu.py):
+  * within fp32 rounding of the torch path and the naive oracle, for the bounded K3 gate and the unbounded
+    Kimi-Linear gate alike: the fp64 cumulative gate, differences rounded once to fp32 before exp, decay
+    factors below _TINY (1e-15) flushed to exact 0 (subnormal operands run 20-60x slower on x86), exp clamped
+    below at log(_TINY) - 1, and the per-chunk centred / pairwise choice for the diagonal blocks, all as
+    kda_torch; (I + L)^-1 is formed row by row with each row flushed (kda_cpu_chunk.solve says why);
+  * a chunk's result depends only on its own rows and the state entering it: every loop has a fixed order and
+    fixed trip counts given (C, K, V), so one-shot and split prefill, one head alone or among many, 1 or n
+    threads all give the same bits (the ``numerics: deterministic`` mode relies on it);
+  * numba compiles without fast-math: no reassociation, no contraction except the FMAs written out, so the bits
+    are the source's on any x86-64 (with any vector width); exp is a fixed polynomial (``_simd.vexp``);
+  * K and V are zero-padded to multiples of 32 inside the kernel (and of 16 in the inputs): q = k = g = v = 0
+    columns add exact zeros, so the real columns' bits do not depend on the padding.
+
+``initial_state`` (any strides, e.g. a view into a state pool) is read once and never written; the output is
+in v's dtype and the final state a new fp32 tensor, as chunk_kda_torch. Training (autograd) never gets here.
+
+Compile time: ~20-40 s on the first call of a process without a cache (2 loaded cores); ``cache=True`` keeps
+the machine code under ``k3serve/kernels/__pycache__`` and later processes load it in about a second;
+``scripts/setup.sh`` compiles it once (:func:`warm_up`). Where numba cannot be imported, :data:`NUMBA_ERROR`
+says why and ``chunk_kda`` runs the torch path (``kda.chunk_backend`` reports which).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ._kda_common import check_kda_inputs, default_scale
+from .kda_cpu_chunk import SUB, gates, load_rows, scores, solve, state_step
+
+try:  # a pinned dependency (pyproject.toml); without it the dispatch keeps the torch path
+    import numba
+
+    from ._simd import vload, vstore
+
+    NUMBA_ERROR = ""
+except ImportError as err:  # reported by kda.chunk_backend, not swallowed
+    numba = None
+    NUMBA_ERROR = f"numba could not be imported ({err})"
+
+CHUNK = 32   # C: the torch path's default, measured fastest here too (docs/profile.md, fifth pass)
+PAD = 32     # K, V padded to a multiple of this inside the kernel (the register tiles are 32 columns wide)
+_LOCK = threading.Lock()   # numba's workqueue threading layer must not be entered by two threads at once
+
+
+def _njit(**kw):
+    """numba.njit(cache=True, nogil=True, **kw) where numba imports (no fast-math); the plain function otherwise."""
+    if numba is None:
+        return lambda f: f
+    return numba.njit(cache=True, nogil=True, **kw)
+
+
+@_njit()
+def _sequence(bh, T, H, q, k, v, g, beta, scale, final, out, C):
+    """All chunks of sequence bh = b*H + h, in order. final: fp32 [B, H, K, V], holding the initial state on
+    entry and the final state on return; out: fp32 [B*T*H, Vi] (row of token t: (b*T + t)*H + h)."""
+    K, V = final.shape[2], final.shape[3]
+    b, h = bh // H, bh % H
+    Kp, Vp = -(-K // PAD) * PAD, -(-V // PAD) * PAD
+    S = np.zeros((Kp, Vp), dtype=np.float32)
+    S[:K, :V] = final[b, h]
+    G = np.zeros((C, Kp), dtype=np.float64)
+    DM, QS, KS = np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32)
+    QG, KD = np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32)
+    QF, KF = np.zeros((SUB, Kp), dtype=np.float32), np.zeros((SUB, Kp), dtype=np.float32)
+    KCT = np.zeros((Kp, C), dtype=np.float32)
+    A, L, TI = np.zeros((C, C), np.float32), np.zeros((C, C), np.float32), np.zeros((C, C), np.float32)
+    # A and L above the sub-chunk blocks are never written: zero once, for every chunk
+    X = np.zeros((C, Kp + Vp), dtype=np.float32)
+    DEC, BETA = np.zeros((1, Kp), dtype=np.float32), np.zeros(C, dtype=np.float32)
+    OB = np.zeros((C, Vp), dtype=np.float32)
+    for c in range((T + C - 1) // C):
+        load_rows(c, b, h, H, T, q, k, v, g, beta, scale, G, QS, KS, X, BETA)
+        scores(G, QS, KS, DM, QF, KF, KCT, A, L, BETA)
+        gates(G, QS, KS, X, QG, KD, DEC, BETA)
+        solve(L, TI, X)
+        state_step(S, X, QG, KD, DEC, A, OB)
+        for i in range(min(C, T - c * C)):
+            row = (b * T + c * C + i) * H + h
+            for e in range(0, out.shape[1], 16):
+                vstore(out, row, e, vload(OB, i, e))
+    final[b, h] = S[:K, :V]
+
+
+@_njit(parallel=True)
+def _chunk_kda_kernel(T, H, q, k, v, g, beta, scale, final, out, C):
+    """q, k, g fp32 [B*T*H, Ki], v [B*T*H, Vi], beta [B*T*H], scale fp32, final fp32 [B, H, K, V] (initial
+    state in, final state out), out fp32 [B*T*H, Vi]; one prange task per (batch, head) sequence."""
+    for bh in numba.prange(final.shape[0] * final.shape[1]):
+        _sequence(bh, T, H, q, k, v, g, beta, scale, final, out, C)
+
+
+def _rows(x: torch.Tensor, n: int) -> np.ndarray:
+    """fp32 C-contiguous [B*T*H, n] view of x [B, T, H, D] (zero-padded to n >= D columns; a copy only where
+    the dtype, layout or width needs one). One layout, so one compiled signature."""
+    x = x.detach().to(torch.float32)
+    if n != x.shape[-1]:
+        x = F.pad(x, (0, n - x.shape[-1]))
+    return x.contiguous().view(-1, n).numpy()
+
+
+def chunk_kda_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = CHUNK,
+    sub_chunk: int = SUB,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA forward, fused CPU kernel (module docstring). Not differentiable.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay; beta: [B, T, H] (CPU tensors, fp32 or
+            bf16; computed in fp32).
+        scale: multiplies q (default K**-0.5).
+        initial_state: [B, H, K, V] (any strides; read only).
+        output_final_state: also return the final state.
+        chunk_size: C, a positive multiple of 16.
+        sub_chunk: must be 16 (the kernel's tiles are built for it; the argument mirrors chunk_kda_torch's).
+    Returns:
+        o [B, T, H, V] in v's dtype; final_state [B, H, K, V] fp32 (a new tensor) or None.
+    """
+    if numba is None:
+        raise RuntimeError(NUMBA_ERROR)
+    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
+    if sub_chunk != SUB:
+        raise ValueError(f"sub_chunk must be {SUB} for the fused CPU kernel, got {sub_chunk}")
+    if chunk_size <= 0 or chunk_size % SUB:
+        raise ValueError(f"chunk_size must be a positive multiple of {SUB}, got {chunk_size}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if x is not None and x.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor for the fused CPU kernel, got {x.device}")
+    scale = default_scale(scale, K)
+    Ki, Vi = -(-K // 16) * 16, -(-V // 16) * 16
+    final = torch.zeros(B, H, K, V)
+    if initial_state is not None:
+        final.copy_(initial_state.detach())   # the kernel updates its own copy; the caller's view is never written
+    out = torch.empty(B, T, H, Vi)
+    args = (T, H, _rows(q, Ki), _rows(k, Ki), _rows(v, Vi), _rows(g, Ki),
+            beta.detach().to(torch.float32).contiguous().view(-1).numpy(), np.float32(scale), final.numpy(),
+            out.view(-1, Vi).numpy(), chunk_size)
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, B * H))
+    with _LOCK if _serialise() else _NO_LOCK:
+        numba.set_num_threads(threads)
+        _chunk_kda_kernel(*args)
+    o = out if Vi == V else out[..., :V]
+    return o.to(v.dtype).contiguous(), (final if output_final_state else None)
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_LOCK = _NoLock()
+
+
+def _serialise() -> bool:
+    """Whether calls must not overlap: until the first parallel call has picked numba's threading layer, and
+    afterwards if it picked "workqueue" (not thread safe; "omp" and "tbb" are)."""
+    try:
+        return numba.threading_layer() not in ("omp", "tbb")
+    except ValueError:   # no parallel region has run yet
+        return True
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) the kernel's one signature on tiny inputs, so that the first prefill of a
+    fresh checkout, or several rank processes starting together, do not each spend seconds compiling it
+    (``scripts/setup.sh`` runs this once)."""
+    if numba is None:
+        raise RuntimeError(NUMBA_ERROR)
+    x = torch.zeros(1, 1, 1, 16)
+    chunk_kda_cpu(x, x, x, x, torch.zeros(1, 1, 1), output_final_state=True)

@@ -1,0 +1,306 @@
+"""The per-chunk stages of the fused CPU KDA kernel (``kda_cpu``): numba functions on one chunk of one head.
+
+Scratch layout (per (batch, head) sequence, allocated once by ``kda_cpu._sequence``); Kp, Vp = K, V rounded
+up to a multiple of 32 (padding columns are zero: q = k = g = v = 0 there, which is inert, see ``kda_cpu``)::
+
+    G    fp64 [C, Kp]        cumulative gate within the chunk, G[i] = g[0] + ... + g[i]
+    QS   fp32 [C, Kp]        q * scale;   KS [C, Kp] k;   BETA [C] beta (0 on padding rows)
+    DM   fp32 [C, Kp]        G[i] - G[m(i)], m(i) = middle row of i's 16-row sub-chunk (fp64 difference, rounded once)
+    QF, KF fp32 [16, Kp]     row-factored q, k of the current sub-chunk
+    KCT  fp32 [Kp, C]        column-factored k, TRANSPOSED (columns j contiguous, for 16-lane tiles over j)
+    A    fp32 [C, C]         Aqk (lower triangle incl. diagonal);  L [C, C] beta_i Akk (strictly lower)
+    TI   fp32 [C, C]         (I + L)^-1
+    X    fp32 [C, Kp + Vp]   [ W | U ], then [ W | Vn ]:   col 0 ........ Kp ........ Kp + Vp
+                                                               | beta e^G k  | beta v      |  (right-hand side)
+                                                               |      W      |  U -> Vn    |  (after _solve, _state)
+    QG   fp32 [C, Kp]        q e^G;   KD [C, Kp] k e^(G_last - G);   DEC [1, Kp] e^(G_last)
+    OB   fp32 [C, Vp]        the chunk's output rows
+    S    fp32 [Kp, Vp]       the state entering the chunk; updated in place to the state after it
+
+Every stage reads only the chunk's rows and S, in fixed loop orders, so a chunk's bits depend on nothing else
+(not on T, B, H, the chunk's position in the call, nor the thread that runs it). The decay factors, the
+flush of values <= _TINY and the centred / pairwise choice are those of ``kda_torch`` (its module docstring);
+numba compiles without fast-math and every multiply-add is an explicit ``llvm.fma`` (``_simd``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kda_torch import _LOG_TINY, _MAX_HALF_SPAN, _TINY
+
+try:  # a pinned dependency; kda_cpu reports NUMBA_ERROR and the dispatch keeps the torch path without it
+    import numba
+
+    from ._simd import (vcum, vdiff, vexp, vflush, vfma, vfnma, vhmax, vhsum, vload, vloadd, vmaxabs, vmul,
+                        vneg, vsplat, vstore, vstore_t, vzero)
+except ImportError:  # kda_cpu records why
+    numba = None
+
+SUB = 16                      # rows per sub-chunk of the decayed scores (kda_torch's sub_chunk)
+_LO = np.float32(_LOG_TINY - 1.0)   # exp arguments are clamped here before the flush (kda_torch._exp_flush)
+_FTINY = np.float32(_TINY)
+_CENTRED_LO = np.float32(-87.0)     # centred factors: |arguments| <= _MAX_HALF_SPAN, never clamped nor flushed
+
+
+def _njit(f=None, **kw):
+    """numba.njit(cache=True, nogil=True), strict IEEE (no fast-math); the plain function without numba."""
+    if f is None:
+        return lambda g: _njit(g, **kw)
+    return f if numba is None else numba.njit(cache=True, nogil=True, **kw)(f)
+
+
+@_njit
+def load_rows(c, b, h, H, T, q, k, v, g, beta, scale, G, QS, KS, X, BETA):
+    """Chunk c of sequence (b, h) into the scratch rows (zero rows past T; G keeps its last value there).
+
+    q, k, g: fp32 [B*T*H, Ki], v: [B*T*H, Vi] (Ki, Vi multiples of 16), beta: [B*T*H]; token t of (b, h) is
+    row (b*T + t)*H + h. Writes G, QS, KS, X[:, Kp:Kp + Vi] (= beta v), BETA.
+    """
+    C, Kp = G.shape
+    Ki, Vi = q.shape[1], v.shape[1]
+    sc = vsplat(scale)
+    for i in range(C):
+        t = c * C + i
+        if t < T:
+            row = (b * T + t) * H + h
+            BETA[i] = beta[row]
+            bv = vsplat(beta[row])
+            for d in range(0, Ki, 16):
+                vstore(QS, i, d, vmul(vload(q, row, d), sc))
+                vstore(KS, i, d, vload(k, row, d))
+                vcum(G, i, max(i - 1, 0), i == 0, g, row, d)
+            for e in range(0, Vi, 16):
+                vstore(X, i, Kp + e, vmul(vload(v, row, e), bv))
+        else:  # zero padding of the last chunk: inert (k = v = beta = 0, g = 0 keeps G and so G_last)
+            BETA[i] = 0.0
+            for d in range(Ki):
+                QS[i, d] = 0.0
+                KS[i, d] = 0.0
+                G[i, d] = G[i - 1, d] if i > 0 else 0.0
+            for e in range(Vi):
+                X[i, Kp + e] = 0.0
+
+
+@_njit
+def _score_tile(QF, KF, KCT, j0, A, L, r, BETA, last):
+    """A[r + ii, j0:j0 + 16] = sum_d QF[ii, d] KCT[d, j0:j0 + 16] and L[r + ii, j0:j0 + 16] = beta_{r+ii} x the same
+    from KF, for the 16 rows ii of a sub-chunk (two passes of 8 rows: 16 accumulators + the shared KCT row in
+    registers). Lane l of row ii is kept where l <= last + ii (A) or l < last + ii (L) and |value| > _TINY, else
+    0: last = 0 is the diagonal block's triangle, last = 16 keeps every lane (columns of earlier sub-chunks)."""
+    Kp = QF.shape[1]
+    for i0 in range(0, SUB, 8):
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()
+        l0 = l1 = l2 = l3 = l4 = l5 = l6 = l7 = vzero()
+        for d in range(Kp):
+            kc = vload(KCT, d, j0)
+            a0, l0 = vfma(vsplat(QF[i0, d]), kc, a0), vfma(vsplat(KF[i0, d]), kc, l0)
+            a1, l1 = vfma(vsplat(QF[i0 + 1, d]), kc, a1), vfma(vsplat(KF[i0 + 1, d]), kc, l1)
+            a2, l2 = vfma(vsplat(QF[i0 + 2, d]), kc, a2), vfma(vsplat(KF[i0 + 2, d]), kc, l2)
+            a3, l3 = vfma(vsplat(QF[i0 + 3, d]), kc, a3), vfma(vsplat(KF[i0 + 3, d]), kc, l3)
+            a4, l4 = vfma(vsplat(QF[i0 + 4, d]), kc, a4), vfma(vsplat(KF[i0 + 4, d]), kc, l4)
+            a5, l5 = vfma(vsplat(QF[i0 + 5, d]), kc, a5), vfma(vsplat(KF[i0 + 5, d]), kc, l5)
+            a6, l6 = vfma(vsplat(QF[i0 + 6, d]), kc, a6), vfma(vsplat(KF[i0 + 6, d]), kc, l6)
+            a7, l7 = vfma(vsplat(QF[i0 + 7, d]), kc, a7), vfma(vsplat(KF[i0 + 7, d]), kc, l7)
+        i, n = r + i0, last + i0
+        for rr, a, l in ((0, a0, l0), (1, a1, l1), (2, a2, l2), (3, a3, l3),
+                         (4, a4, l4), (5, a5, l5), (6, a6, l6), (7, a7, l7)):
+            vstore(A, i + rr, j0, vflush(a, _FTINY, n + rr))
+            vstore(L, i + rr, j0, vflush(vmul(l, vsplat(BETA[i + rr])), _FTINY, n + rr - 1))
+
+
+@_njit
+def scores(G, QS, KS, DM, QF, KF, KCT, A, L, BETA):
+    """A (Aqk) and L (beta Akk, strictly lower) of the chunk, with kda_torch's decay factors:
+
+    * rows of sub-chunk I >= 1 against columns j of earlier sub-chunks (r = first row of I):
+      exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), both exponents <= 0, each factor flushed;
+    * the diagonal blocks "centred" through the middle row m when every |G_i - G_m| of the chunk is
+      <= _MAX_HALF_SPAN (one decision per chunk, as kda_torch): exp(G_i - G_m) * exp(G_m - G_j);
+    * otherwise "pairwise": exp(G_i - G_j) per pair and channel (exact for any decay), lanes over K.
+    """
+    C, Kp = G.shape
+    mx = vzero()
+    for i in range(C):
+        m = (i // SUB) * SUB + SUB // 2
+        for d in range(0, Kp, 16):
+            dm = vdiff(G, i, d, m)
+            vstore(DM, i, d, dm)
+            mx = vmaxabs(mx, dm)
+    centred = vhmax(mx) <= _MAX_HALF_SPAN
+    for I in range(1, C // SUB):
+        r = I * SUB
+        for ii in range(SUB):
+            for d in range(0, Kp, 16):
+                f = vexp(vdiff(G, r + ii, d, r), _LO, _FTINY)
+                vstore(QF, ii, d, vmul(vload(QS, r + ii, d), f))
+                vstore(KF, ii, d, vmul(vload(KS, r + ii, d), f))
+        for j in range(r):
+            for d in range(0, Kp, 16):
+                vstore_t(KCT, d, j, vmul(vload(KS, j, d), vexp(vdiff(G, r, d, j), _LO, _FTINY)))
+        for j0 in range(0, r, SUB):
+            _score_tile(QF, KF, KCT, j0, A, L, r, BETA, SUB)
+    for r in range(0, C, SUB):
+        if centred:
+            for ii in range(SUB):
+                for d in range(0, Kp, 16):
+                    dm = vload(DM, r + ii, d)
+                    f = vexp(dm, _CENTRED_LO, np.float32(0.0))
+                    ks = vload(KS, r + ii, d)
+                    vstore(QF, ii, d, vmul(vload(QS, r + ii, d), f))
+                    vstore(KF, ii, d, vmul(ks, f))
+                    vstore_t(KCT, d, r + ii, vmul(ks, vexp(vneg(dm), _CENTRED_LO, np.float32(0.0))))
+            _score_tile(QF, KF, KCT, r, A, L, r, BETA, 0)
+            continue
+        for ii in range(SUB):
+            i = r + ii
+            for jj in range(SUB):
+                j = r + jj
+                sa = sl = np.float32(0.0)
+                if jj <= ii:
+                    a = lk = vzero()
+                    for d in range(0, Kp, 16):
+                        f = vmul(vexp(vdiff(G, i, d, j), _LO, _FTINY), vload(KS, j, d))
+                        a = vfma(vload(QS, i, d), f, a)
+                        lk = vfma(vload(KS, i, d), f, lk)
+                    sa, sl = vhsum(a), vhsum(lk) * BETA[i]
+                A[i, j] = sa if abs(sa) > _TINY else np.float32(0.0)
+                L[i, j] = sl if jj < ii and abs(sl) > _TINY else np.float32(0.0)
+
+
+@_njit
+def gates(G, QS, KS, X, QG, KD, DEC, BETA):
+    """QG = q e^G, X[:, :Kp] = beta (k e^G), KD = k e^(G_last - G), DEC = e^(G_last) (all factors flushed)."""
+    C, Kp = G.shape
+    last = C - 1
+    for d in range(0, Kp, 16):
+        vstore(DEC, 0, d, vexp(vloadd(G, last, d), _LO, _FTINY))
+    for i in range(C):
+        bi = vsplat(BETA[i])
+        for d in range(0, Kp, 16):
+            eg = vexp(vloadd(G, i, d), _LO, _FTINY)
+            ks = vload(KS, i, d)
+            vstore(QG, i, d, vmul(vload(QS, i, d), eg))
+            vstore(X, i, d, vmul(vmul(ks, eg), bi))
+            vstore(KD, i, d, vmul(ks, vexp(vdiff(G, last, d, i), _LO, _FTINY)))
+
+
+@_njit
+def solve(L, TI, X):
+    """X <- (I + L)^-1 X.
+
+    TI = (I + L)^-1 row by row (forward substitution: TI_i = e_i - sum_{j<i} L_ij TI_j), each row flushed as
+    soon as it is formed, then X = TI X. Forward substitution straight on X was not kept: its rows feed the
+    next rows without a flush, and chains of products of tiny factors went subnormal (x86 runs those in
+    microcode; measured 2-3x slower on the unbounded gate, and at C = 64 on the bounded one). TI's flushed
+    entries are >= _TINY like kda_torch's flushed inverse, so X's products stay normal.
+    """
+    C, W = L.shape[0], X.shape[1]
+    for i in range(C):
+        for c0 in range(0, C, 16):
+            acc = vzero()
+            for j in range(i):
+                acc = vfnma(vsplat(L[i, j]), vload(TI, j, c0), acc)
+            vstore(TI, i, c0, vflush(acc, _FTINY, 15))
+        TI[i, i] = 1.0
+    for i in range(C - 4, -1, -4):   # bottom-up, in place: rows j <= i + 3 still hold the right-hand side
+        for e in range(0, W, 32):
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+            for j in range(i + 4):
+                s, t = vload(X, j, e), vload(X, j, e + 16)
+                w = vsplat(TI[i, j])
+                a0, b0 = vfma(w, s, a0), vfma(w, t, b0)
+                w = vsplat(TI[i + 1, j])
+                a1, b1 = vfma(w, s, a1), vfma(w, t, b1)
+                w = vsplat(TI[i + 2, j])
+                a2, b2 = vfma(w, s, a2), vfma(w, t, b2)
+                w = vsplat(TI[i + 3, j])
+                a3, b3 = vfma(w, s, a3), vfma(w, t, b3)
+            _store4x2(X, i, e, a0, b0, a1, b1, a2, b2, a3, b3)
+
+
+@_njit(inline="always")
+def _store4x2(M, i, e, a0, b0, a1, b1, a2, b2, a3, b3):
+    """M[i + r, e:e + 32] = (a_r | b_r) for r < 4."""
+    vstore(M, i, e, a0)
+    vstore(M, i, e + 16, b0)
+    vstore(M, i + 1, e, a1)
+    vstore(M, i + 1, e + 16, b1)
+    vstore(M, i + 2, e, a2)
+    vstore(M, i + 2, e + 16, b2)
+    vstore(M, i + 3, e, a3)
+    vstore(M, i + 3, e + 16, b3)
+
+
+@_njit
+def state_step(S, X, QG, KD, DEC, A, OB):
+    """The sequential part, per 32-column block e of V (the block of S stays in cache for all three):
+
+        Vn = U - W S            (X[:, Kp + e..] in place)
+        O  = (Q e^G) S + A Vn   (OB[:, e..]; A is zero above the diagonal, so its rows stop at their block)
+        S  = Diag(DEC) S + KD^T Vn
+
+    Each is a 4-row x 32-column register tile (8 accumulators) over the reduction, in fixed order.
+    """
+    C, Kp = QG.shape
+    for e in range(0, S.shape[1], 32):
+        ue = Kp + e
+        for i in range(0, C, 4):
+            a0, b0 = vload(X, i, ue), vload(X, i, ue + 16)
+            a1, b1 = vload(X, i + 1, ue), vload(X, i + 1, ue + 16)
+            a2, b2 = vload(X, i + 2, ue), vload(X, i + 2, ue + 16)
+            a3, b3 = vload(X, i + 3, ue), vload(X, i + 3, ue + 16)
+            for d in range(Kp):
+                s, t = vload(S, d, e), vload(S, d, e + 16)
+                w = vsplat(X[i, d])
+                a0, b0 = vfnma(w, s, a0), vfnma(w, t, b0)
+                w = vsplat(X[i + 1, d])
+                a1, b1 = vfnma(w, s, a1), vfnma(w, t, b1)
+                w = vsplat(X[i + 2, d])
+                a2, b2 = vfnma(w, s, a2), vfnma(w, t, b2)
+                w = vsplat(X[i + 3, d])
+                a3, b3 = vfnma(w, s, a3), vfnma(w, t, b3)
+            _store4x2(X, i, ue, a0, b0, a1, b1, a2, b2, a3, b3)
+        for i in range(0, C, 4):
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+            for d in range(Kp):
+                s, t = vload(S, d, e), vload(S, d, e + 16)
+                w = vsplat(QG[i, d])
+                a0, b0 = vfma(w, s, a0), vfma(w, t, b0)
+                w = vsplat(QG[i + 1, d])
+                a1, b1 = vfma(w, s, a1), vfma(w, t, b1)
+                w = vsplat(QG[i + 2, d])
+                a2, b2 = vfma(w, s, a2), vfma(w, t, b2)
+                w = vsplat(QG[i + 3, d])
+                a3, b3 = vfma(w, s, a3), vfma(w, t, b3)
+            for j in range(i + 4):
+                s, t = vload(X, j, ue), vload(X, j, ue + 16)
+                w = vsplat(A[i, j])
+                a0, b0 = vfma(w, s, a0), vfma(w, t, b0)
+                w = vsplat(A[i + 1, j])
+                a1, b1 = vfma(w, s, a1), vfma(w, t, b1)
+                w = vsplat(A[i + 2, j])
+                a2, b2 = vfma(w, s, a2), vfma(w, t, b2)
+                w = vsplat(A[i + 3, j])
+                a3, b3 = vfma(w, s, a3), vfma(w, t, b3)
+            _store4x2(OB, i, e, a0, b0, a1, b1, a2, b2, a3, b3)
+        for d in range(0, Kp, 4):
+            w = vsplat(DEC[0, d])
+            a0, b0 = vmul(vload(S, d, e), w), vmul(vload(S, d, e + 16), w)
+            w = vsplat(DEC[0, d + 1])
+            a1, b1 = vmul(vload(S, d + 1, e), w), vmul(vload(S, d + 1, e + 16), w)
+            w = vsplat(DEC[0, d + 2])
+            a2, b2 = vmul(vload(S, d + 2, e), w), vmul(vload(S, d + 2, e + 16), w)
+            w = vsplat(DEC[0, d + 3])
+            a3, b3 = vmul(vload(S, d + 3, e), w), vmul(vload(S, d + 3, e + 16), w)
+            for i in range(C):
+                s, t = vload(X, i, ue), vload(X, i, ue + 16)
+                w = vsplat(KD[i, d])
+                a0, b0 = vfma(w, s, a0), vfma(w, t, b0)
+                w = vsplat(KD[i, d + 1])
+                a1, b1 = vfma(w, s, a1), vfma(w, t, b1)
+                w = vsplat(KD[i, d + 2])
+                a2, b2 = vfma(w, s, a2), vfma(w, t, b2)
+                w = vsplat(KD[i, d + 3])
+                a3, b3 = vfma(w, s, a3), vfma(w, t, b3)
+            _store4x2(S, d, e, a0, b0, a1, b1, a2, b2, a3, b3)
