@@ -15,7 +15,7 @@ chunk's whole work while its rows are in cache, instead of ~20 batched torch ops
         state_step  Vn = U - W S;  O = q e^G S + Aqk Vn;  S = Diag(e^G_last) S + (k e^(G_last-G))^T Vn
       final state of (b, h) = S
 
-(stages in ``kda_cpu_chunk``, their scratch layout in its docstring). The inner loops are 16-lane vector code
+(numba code in ``kda_cpu_kernel``, the scratch layout in its docstring). The inner loops are 16-lane vector code
 (``_simd``: register tiles of 4-8 rows x 16-32 columns, explicit FMAs), because LLVM's auto-vectorised loops
 kept their accumulators in memory (docs/profile.md, fifth pass).
 
@@ -24,7 +24,7 @@ Numerics (the contract the tests pin, tests/kernels/test_kda_cpu.py):
     Kimi-Linear gate alike: the fp64 cumulative gate, differences rounded once to fp32 before exp, decay
     factors below _TINY (1e-15) flushed to exact 0 (subnormal operands run 20-60x slower on x86), exp clamped
     below at log(_TINY) - 1, and the per-chunk centred / pairwise choice for the diagonal blocks, all as
-    kda_torch; (I + L)^-1 is formed row by row with each row flushed (kda_cpu_chunk.solve says why);
+    kda_torch; (I + L)^-1 is formed row by row with each row flushed (kda_cpu_kernel.solve says why);
   * a chunk's result depends only on its own rows and the state entering it: every loop has a fixed order and
     fixed trip counts given (C, K, V), so one-shot and split prefill, one head alone or among many, 1 or n
     threads all give the same bits (the ``numerics: deterministic`` mode relies on it);
@@ -51,12 +51,10 @@ import torch
 import torch.nn.functional as F
 
 from ._kda_common import check_kda_inputs, default_scale
-from .kda_cpu_chunk import SUB, gates, load_rows, scores, solve, state_step
+from .kda_cpu_kernel import SUB, chunk_kda_kernel
 
 try:  # a pinned dependency (pyproject.toml); without it the dispatch keeps the torch path
     import numba
-
-    from ._simd import vload, vstore
 
     NUMBA_ERROR = ""
 except ImportError as err:  # reported by kda.chunk_backend, not swallowed
@@ -64,55 +62,7 @@ except ImportError as err:  # reported by kda.chunk_backend, not swallowed
     NUMBA_ERROR = f"numba could not be imported ({err})"
 
 CHUNK = 32   # C: the torch path's default, measured fastest here too (docs/profile.md, fifth pass)
-PAD = 32     # K, V padded to a multiple of this inside the kernel (the register tiles are 32 columns wide)
 _LOCK = threading.Lock()   # numba's workqueue threading layer must not be entered by two threads at once
-
-
-def _njit(**kw):
-    """numba.njit(cache=True, nogil=True, **kw) where numba imports (no fast-math); the plain function otherwise."""
-    if numba is None:
-        return lambda f: f
-    return numba.njit(cache=True, nogil=True, **kw)
-
-
-@_njit()
-def _sequence(bh, T, H, q, k, v, g, beta, scale, final, out, C):
-    """All chunks of sequence bh = b*H + h, in order. final: fp32 [B, H, K, V], holding the initial state on
-    entry and the final state on return; out: fp32 [B*T*H, Vi] (row of token t: (b*T + t)*H + h)."""
-    K, V = final.shape[2], final.shape[3]
-    b, h = bh // H, bh % H
-    Kp, Vp = -(-K // PAD) * PAD, -(-V // PAD) * PAD
-    S = np.zeros((Kp, Vp), dtype=np.float32)
-    S[:K, :V] = final[b, h]
-    G = np.zeros((C, Kp), dtype=np.float64)
-    DM, QS, KS = np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32)
-    QG, KD = np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32)
-    QF, KF = np.zeros((SUB, Kp), dtype=np.float32), np.zeros((SUB, Kp), dtype=np.float32)
-    KCT = np.zeros((Kp, C), dtype=np.float32)
-    A, L, TI = np.zeros((C, C), np.float32), np.zeros((C, C), np.float32), np.zeros((C, C), np.float32)
-    # A and L above the sub-chunk blocks are never written: zero once, for every chunk
-    X = np.zeros((C, Kp + Vp), dtype=np.float32)
-    DEC, BETA = np.zeros((1, Kp), dtype=np.float32), np.zeros(C, dtype=np.float32)
-    OB = np.zeros((C, Vp), dtype=np.float32)
-    for c in range((T + C - 1) // C):
-        load_rows(c, b, h, H, T, q, k, v, g, beta, scale, G, QS, KS, X, BETA)
-        scores(G, QS, KS, DM, QF, KF, KCT, A, L, BETA)
-        gates(G, QS, KS, X, QG, KD, DEC, BETA)
-        solve(L, TI, X)
-        state_step(S, X, QG, KD, DEC, A, OB)
-        for i in range(min(C, T - c * C)):
-            row = (b * T + c * C + i) * H + h
-            for e in range(0, out.shape[1], 16):
-                vstore(out, row, e, vload(OB, i, e))
-    final[b, h] = S[:K, :V]
-
-
-@_njit(parallel=True)
-def _chunk_kda_kernel(T, H, q, k, v, g, beta, scale, final, out, C):
-    """q, k, g fp32 [B*T*H, Ki], v [B*T*H, Vi], beta [B*T*H], scale fp32, final fp32 [B, H, K, V] (initial
-    state in, final state out), out fp32 [B*T*H, Vi]; one prange task per (batch, head) sequence."""
-    for bh in numba.prange(final.shape[0] * final.shape[1]):
-        _sequence(bh, T, H, q, k, v, g, beta, scale, final, out, C)
 
 
 def _rows(x: torch.Tensor, n: int) -> np.ndarray:
@@ -172,7 +122,7 @@ def chunk_kda_cpu(
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, B * H))
     with _LOCK if _serialise() else _NO_LOCK:
         numba.set_num_threads(threads)
-        _chunk_kda_kernel(*args)
+        chunk_kda_kernel(*args)
     o = out if Vi == V else out[..., :V]
     return o.to(v.dtype).contiguous(), (final if output_final_state else None)
 

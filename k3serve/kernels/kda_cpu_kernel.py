@@ -1,7 +1,8 @@
-"""The per-chunk stages of the fused CPU KDA kernel (``kda_cpu``): numba functions on one chunk of one head.
+"""The numba code of the fused CPU KDA kernel (``kda_cpu`` wraps it): one (batch, head) sequence per prange task,
+its chunks in order, each chunk's stages on cache-resident scratch.
 
-Scratch layout (per (batch, head) sequence, allocated once by ``kda_cpu._sequence``); Kp, Vp = K, V rounded
-up to a multiple of 32 (padding columns are zero: q = k = g = v = 0 there, which is inert, see ``kda_cpu``)::
+Scratch layout (per sequence, allocated once by ``_sequence``); Kp, Vp = K, V rounded up to a multiple of 32
+(padding columns are zero: q = k = g = v = 0 there, which is inert, see ``kda_cpu``)::
 
     G    fp64 [C, Kp]        cumulative gate within the chunk, G[i] = g[0] + ... + g[i]
     QS   fp32 [C, Kp]        q * scale;   KS [C, Kp] k;   BETA [C] beta (0 on padding rows)
@@ -12,7 +13,7 @@ up to a multiple of 32 (padding columns are zero: q = k = g = v = 0 there, which
     TI   fp32 [C, C]         (I + L)^-1
     X    fp32 [C, Kp + Vp]   [ W | U ], then [ W | Vn ]:   col 0 ........ Kp ........ Kp + Vp
                                                                | beta e^G k  | beta v      |  (right-hand side)
-                                                               |      W      |  U -> Vn    |  (after _solve, _state)
+                                                               |      W      |  U -> Vn    |  (after solve, state_step)
     QG   fp32 [C, Kp]        q e^G;   KD [C, Kp] k e^(G_last - G);   DEC [1, Kp] e^(G_last)
     OB   fp32 [C, Vp]        the chunk's output rows
     S    fp32 [Kp, Vp]       the state entering the chunk; updated in place to the state after it
@@ -21,13 +22,18 @@ Every stage reads only the chunk's rows and S, in fixed loop orders, so a chunk'
 (not on T, B, H, the chunk's position in the call, nor the thread that runs it). The decay factors, the
 flush of values <= _TINY and the centred / pairwise choice are those of ``kda_torch`` (its module docstring);
 numba compiles without fast-math and every multiply-add is an explicit ``llvm.fma`` (``_simd``).
+
+numba's cache (``cache=True``, under ``__pycache__``) is invalidated by changes to THIS file only: machine code
+compiled from ``_simd`` (inlined here) or constants copied from elsewhere would go stale silently. So the
+constants live here (tests/kernels/test_kda_cpu.py pins them to kda_torch's) and :data:`SIMD_SHA256` records
+the ``_simd.py`` this code was compiled against (the same test fails until it is updated, which edits this file).
 """
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
-from .kda_torch import _LOG_TINY, _MAX_HALF_SPAN, _TINY
+import numpy as np
 
 try:  # a pinned dependency; kda_cpu reports NUMBA_ERROR and the dispatch keeps the torch path without it
     import numba
@@ -37,7 +43,13 @@ try:  # a pinned dependency; kda_cpu reports NUMBA_ERROR and the dispatch keeps 
 except ImportError:  # kda_cpu records why
     numba = None
 
+SIMD_SHA256 = "845f9b5c60e87c608ad8827a3c370d485a8e445adb57fd5fa4438adeee0ec79c"
 SUB = 16                      # rows per sub-chunk of the decayed scores (kda_torch's sub_chunk)
+PAD = 32                      # K, V padded to a multiple of this inside (the register tiles are 32 columns wide)
+# kda_torch's flush threshold, exp clamp and centred-span bound (same values, pinned by a test)
+_LOG_TINY = -34.5
+_TINY = math.exp(_LOG_TINY)
+_MAX_HALF_SPAN = 60.0
 _LO = np.float32(_LOG_TINY - 1.0)   # exp arguments are clamped here before the flush (kda_torch._exp_flush)
 _FTINY = np.float32(_TINY)
 _CENTRED_LO = np.float32(-87.0)     # centred factors: |arguments| <= _MAX_HALF_SPAN, never clamped nor flushed
@@ -304,3 +316,44 @@ def state_step(S, X, QG, KD, DEC, A, OB):
                 w = vsplat(KD[i, d + 3])
                 a3, b3 = vfma(w, s, a3), vfma(w, t, b3)
             _store4x2(S, d, e, a0, b0, a1, b1, a2, b2, a3, b3)
+
+
+@_njit
+def _sequence(bh, T, H, q, k, v, g, beta, scale, final, out, C):
+    """All chunks of sequence bh = b*H + h, in order. final: fp32 [B, H, K, V], holding the initial state on
+    entry and the final state on return; out: fp32 [B*T*H, Vi] (row of token t: (b*T + t)*H + h)."""
+    K, V = final.shape[2], final.shape[3]
+    b, h = bh // H, bh % H
+    Kp, Vp = -(-K // PAD) * PAD, -(-V // PAD) * PAD
+    S = np.zeros((Kp, Vp), dtype=np.float32)
+    S[:K, :V] = final[b, h]
+    G = np.zeros((C, Kp), dtype=np.float64)
+    DM, QS, KS = np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32)
+    QG, KD = np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32)
+    QF, KF = np.zeros((SUB, Kp), dtype=np.float32), np.zeros((SUB, Kp), dtype=np.float32)
+    KCT = np.zeros((Kp, C), dtype=np.float32)
+    # A and L above the sub-chunk blocks are never written: zero once, for every chunk
+    A, L, TI = np.zeros((C, C), np.float32), np.zeros((C, C), np.float32), np.zeros((C, C), np.float32)
+    X = np.zeros((C, Kp + Vp), dtype=np.float32)
+    DEC, BETA = np.zeros((1, Kp), dtype=np.float32), np.zeros(C, dtype=np.float32)
+    OB = np.zeros((C, Vp), dtype=np.float32)
+    for c in range((T + C - 1) // C):
+        load_rows(c, b, h, H, T, q, k, v, g, beta, scale, G, QS, KS, X, BETA)
+        scores(G, QS, KS, DM, QF, KF, KCT, A, L, BETA)
+        gates(G, QS, KS, X, QG, KD, DEC, BETA)
+        solve(L, TI, X)
+        state_step(S, X, QG, KD, DEC, A, OB)
+        for i in range(min(C, T - c * C)):
+            row = (b * T + c * C + i) * H + h
+            for e in range(0, out.shape[1], 16):
+                vstore(out, row, e, vload(OB, i, e))
+    final[b, h] = S[:K, :V]
+
+
+@_njit(parallel=True)
+def chunk_kda_kernel(T, H, q, k, v, g, beta, scale, final, out, C):
+    """q, k, g fp32 [B*T*H, Ki], v [B*T*H, Vi], beta [B*T*H] (Ki, Vi multiples of 16, row (b*T + t)*H + h),
+    scale fp32, final fp32 [B, H, K, V] (initial state in, final state out), out fp32 [B*T*H, Vi], C the chunk
+    size (a multiple of 16); one prange task per (batch, head) sequence."""
+    for bh in numba.prange(final.shape[0] * final.shape[1]):
+        _sequence(bh, T, H, q, k, v, g, beta, scale, final, out, C)
