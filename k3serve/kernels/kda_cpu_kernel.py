@@ -8,7 +8,7 @@ Scratch layout (per sequence, allocated once by ``_sequence``); Kp, Vp = K, V ro
     QS   fp32 [C, Kp]        q * scale;   KS [C, Kp] k;   BETA [C] beta (0 on padding rows)
     DM   fp32 [C, Kp]        G[i] - G[m(i)], m(i) = middle row of i's 16-row sub-chunk (fp64 difference, rounded once)
     QF, KF fp32 [16, Kp]     row-factored q, k of the current sub-chunk
-    KCT  fp32 [Kp, C]        column-factored k, TRANSPOSED (columns j contiguous, for 16-lane tiles over j)
+    KC   fp32 [C, Kp]        column-factored k;  KCT [Kp, C] the same transposed (columns j contiguous, for tiles over j)
     A    fp32 [C, C]         Aqk (lower triangle incl. diagonal);  L [C, C] beta_i Akk (strictly lower)
     TI   fp32 [C, C]         (I + L)^-1
     X    fp32 [C, Kp + Vp]   [ W | U ], then [ W | Vn ]:   col 0 ........ Kp ........ Kp + Vp
@@ -39,11 +39,11 @@ try:  # a pinned dependency; kda_cpu reports NUMBA_ERROR and the dispatch keeps 
     import numba
 
     from ._simd import (vcum, vdiff, vexp, vflush, vfma, vfnma, vhmax, vhsum, vload, vloadd, vmaxabs, vmul,
-                        vneg, vsplat, vstore, vstore_t, vzero)
+                        vneg, vsplat, vstore, vtranspose, vzero)
 except ImportError:  # kda_cpu records why
     numba = None
 
-SIMD_SHA256 = "845f9b5c60e87c608ad8827a3c370d485a8e445adb57fd5fa4438adeee0ec79c"
+SIMD_SHA256 = "306fd29fb7aa7ff06d1d8e2e9ab30f37b1d5dc668d1709c6e7a049eaa36031e4"
 SUB = 16                      # rows per sub-chunk of the decayed scores (kda_torch's sub_chunk)
 PAD = 32                      # K, V padded to a multiple of this inside (the register tiles are 32 columns wide)
 # kda_torch's flush threshold, exp clamp and centred-span bound (same values, pinned by a test)
@@ -122,7 +122,7 @@ def _score_tile(QF, KF, KCT, j0, A, L, r, BETA, last):
 
 
 @_njit
-def scores(G, QS, KS, DM, QF, KF, KCT, A, L, BETA):
+def scores(G, QS, KS, DM, QF, KF, KC, KCT, A, L, BETA):
     """A (Aqk) and L (beta Akk, strictly lower) of the chunk, with kda_torch's decay factors:
 
     * rows of sub-chunk I >= 1 against columns j of earlier sub-chunks (r = first row of I):
@@ -149,8 +149,10 @@ def scores(G, QS, KS, DM, QF, KF, KCT, A, L, BETA):
                 vstore(KF, ii, d, vmul(vload(KS, r + ii, d), f))
         for j in range(r):
             for d in range(0, Kp, 16):
-                vstore_t(KCT, d, j, vmul(vload(KS, j, d), vexp(vdiff(G, r, d, j), _LO, _FTINY)))
+                vstore(KC, j, d, vmul(vload(KS, j, d), vexp(vdiff(G, r, d, j), _LO, _FTINY)))
         for j0 in range(0, r, SUB):
+            for d in range(0, Kp, 16):
+                vtranspose(KC, j0, d, KCT, d, j0)
             _score_tile(QF, KF, KCT, j0, A, L, r, BETA, SUB)
     for r in range(0, C, SUB):
         if centred:
@@ -161,7 +163,9 @@ def scores(G, QS, KS, DM, QF, KF, KCT, A, L, BETA):
                     ks = vload(KS, r + ii, d)
                     vstore(QF, ii, d, vmul(vload(QS, r + ii, d), f))
                     vstore(KF, ii, d, vmul(ks, f))
-                    vstore_t(KCT, d, r + ii, vmul(ks, vexp(vneg(dm), _CENTRED_LO, np.float32(0.0))))
+                    vstore(KC, r + ii, d, vmul(ks, vexp(vneg(dm), _CENTRED_LO, np.float32(0.0))))
+            for d in range(0, Kp, 16):
+                vtranspose(KC, r, d, KCT, d, r)
             _score_tile(QF, KF, KCT, r, A, L, r, BETA, 0)
             continue
         for ii in range(SUB):
@@ -197,6 +201,91 @@ def gates(G, QS, KS, X, QG, KD, DEC, BETA):
             vstore(KD, i, d, vmul(ks, vexp(vdiff(G, last, d, i), _LO, _FTINY)))
 
 
+@_njit(inline="always")
+def _tile_load(M, i, e):
+    """The 8 x 32 tile M[i:i + 8, e:e + 32] as 16 vectors (row r: items 2r, 2r + 1)."""
+    return (vload(M, i, e), vload(M, i, e + 16), vload(M, i + 1, e), vload(M, i + 1, e + 16),
+            vload(M, i + 2, e), vload(M, i + 2, e + 16), vload(M, i + 3, e), vload(M, i + 3, e + 16),
+            vload(M, i + 4, e), vload(M, i + 4, e + 16), vload(M, i + 5, e), vload(M, i + 5, e + 16),
+            vload(M, i + 6, e), vload(M, i + 6, e + 16), vload(M, i + 7, e), vload(M, i + 7, e + 16))
+
+
+@_njit(inline="always")
+def _tile_zero():
+    z = vzero()
+    return z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z
+
+
+@_njit(inline="always")
+def _tile_store(M, i, e, acc):
+    """M[i:i + 8, e:e + 32] = the 16 vectors of acc (row r: items 2r, 2r + 1)."""
+    a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = acc
+    vstore(M, i, e, a0)
+    vstore(M, i, e + 16, b0)
+    vstore(M, i + 1, e, a1)
+    vstore(M, i + 1, e + 16, b1)
+    vstore(M, i + 2, e, a2)
+    vstore(M, i + 2, e + 16, b2)
+    vstore(M, i + 3, e, a3)
+    vstore(M, i + 3, e + 16, b3)
+    vstore(M, i + 4, e, a4)
+    vstore(M, i + 4, e + 16, b4)
+    vstore(M, i + 5, e, a5)
+    vstore(M, i + 5, e + 16, b5)
+    vstore(M, i + 6, e, a6)
+    vstore(M, i + 6, e + 16, b6)
+    vstore(M, i + 7, e, a7)
+    vstore(M, i + 7, e + 16, b7)
+
+
+@_njit(inline="always")
+def _tile_scale(acc, DEC, d):
+    """Row r of the tile times DEC[0, d + r]."""
+    a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = acc
+    w = vsplat(DEC[0, d])
+    a0, b0 = vmul(a0, w), vmul(b0, w)
+    w = vsplat(DEC[0, d + 1])
+    a1, b1 = vmul(a1, w), vmul(b1, w)
+    w = vsplat(DEC[0, d + 2])
+    a2, b2 = vmul(a2, w), vmul(b2, w)
+    w = vsplat(DEC[0, d + 3])
+    a3, b3 = vmul(a3, w), vmul(b3, w)
+    w = vsplat(DEC[0, d + 4])
+    a4, b4 = vmul(a4, w), vmul(b4, w)
+    w = vsplat(DEC[0, d + 5])
+    a5, b5 = vmul(a5, w), vmul(b5, w)
+    w = vsplat(DEC[0, d + 6])
+    a6, b6 = vmul(a6, w), vmul(b6, w)
+    w = vsplat(DEC[0, d + 7])
+    a7, b7 = vmul(a7, w), vmul(b7, w)
+    return a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7
+
+
+@_njit(inline="always")
+def _tile_fma(W, i0, j0, di, dj, s, t, acc, neg):
+    """Row r of the tile += w_r * (s | t) (or -= where neg), w_r = W[i0 + r*di, j0 + r*dj]: one step of the
+    reduction for 8 output rows sharing the 32-column operand row (s | t); 16 independent FMAs."""
+    a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = acc
+    m = np.float32(-1.0) if neg else np.float32(1.0)   # exact: the FMAs of a - w s
+    w = vsplat(W[i0, j0] * m)
+    a0, b0 = vfma(w, s, a0), vfma(w, t, b0)
+    w = vsplat(W[i0 + di, j0 + dj] * m)
+    a1, b1 = vfma(w, s, a1), vfma(w, t, b1)
+    w = vsplat(W[i0 + 2 * di, j0 + 2 * dj] * m)
+    a2, b2 = vfma(w, s, a2), vfma(w, t, b2)
+    w = vsplat(W[i0 + 3 * di, j0 + 3 * dj] * m)
+    a3, b3 = vfma(w, s, a3), vfma(w, t, b3)
+    w = vsplat(W[i0 + 4 * di, j0 + 4 * dj] * m)
+    a4, b4 = vfma(w, s, a4), vfma(w, t, b4)
+    w = vsplat(W[i0 + 5 * di, j0 + 5 * dj] * m)
+    a5, b5 = vfma(w, s, a5), vfma(w, t, b5)
+    w = vsplat(W[i0 + 6 * di, j0 + 6 * dj] * m)
+    a6, b6 = vfma(w, s, a6), vfma(w, t, b6)
+    w = vsplat(W[i0 + 7 * di, j0 + 7 * dj] * m)
+    a7, b7 = vfma(w, s, a7), vfma(w, t, b7)
+    return a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7
+
+
 @_njit
 def solve(L, TI, X):
     """X <- (I + L)^-1 X.
@@ -215,33 +304,13 @@ def solve(L, TI, X):
                 acc = vfnma(vsplat(L[i, j]), vload(TI, j, c0), acc)
             vstore(TI, i, c0, vflush(acc, _FTINY, 15))
         TI[i, i] = 1.0
-    for i in range(C - 4, -1, -4):   # bottom-up, in place: rows j <= i + 3 still hold the right-hand side
+    zero = _tile_zero()
+    for i in range(C - 8, -1, -8):   # bottom-up, in place: rows j <= i + 7 still hold the right-hand side
         for e in range(0, W, 32):
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
-            for j in range(i + 4):
-                s, t = vload(X, j, e), vload(X, j, e + 16)
-                w = vsplat(TI[i, j])
-                a0, b0 = vfma(w, s, a0), vfma(w, t, b0)
-                w = vsplat(TI[i + 1, j])
-                a1, b1 = vfma(w, s, a1), vfma(w, t, b1)
-                w = vsplat(TI[i + 2, j])
-                a2, b2 = vfma(w, s, a2), vfma(w, t, b2)
-                w = vsplat(TI[i + 3, j])
-                a3, b3 = vfma(w, s, a3), vfma(w, t, b3)
-            _store4x2(X, i, e, a0, b0, a1, b1, a2, b2, a3, b3)
-
-
-@_njit(inline="always")
-def _store4x2(M, i, e, a0, b0, a1, b1, a2, b2, a3, b3):
-    """M[i + r, e:e + 32] = (a_r | b_r) for r < 4."""
-    vstore(M, i, e, a0)
-    vstore(M, i, e + 16, b0)
-    vstore(M, i + 1, e, a1)
-    vstore(M, i + 1, e + 16, b1)
-    vstore(M, i + 2, e, a2)
-    vstore(M, i + 2, e + 16, b2)
-    vstore(M, i + 3, e, a3)
-    vstore(M, i + 3, e + 16, b3)
+            acc = zero
+            for j in range(i + 8):
+                acc = _tile_fma(TI, i, j, 1, 0, vload(X, j, e), vload(X, j, e + 16), acc, False)
+            _tile_store(X, i, e, acc)
 
 
 @_njit
@@ -252,70 +321,31 @@ def state_step(S, X, QG, KD, DEC, A, OB):
         O  = (Q e^G) S + A Vn   (OB[:, e..]; A is zero above the diagonal, so its rows stop at their block)
         S  = Diag(DEC) S + KD^T Vn
 
-    Each is a 4-row x 32-column register tile (8 accumulators) over the reduction, in fixed order.
+    Each is an 8-row x 32-column register tile (16 accumulators: enough independent FMAs to hide their
+    latency; 4-row tiles were 3-14% slower) over the reduction, in fixed order.
     """
     C, Kp = QG.shape
+    zero = _tile_zero()
     for e in range(0, S.shape[1], 32):
         ue = Kp + e
-        for i in range(0, C, 4):
-            a0, b0 = vload(X, i, ue), vload(X, i, ue + 16)
-            a1, b1 = vload(X, i + 1, ue), vload(X, i + 1, ue + 16)
-            a2, b2 = vload(X, i + 2, ue), vload(X, i + 2, ue + 16)
-            a3, b3 = vload(X, i + 3, ue), vload(X, i + 3, ue + 16)
+        for i in range(0, C, 8):
+            acc = _tile_load(X, i, ue)
             for d in range(Kp):
-                s, t = vload(S, d, e), vload(S, d, e + 16)
-                w = vsplat(X[i, d])
-                a0, b0 = vfnma(w, s, a0), vfnma(w, t, b0)
-                w = vsplat(X[i + 1, d])
-                a1, b1 = vfnma(w, s, a1), vfnma(w, t, b1)
-                w = vsplat(X[i + 2, d])
-                a2, b2 = vfnma(w, s, a2), vfnma(w, t, b2)
-                w = vsplat(X[i + 3, d])
-                a3, b3 = vfnma(w, s, a3), vfnma(w, t, b3)
-            _store4x2(X, i, ue, a0, b0, a1, b1, a2, b2, a3, b3)
-        for i in range(0, C, 4):
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+                acc = _tile_fma(X, i, d, 1, 0, vload(S, d, e), vload(S, d, e + 16), acc, True)
+            _tile_store(X, i, ue, acc)
+        for i in range(0, C, 8):
+            acc = zero
             for d in range(Kp):
-                s, t = vload(S, d, e), vload(S, d, e + 16)
-                w = vsplat(QG[i, d])
-                a0, b0 = vfma(w, s, a0), vfma(w, t, b0)
-                w = vsplat(QG[i + 1, d])
-                a1, b1 = vfma(w, s, a1), vfma(w, t, b1)
-                w = vsplat(QG[i + 2, d])
-                a2, b2 = vfma(w, s, a2), vfma(w, t, b2)
-                w = vsplat(QG[i + 3, d])
-                a3, b3 = vfma(w, s, a3), vfma(w, t, b3)
-            for j in range(i + 4):
-                s, t = vload(X, j, ue), vload(X, j, ue + 16)
-                w = vsplat(A[i, j])
-                a0, b0 = vfma(w, s, a0), vfma(w, t, b0)
-                w = vsplat(A[i + 1, j])
-                a1, b1 = vfma(w, s, a1), vfma(w, t, b1)
-                w = vsplat(A[i + 2, j])
-                a2, b2 = vfma(w, s, a2), vfma(w, t, b2)
-                w = vsplat(A[i + 3, j])
-                a3, b3 = vfma(w, s, a3), vfma(w, t, b3)
-            _store4x2(OB, i, e, a0, b0, a1, b1, a2, b2, a3, b3)
-        for d in range(0, Kp, 4):
-            w = vsplat(DEC[0, d])
-            a0, b0 = vmul(vload(S, d, e), w), vmul(vload(S, d, e + 16), w)
-            w = vsplat(DEC[0, d + 1])
-            a1, b1 = vmul(vload(S, d + 1, e), w), vmul(vload(S, d + 1, e + 16), w)
-            w = vsplat(DEC[0, d + 2])
-            a2, b2 = vmul(vload(S, d + 2, e), w), vmul(vload(S, d + 2, e + 16), w)
-            w = vsplat(DEC[0, d + 3])
-            a3, b3 = vmul(vload(S, d + 3, e), w), vmul(vload(S, d + 3, e + 16), w)
+                acc = _tile_fma(QG, i, d, 1, 0, vload(S, d, e), vload(S, d, e + 16), acc, False)
+            for j in range(i + 8):
+                acc = _tile_fma(A, i, j, 1, 0, vload(X, j, ue), vload(X, j, ue + 16), acc, False)
+            _tile_store(OB, i, e, acc)
+        for d in range(0, Kp, 8):
+            acc = _tile_load(S, d, e)
+            acc = _tile_scale(acc, DEC, d)
             for i in range(C):
-                s, t = vload(X, i, ue), vload(X, i, ue + 16)
-                w = vsplat(KD[i, d])
-                a0, b0 = vfma(w, s, a0), vfma(w, t, b0)
-                w = vsplat(KD[i, d + 1])
-                a1, b1 = vfma(w, s, a1), vfma(w, t, b1)
-                w = vsplat(KD[i, d + 2])
-                a2, b2 = vfma(w, s, a2), vfma(w, t, b2)
-                w = vsplat(KD[i, d + 3])
-                a3, b3 = vfma(w, s, a3), vfma(w, t, b3)
-            _store4x2(S, d, e, a0, b0, a1, b1, a2, b2, a3, b3)
+                acc = _tile_fma(KD, i, d, 0, 1, vload(X, i, ue), vload(X, i, ue + 16), acc, False)
+            _tile_store(S, d, e, acc)
 
 
 @_njit
@@ -331,7 +361,7 @@ def _sequence(bh, T, H, q, k, v, g, beta, scale, final, out, C):
     DM, QS, KS = np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32)
     QG, KD = np.zeros((C, Kp), np.float32), np.zeros((C, Kp), np.float32)
     QF, KF = np.zeros((SUB, Kp), dtype=np.float32), np.zeros((SUB, Kp), dtype=np.float32)
-    KCT = np.zeros((Kp, C), dtype=np.float32)
+    KC, KCT = np.zeros((C, Kp), dtype=np.float32), np.zeros((Kp, C), dtype=np.float32)
     # A and L above the sub-chunk blocks are never written: zero once, for every chunk
     A, L, TI = np.zeros((C, C), np.float32), np.zeros((C, C), np.float32), np.zeros((C, C), np.float32)
     X = np.zeros((C, Kp + Vp), dtype=np.float32)
@@ -339,7 +369,7 @@ def _sequence(bh, T, H, q, k, v, g, beta, scale, final, out, C):
     OB = np.zeros((C, Vp), dtype=np.float32)
     for c in range((T + C - 1) // C):
         load_rows(c, b, h, H, T, q, k, v, g, beta, scale, G, QS, KS, X, BETA)
-        scores(G, QS, KS, DM, QF, KF, KCT, A, L, BETA)
+        scores(G, QS, KS, DM, QF, KF, KC, KCT, A, L, BETA)
         gates(G, QS, KS, X, QG, KD, DEC, BETA)
         solve(L, TI, X)
         state_step(S, X, QG, KD, DEC, A, OB)

@@ -237,3 +237,30 @@ def test_cached_kernel_is_tied_to_its_sources():
         "_simd.py changed: set kda_cpu_kernel.SIMD_SHA256 to its new sha256 (this recompiles the cached kernel)")
     for name in ("_LOG_TINY", "_TINY", "_MAX_HALF_SPAN"):
         assert getattr(kda_cpu_kernel, name) == getattr(kda_torch, name), name
+
+
+def test_vector_exp_within_one_ulp_and_flushes():
+    """_simd.vexp, the kernel's exp: ~1 ulp from the exact exp where it keeps a value, arguments below lo
+    clamped to lo, and results <= tiny set to exactly 0."""
+    import numba
+    import numpy as np
+
+    from k3serve.kernels._simd import vexp, vload, vstore
+
+    @numba.njit
+    def run(x, out, lo, tiny):
+        for j in range(0, x.shape[1], 16):
+            vstore(out, 0, j, vexp(vload(x, 0, j), lo, tiny))
+
+    x = np.linspace(-87.0, 88.0, 1 << 20, dtype=np.float32)[None, :]
+    out = np.empty_like(x)
+    run(x, out, np.float32(-87.0), np.float32(0.0))
+    exact = np.exp(x.astype(np.float64))
+    ulp = np.spacing(exact.astype(np.float32)).astype(np.float64)
+    assert (np.abs(out - exact) / ulp).max() < 1.01   # measured 1.0006
+    lo, tiny = np.float32(kda_cpu_kernel._LOG_TINY - 1.0), np.float32(kda_cpu_kernel._TINY)
+    x = np.array([[-1e4, -60.0, -35.0, -34.6, -34.4, -1.0, 0.0] + [0.0] * 9], dtype=np.float32)
+    run(x, out[:, :16], lo, tiny)
+    want = np.where(np.exp(np.maximum(x, lo).astype(np.float64)) > tiny, np.exp(x.astype(np.float64)), 0.0)
+    assert (out[:, :16] == 0).tolist() == (want == 0).tolist()
+    np.testing.assert_allclose(out[:, :16], want, rtol=2e-7, atol=0)
