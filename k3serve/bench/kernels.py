@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3serve.kernels import kda_cpu
 from k3serve.kernels.flops import CHUNK, best_time, chunk_flops, matmul_gflops  # noqa: F401 (re-exported)
 from k3serve.kernels.gate import kda_gate
 from k3serve.kernels.kda import chunk_backend, chunk_kda, recurrent_kda
@@ -36,8 +37,13 @@ def _time_chunk(q, k, v, g, beta, backend: str | None, repeats: int) -> float:
     return best_time(lambda: chunk_kda(q, k, v, g, beta, **kw), repeats)
 
 
+def _chunk_size(backend: str) -> int:
+    """The chunk size the named chunk_kda backend runs (its FLOPs are counted with it)."""
+    return kda_cpu.CHUNK if backend == "cpu" else CHUNK
+
+
 def _chunk_keys(prefix: str, T: int, t: float, flops: float, mm: float) -> dict:
-    return {f"{prefix}chunk_tokens_per_s": T / t, f"{prefix}chunk_seconds": t,
+    return {f"{prefix}chunk_tokens_per_s": T / t, f"{prefix}chunk_seconds": t, f"{prefix}chunk_flops": flops,
             f"{prefix}chunk_gflops": flops / t / 1e9, f"{prefix}chunk_achieved_fraction": flops / t / 1e9 / mm}
 
 
@@ -45,10 +51,12 @@ def _chunk_only(T: int, H: int, K: int, repeats: int, mm: float) -> dict:
     """Chunked KDA alone at head size K (V = K), default dispatch and torch path: tokens/s and the fraction of
     the matmul ceiling `mm`."""
     q, k, v, g, beta = _inputs(1, T, H, K, lower_bound=-5.0)
-    flops = chunk_flops(1, T, H, K, K)
-    return {"K": K, "chunk_flops": flops, "chunk_backend": chunk_backend(),
-            **_chunk_keys("", T, _time_chunk(q, k, v, g, beta, None, repeats), flops, mm),
-            **_chunk_keys("torch_", T, _time_chunk(q, k, v, g, beta, "torch", repeats), flops, mm)}
+    which = chunk_backend()
+    return {"K": K, "chunk_backend": which,
+            **_chunk_keys("", T, _time_chunk(q, k, v, g, beta, None, repeats),
+                          chunk_flops(1, T, H, K, K, _chunk_size(which)), mm),
+            **_chunk_keys("torch_", T, _time_chunk(q, k, v, g, beta, "torch", repeats),
+                          chunk_flops(1, T, H, K, K, CHUNK), mm)}
 
 
 def run_kernel_bench(T: int = 4096, H: int = 4, K: int = 64, repeats: int = 3) -> dict:
@@ -60,10 +68,10 @@ def run_kernel_bench(T: int = 4096, H: int = 4, K: int = 64, repeats: int = 3) -
     fallback for the within-sub-chunk decays.
 
     Returns a dict with chunk/recurrent tokens per second, their ratio (``speedup``), the
-    machine's torch.mm GFLOP/s, the chunk path's FLOP estimate and achieved fraction of it
-    (both chunk implementations run the C = 32 algorithm ``chunk_flops`` counts), the sizes used,
-    and ``head_dim_128``: the chunked form alone at K = V = 128 (the real per-head size) against
-    the same ceiling.
+    machine's torch.mm GFLOP/s, each chunk implementation's FLOP estimate (``chunk_flops`` at its own
+    chunk size: 16 for the fused CPU kernel, 32 for the torch path) and achieved fraction of the
+    ceiling, the sizes used, and ``head_dim_128``: the chunked form alone at K = V = 128 (the real
+    per-head size) against the same ceiling.
     """
     B, V = 1, K
     q, k, v, g, beta = _inputs(B, T, H, K, lower_bound=-5.0)
@@ -75,21 +83,21 @@ def run_kernel_bench(T: int = 4096, H: int = 4, K: int = 64, repeats: int = 3) -
     t_torch_kl = _time_chunk(q, k, v, g_kl, beta, "torch", repeats)
 
     mm = matmul_gflops()
-    flops = chunk_flops(B, T, H, K, V)
+    which = chunk_backend()
     return {
-        "chunk_backend": chunk_backend(),
-        **_chunk_keys("", B * T, t_chunk, flops, mm),
+        "chunk_backend": which,
+        **_chunk_keys("", B * T, t_chunk, chunk_flops(B, T, H, K, V, _chunk_size(which)), mm),
         "chunk_tokens_per_s_unbounded_gate": B * T / t_chunk_kl,
-        **_chunk_keys("torch_", B * T, t_torch, flops, mm),
+        **_chunk_keys("torch_", B * T, t_torch, chunk_flops(B, T, H, K, V, CHUNK), mm),
         "torch_chunk_tokens_per_s_unbounded_gate": B * T / t_torch_kl,
         "chunk_speedup_over_torch": t_torch / t_chunk,
         "recurrent_tokens_per_s": B * T / t_rec,
         "recurrent_seconds": t_rec,
         "speedup": t_rec / t_chunk,
         "matmul_gflops": mm,
-        "chunk_flops": flops,
         "head_dim_128": _chunk_only(T, H, 128, repeats, mm) if K != 128 else None,
-        "sizes": {"B": B, "T": T, "H": H, "K": K, "V": V, "chunk": CHUNK, "dtype": "float32"},
+        "sizes": {"B": B, "T": T, "H": H, "K": K, "V": V, "chunk": _chunk_size(which), "torch_chunk": CHUNK,
+                  "dtype": "float32"},
         "torch_threads": torch.get_num_threads(),
         "repeats": repeats,
     }

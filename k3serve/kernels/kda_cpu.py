@@ -1,9 +1,11 @@
 """Chunked KDA forward as one fused CPU kernel (numba): the CPU default of ``kda.chunk_kda`` (backend "cpu").
 
-Same algorithm, chunk size (C = 32) and decay factors as ``kda_torch.chunk_kda_torch`` (its module docstring
-has the chunked WY form), but each (batch, head) sequence walks its chunks in order inside one thread and does a
-chunk's whole work while its rows are in cache, instead of ~20 batched torch ops over all chunks followed by a
-128-step Python loop of small ``baddbmm`` calls::
+Same algorithm and decay factors as ``kda_torch.chunk_kda_torch`` (its module docstring has the chunked WY form),
+but each (batch, head) sequence walks its chunks in order inside one thread and does a chunk's whole work while its
+rows are in cache, instead of ~20 batched torch ops over all chunks followed by a 128-step Python loop of small
+``baddbmm`` calls. Chunks of C = 16 tokens by default (one sub-chunk; the torch path's is 32): with the sequential
+state step this cheap, the smaller chunk does ~13% less work per token and measured 5-17% faster than 32 (64:
+20-30% slower; docs/profile.md, fifth pass); any multiple of 16 runs::
 
     prange over the B*H sequences (threads: min(torch.get_num_threads(), numba's), one sequence per task)
       S = initial state of (b, h)                                  fp32 [Kp, Vp] private copy
@@ -61,7 +63,7 @@ except ImportError as err:  # reported by kda.chunk_backend, not swallowed
     numba = None
     NUMBA_ERROR = f"numba could not be imported ({err})"
 
-CHUNK = 32   # C: the torch path's default, measured fastest here too (docs/profile.md, fifth pass)
+CHUNK = 16   # C: measured fastest (module docstring); bench kernels counts its FLOPs with this C
 _LOCK = threading.Lock()   # numba's workqueue threading layer must not be entered by two threads at once
 
 

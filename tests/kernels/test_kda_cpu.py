@@ -25,7 +25,7 @@ def _close(a, b, **tol):
     torch.testing.assert_close(a.float(), b.float(), **(tol or TOL))
 
 
-def _chunk_kinds(g: torch.Tensor, C: int = 32, sub: int = 16) -> set[str]:
+def _chunk_kinds(g: torch.Tensor, C: int = kda_cpu.CHUNK, sub: int = 16) -> set[str]:
     """Which diagonal-block path each chunk of g [B, T, H, K] takes (the kernel's per-chunk rule, recomputed
     here: centred iff every |fp32(G_i - G_m)| <= _MAX_HALF_SPAN, G the fp64 cumsum within the chunk, m the middle
     row of i's sub-chunk; zero-padded rows past T)."""
@@ -55,6 +55,19 @@ def test_matches_naive_and_torch(kda_inputs, B, T, H, K, V, seed, with_h0, gate)
     _close(s, ref_s)
     _close(o, t_o)
     _close(s, t_s)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+@pytest.mark.parametrize("gate", ["k3", "kl"])
+def test_every_chunk_size(kda_inputs, gate, chunk_size):
+    """1, 2 and 4 sub-chunks per chunk (the default 16, the torch path's 32, and 64: earlier sub-chunks up to
+    three back)."""
+    q, k, v, g, beta = kda_inputs(2, 150, 2, 32, 16, gate, seed=30 + chunk_size)
+    h0 = torch.randn(2, 2, 32, 16)
+    ref_o, ref_s = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = chunk_kda_cpu(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=chunk_size)
+    _close(o, ref_o)
+    _close(s, ref_s)
 
 
 def test_both_diagonal_paths_in_one_call(kda_inputs):
@@ -93,18 +106,20 @@ def test_bf16_inputs(kda_inputs):
     _close(s, ref_s, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("chunk_size", [16, 32])
 @pytest.mark.parametrize("gate", ["k3", "kl"])
-def test_split_at_multiples_of_64_is_bitwise_one_shot(kda_inputs, gate):
+def test_split_at_multiples_of_64_is_bitwise_one_shot(kda_inputs, gate, chunk_size):
     """A chunk's bits depend only on its rows and the state entering it: prefill split on the 64-token grid with
     the state carried equals the one-shot call exactly (what numerics: deterministic relies on)."""
     B, T, H, K, V = 2, 250, 2, 32, 32
     q, k, v, g, beta = kda_inputs(B, T, H, K, V, gate, seed=21, A_log=torch.tensor([0.0, 5.0]))
     h0 = torch.randn(B, H, K, V)
-    o_full, s_full = chunk_kda_cpu(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o_full, s_full = chunk_kda_cpu(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                   chunk_size=chunk_size)
     outs, state = [], h0
     for a, b in ((0, 64), (64, 192), (192, T)):
         o, state = chunk_kda_cpu(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
-                                 initial_state=state, output_final_state=True)
+                                 initial_state=state, output_final_state=True, chunk_size=chunk_size)
         outs.append(o)
     assert torch.equal(torch.cat(outs, dim=1), o_full)
     assert torch.equal(state, s_full)
@@ -133,7 +148,8 @@ def test_one_head_alone_equals_inside_a_batch(kda_inputs):
 
 def test_zero_padding_of_the_last_chunk_is_inert(kda_inputs):
     """T = 100 pads its last chunk with zero rows inside the kernel; the same rows given explicitly as zeros
-    (T = 128) change no bit of the first 100 outputs nor of the final state."""
+    (T = 128, which adds a whole chunk of zeros too) change no bit of the first 100 outputs nor of the final
+    state."""
     q, k, v, g, beta = kda_inputs(1, 100, 2, 16, 16, "k3", seed=23)
     h0 = torch.randn(1, 2, 16, 16)
     o, s = chunk_kda_cpu(q, k, v, g, beta, initial_state=h0, output_final_state=True)
