@@ -15,6 +15,8 @@ from k3serve.kernels.kda import chunk_backend, chunk_kda, recurrent_kda
 from k3serve.kernels.kda_cpu import chunk_kda_cpu
 from k3serve.kernels.kda_naive import naive_recurrent_kda
 from k3serve.kernels.kda_torch import _MAX_HALF_SPAN, chunk_kda_torch, recurrent_kda_torch
+from tests.kernels.test_kda_torch import (check_bf16_inputs, check_huge_unbounded_decays,
+                                          check_state_carry_and_no_mutation)
 
 pytestmark = pytest.mark.skipif(bool(kda_cpu.NUMBA_ERROR), reason=kda_cpu.NUMBA_ERROR or "numba imports")
 
@@ -84,26 +86,11 @@ def test_both_diagonal_paths_in_one_call(kda_inputs):
 
 
 def test_huge_unbounded_decays(kda_inputs):
-    """g down to ~ -1e3 per step: nothing may overflow, turn NaN, or lose the fresh tokens."""
-    q, k, v, g, beta = kda_inputs(1, 150, 3, 16, 16, "kl", seed=4, A_log=torch.tensor([0.0, 3.0, 6.0]))
-    assert g.min() < -300
-    h0 = torch.randn(1, 3, 16, 16)
-    ref_o, ref_s = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o, s = chunk_kda_cpu(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    _close(o, ref_o)
-    _close(s, ref_s)
+    check_huge_unbounded_decays(kda_inputs, chunk_kda_cpu)
 
 
 def test_bf16_inputs(kda_inputs):
-    q, k, v, g, beta = kda_inputs(2, 90, 2, 16, 16, "k3", seed=5, dtype=torch.bfloat16)
-    h0 = torch.randn(2, 2, 16, 16)
-    ref_o, ref_s = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o, s = chunk_kda_cpu(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
-    # as test_kda_torch: the state to fp32 rounding, the output to one bf16 rounding of O(1) values
-    _close(o, ref_o, atol=2e-2, rtol=1e-2)
-    _close(s, ref_s, atol=1e-4, rtol=0)
+    check_bf16_inputs(kda_inputs, chunk_kda_cpu)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32])
@@ -158,19 +145,17 @@ def test_zero_padding_of_the_last_chunk_is_inert(kda_inputs):
     assert torch.equal(o2[:, :100], o) and torch.equal(s2, s)
 
 
-def test_state_view_and_inputs_never_written(kda_inputs):
-    B, T, H, K, V = 2, 70, 2, 16, 32
-    q, k, v, g, beta = kda_inputs(B, T, H, K, V, "kl", seed=6)
-    pool = torch.randn(B, 3, H, K, V)
-    h0 = pool[:, 1]                                   # strided view into a "state pool"
-    assert not h0.is_contiguous()
-    snapshot = [x.clone() for x in (pool, q, k, v, g, beta)]
+def test_state_carry_and_no_mutation(kda_inputs):
+    check_state_carry_and_no_mutation(kda_inputs, chunk_kda_cpu)
+
+
+def test_final_state_is_a_new_tensor(kda_inputs):
+    q, k, v, g, beta = kda_inputs(2, 70, 2, 16, 32, "kl", seed=6)
+    h0 = torch.randn(2, 3, 2, 16, 32)[:, 1]           # a strided view, as from a state pool
     o, s = chunk_kda_cpu(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    for before, after in zip(snapshot, (pool, q, k, v, g, beta)):
-        assert torch.equal(before, after)
     assert s.data_ptr() != h0.data_ptr() and s.is_contiguous()
-    _, s_contig = chunk_kda_cpu(q, k, v, g, beta, initial_state=h0.contiguous(), output_final_state=True)
-    assert torch.equal(s, s_contig)
+    o2, s2 = chunk_kda_cpu(q, k, v, g, beta, initial_state=h0.contiguous(), output_final_state=True)
+    assert torch.equal(o2, o) and torch.equal(s2, s)
     o_none, s_none = chunk_kda_cpu(q, k, v, g, beta, initial_state=h0)
     assert s_none is None and torch.equal(o_none, o)
 
