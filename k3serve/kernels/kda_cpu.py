@@ -7,15 +7,15 @@ rows are in cache, instead of ~20 batched torch ops over all chunks followed by 
 state step this cheap, the smaller chunk does ~13% less work per token and measured 5-17% faster than 32 (64:
 20-30% slower; docs/profile.md, fifth pass); any multiple of 16 runs::
 
-    prange over the B*H sequences (threads: min(torch.get_num_threads(), numba's), one sequence per task)
-      S = initial state of (b, h)                                  fp32 [Kp, Vp] private copy
-      for each chunk c (rows t = c*C .. c*C + C - 1, zero rows past T):
+    prange over runs of consecutive (batch, head) sequences, one run per thread (min(torch.get_num_threads(),
+    numba's, B*H) threads); within a run, for each chunk c (rows t = c*C .. c*C + C - 1, zero rows past T)
+    and each sequence (b, h) of the run, with its own state S (fp32 [Kp, Vp], a private copy):
         load_rows   q*scale, k, beta*v; G = cumulative g in fp64
         scores      Aqk, beta*Akk (sub-chunks of 16: earlier blocks, centred or pairwise diagonal blocks)
         gates       q e^G, beta k e^G, k e^(G_last - G), e^G_last
         solve       [W | U] = (I + L)^-1 [beta k e^G | beta v]
         state_step  Vn = U - W S;  O = q e^G S + Aqk Vn;  S = Diag(e^G_last) S + (k e^(G_last-G))^T Vn
-      final state of (b, h) = S
+    final state of (b, h) = its S
 
 (numba code in ``kda_cpu_kernel``, the scratch layout in its docstring). The inner loops are 16-lane vector code
 (``_simd``: register tiles of 4-8 rows x 16-32 columns, explicit FMAs), because LLVM's auto-vectorised loops
@@ -28,8 +28,9 @@ Numerics (the contract the tests pin, tests/kernels/test_kda_cpu.py):
     below at log(_TINY) - 1, and the per-chunk centred / pairwise choice for the diagonal blocks, all as
     kda_torch; (I + L)^-1 is formed row by row with each row flushed (kda_cpu_kernel.solve says why);
   * a chunk's result depends only on its own rows and the state entering it: every loop has a fixed order and
-    fixed trip counts given (C, K, V), so one-shot and split prefill, one head alone or among many, 1 or n
-    threads all give the same bits (the ``numerics: deterministic`` mode relies on it);
+    fixed trip counts given (C, K, V), and a sequence's arithmetic is the same whichever run or thread it is
+    in, so one-shot and split prefill, one head alone or among many, 1 or n threads all give the same bits
+    (the ``numerics: deterministic`` mode relies on it);
   * numba compiles without fast-math: no reassociation, no contraction except the FMAs written out, so the bits
     are the source's on any x86-64 (with any vector width); exp is a fixed polynomial (``_simd.vexp``);
   * K and V are zero-padded to multiples of 32 inside the kernel (and of 16 in the inputs): q = k = g = v = 0
@@ -118,10 +119,10 @@ def chunk_kda_cpu(
     if initial_state is not None:
         final.copy_(initial_state.detach())   # the kernel updates its own copy; the caller's view is never written
     out = torch.empty(B, T, H, Vi)
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, B * H))
     args = (T, H, _rows(q, Ki), _rows(k, Ki), _rows(v, Vi), _rows(g, Ki),
             beta.detach().to(torch.float32).contiguous().view(-1).numpy(), np.float32(scale), final.numpy(),
-            out.view(-1, Vi).numpy(), chunk_size)
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, B * H))
+            out.view(-1, Vi).numpy(), chunk_size, threads)
     with _LOCK if _serialise() else _NO_LOCK:
         numba.set_num_threads(threads)
         chunk_kda_kernel(*args)
