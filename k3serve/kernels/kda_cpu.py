@@ -18,7 +18,7 @@ state step this cheap, the smaller chunk does ~13% less work per token and measu
     final state of (b, h) = its S
 
 (numba code in ``kda_cpu_kernel``, the scratch layout in its docstring). The inner loops are 16-lane vector code
-(``_simd``: register tiles of 4-8 rows x 16-32 columns, explicit FMAs), because LLVM's auto-vectorised loops
+(``_simd``: register tiles of 8 rows x 16-32 columns, explicit FMAs), because LLVM's auto-vectorised loops
 kept their accumulators in memory (docs/profile.md, fifth pass).
 
 Numerics (the contract the tests pin, tests/kernels/test_kda_cpu.py):

@@ -1,8 +1,8 @@
-"""The numba code of the fused CPU KDA kernel (``kda_cpu`` wraps it): one (batch, head) sequence per prange task,
-its chunks in order, each chunk's stages on cache-resident scratch.
+"""The numba code of the fused CPU KDA kernel (``kda_cpu`` wraps it): one run of consecutive (batch, head) sequences
+per prange task, walked chunk by chunk, each chunk's stages on cache-resident scratch.
 
-Scratch layout (per sequence, allocated once by ``_sequence``); Kp, Vp = K, V rounded up to a multiple of 32
-(padding columns are zero: q = k = g = v = 0 there, which is inert, see ``kda_cpu``)::
+Scratch layout (per run, allocated once by ``_sequences``; the state S per sequence); Kp, Vp = K, V rounded up to a
+multiple of 32 (padding columns are zero: q = k = g = v = 0 there, which is inert, see ``kda_cpu``)::
 
     G    fp64 [C, Kp]        cumulative gate within the chunk, G[i] = g[0] + ... + g[i]
     QS   fp32 [C, Kp]        q * scale;   KS [C, Kp] k;   BETA [C] beta (0 on padding rows)
@@ -322,7 +322,7 @@ def state_step(S, X, QG, KD, DEC, A, OB):
         S  = Diag(DEC) S + KD^T Vn
 
     Each is an 8-row x 32-column register tile (16 accumulators: enough independent FMAs to hide their
-    latency; 4-row tiles were 3-14% slower) over the reduction, in fixed order.
+    latency; 4-row tiles were 3-16% slower) over the reduction, in fixed order.
     """
     C, Kp = QG.shape
     zero = _tile_zero()
