@@ -7,7 +7,7 @@ import time
 
 import torch
 
-CHUNK = 32   # chunk_kda_torch's default chunk size (chosen by measurement, docs/profile.md), used in the FLOP model
+CHUNK = 32   # chunk_kda_torch's default chunk size (chosen by measurement, docs/profile.md); kda_cpu.CHUNK is 16
 
 
 def best_time(fn, repeats: int) -> float:
@@ -29,11 +29,14 @@ def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
 
 
 def chunk_flops(B: int, T: int, H: int, K: int, V: int, C: int = CHUNK) -> float:
-    """Matmul-equivalent FLOPs of chunk_kda_torch (elementwise work ignored).
+    """Matmul-equivalent FLOPs of the chunked algorithm at chunk size C (elementwise work ignored): count each
+    kernel with its own C (chunk_kda_torch 32, the fused chunk_kda_cpu 16, training's kda_autograd 16); the
+    count shrinks with C (its C^2 and C^3 terms), so a smaller chunk is never credited with more work.
 
     Per chunk and head: scores [2C, K] x [K, C] over the sub-chunks (4 C^2 K), the unit
     triangular inverse (~C^3), (I+L)^-1 [K | V] (2 C^2 (K+V)), and the state pass:
-    [W; Q e^G] S (4 C K V), K_d^T V_n (2 C K V), Aqk V_n (2 C^2 V).
+    [W; Q e^G] S (4 C K V), K_d^T V_n (2 C K V), Aqk V_n (2 C^2 V). Dense products: the fused kernel skips
+    blocks it knows are zero (upper triangles), so at C = 16 it executes ~96% of this (K = V = 64).
     """
     chunks = B * H * -(-T // C)
     per = 4 * C * C * K + C**3 + 2 * C * C * (K + V) + 6 * C * K * V + 2 * C * C * V

@@ -5,8 +5,10 @@ Both compute, per (batch, head) and token t (MODEL.md section 2, step 6):
 and return ``(o, final_state)``. They differ only in the algorithm (and thus speed profile);
 results agree to fp32 rounding.
 
-Backends (see ``_dispatch``): CUDA tensors -> Triton, CPU -> torch; ``backend=`` or the
-K3SERVE_KERNEL_BACKEND env var forces "naive" | "torch" | "triton".
+Backends (see ``_dispatch``): CUDA tensors -> Triton; CPU -> for ``chunk_kda`` the fused numba kernel
+(``kda_cpu``, "cpu") where numba imports, else the torch path; for ``recurrent_kda`` torch. ``backend=`` or the
+K3SERVE_KERNEL_BACKEND env var forces "naive" | "torch" | "cpu" | "triton" ("cpu" is the torch path for
+``recurrent_kda``, which has no fused kernel); :func:`chunk_backend` says which one ``chunk_kda`` runs.
 When autograd needs gradients of ``chunk_kda``'s inputs (training), it runs ``kda_autograd`` (the same chunk
 form, out-of-place) instead of the inference kernels, which are not differentiable.
 
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from . import kda_cpu
 from ._dispatch import resolve_backend
 from .kda_autograd import chunk_kda_autograd
+from .kda_cpu import chunk_kda_cpu
 from .kda_naive import naive_recurrent_kda
 from .kda_torch import chunk_kda_torch, recurrent_kda_torch
 
@@ -34,7 +38,7 @@ _DOC_ARGS = """
         initial_state: [B, H, K, V] state before token 0, any strides (a view into a state
             pool is fine); never modified.
         output_final_state: also return the state after the last token.
-        backend: "naive" | "torch" | "triton" or None (by device / env var).
+        backend: "naive" | "torch" | "cpu" | "triton" or None (by device / env var).
     Returns:
         o: [B, T, H, V] in v's dtype (math in fp32).
         final_state: [B, H, K, V] fp32 (a new tensor), or None.
@@ -53,18 +57,27 @@ def chunk_kda(
     output_final_state: bool = False,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    which = resolve_backend(backend, q.device)
+    which = chunk_backend(backend, q.device)
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
     if which == "naive":
         return naive_recurrent_kda(q, k, v, g, beta, **kw)
     if _needs_grad(q, k, v, g, beta, initial_state):
-        # Training: the inference kernels (torch and Triton) are not differentiable; this path is.
+        # Training: the inference kernels (torch, cpu and Triton) are not differentiable; this path is.
         return chunk_kda_autograd(q, k, v, g, beta, **kw)
+    if which == "cpu":
+        return chunk_kda_cpu(q, k, v, g, beta, **kw)
     if which == "torch":
         return chunk_kda_torch(q, k, v, g, beta, **kw)
     from .kda_triton import chunk_kda_triton
 
     return chunk_kda_triton(q, k, v, g, beta, **kw)
+
+
+def chunk_backend(backend: str | None = None, device: torch.device | str = "cpu") -> str:
+    """The implementation ``chunk_kda`` runs for inputs on ``device`` (without autograd): "cpu" (the fused
+    numba kernel) is the CPU default where numba imports (``kda_cpu.NUMBA_ERROR`` empty), else "torch";
+    ``backend`` / K3SERVE_KERNEL_BACKEND force one (forcing "cpu" without numba raises RuntimeError)."""
+    return resolve_backend(backend, torch.device(device), cpu_kernel_error=kda_cpu.NUMBA_ERROR)
 
 
 def _needs_grad(*xs: torch.Tensor | None) -> bool:

@@ -57,22 +57,27 @@ def test_both_diagonal_block_paths(kda_inputs, monkeypatch, path):
     _close(s, ref_s)
 
 
-def test_huge_unbounded_decays(kda_inputs):
-    """g down to ~ -1e3 per step: nothing may overflow, turn NaN, or lose the fresh tokens."""
+def check_huge_unbounded_decays(kda_inputs, fn):
+    """g down to ~ -1e3 per step: nothing may overflow, turn NaN, or lose the fresh tokens (also run on the fused
+    CPU kernel by test_kda_cpu.py)."""
     A_log = torch.tensor([0.0, 3.0, 6.0])          # exp(A_log) up to ~400
     q, k, v, g, beta = kda_inputs(1, 150, 3, 16, 16, "kl", seed=4, A_log=A_log)
     assert g.min() < -300
     h0 = torch.randn(1, 3, 16, 16)
     ref_o, ref_s = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    for fn in (chunk_kda_torch, recurrent_kda_torch):
-        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-        assert torch.isfinite(o).all() and torch.isfinite(s).all()
-        _close(o, ref_o)
-        _close(s, ref_s)
+    o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    _close(o, ref_o)
+    _close(s, ref_s)
 
 
 @pytest.mark.parametrize("fn", [chunk_kda_torch, recurrent_kda_torch])
-def test_bf16_inputs(kda_inputs, fn):
+def test_huge_unbounded_decays(kda_inputs, fn):
+    check_huge_unbounded_decays(kda_inputs, fn)
+
+
+def check_bf16_inputs(kda_inputs, fn):
+    """bf16 inputs (also run on the fused CPU kernel by test_kda_cpu.py)."""
     q, k, v, g, beta = kda_inputs(2, 90, 2, 16, 16, "k3", seed=5, dtype=torch.bfloat16)
     h0 = torch.randn(2, 2, 16, 16)
     ref_o, ref_s = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
@@ -85,9 +90,14 @@ def test_bf16_inputs(kda_inputs, fn):
 
 
 @pytest.mark.parametrize("fn", [chunk_kda_torch, recurrent_kda_torch])
-def test_state_carry_and_no_mutation(kda_inputs, fn):
+def test_bf16_inputs(kda_inputs, fn):
+    check_bf16_inputs(kda_inputs, fn)
+
+
+def check_state_carry_and_no_mutation(kda_inputs, fn):
     """Splitting a sequence and carrying the state equals one pass; initial_state may be a
-    non-contiguous view of a pool and is never written; inputs are never written."""
+    non-contiguous view of a pool and is never written; inputs are never written (also run on the fused CPU
+    kernel by test_kda_cpu.py)."""
     B, T, H, K, V = 2, 150, 2, 16, 32
     q, k, v, g, beta = kda_inputs(B, T, H, K, V, "kl", seed=6)
     pool = torch.randn(B, 3, H, K, V)
@@ -104,6 +114,11 @@ def test_state_carry_and_no_mutation(kda_inputs, fn):
     _close(s2, s_full)
     for before, after in zip(snapshot, (pool, q, k, v, g, beta)):
         assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("fn", [chunk_kda_torch, recurrent_kda_torch])
+def test_state_carry_and_no_mutation(kda_inputs, fn):
+    check_state_carry_and_no_mutation(kda_inputs, fn)
 
 
 def test_single_head_aliasing_inputs_untouched(kda_inputs):
