@@ -123,9 +123,19 @@ def chunk_kda_cpu(
     args = (T, H, _rows(q, Ki), _rows(k, Ki), _rows(v, Vi), _rows(g, Ki),
             beta.detach().to(torch.float32).contiguous().view(-1).numpy(), np.float32(scale), final.numpy(),
             out.view(-1, Vi).numpy(), chunk_size, threads)
+    torch_threads = torch.get_num_threads()
     with _LOCK if _serialise() else _NO_LOCK:
         numba.set_num_threads(threads)
-        chunk_kda_kernel(*args)
+        try:
+            chunk_kda_kernel(*args)
+        finally:
+            # numba's "omp" layer shares the process's OpenMP runtime with torch, and starting its pool sets that
+            # runtime's thread count to NUMBA_NUM_THREADS: torch.get_num_threads() then reads 2 on 2 cores after
+            # a rank capped it at 1. Measured before this restore (tiny preset, a rank at 1 thread): every later
+            # decode step ran two OpenMP threads, one waiting at the other's barriers (CPU time 2x the wall,
+            # 28 ms instead of 17 ms a step), and each process of a deployment took both cores.
+            if torch.get_num_threads() != torch_threads:
+                torch.set_num_threads(torch_threads)
     o = out if Vi == V else out[..., :V]
     return o.to(v.dtype).contiguous(), (final if output_final_state else None)
 

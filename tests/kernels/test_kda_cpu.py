@@ -230,6 +230,27 @@ def test_without_numba_the_torch_path_runs():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+def test_the_callers_torch_thread_count_survives_the_kernel():
+    """A process capped at 1 torch thread, numba's pool sized for 2: the kernel's calls (the first starts numba's
+    OpenMP pool, which resets the shared runtime's thread count) leave torch at 1 thread, and the kernel itself
+    runs on 1 thread."""
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "import numba\n"
+        "from k3serve.kernels.kda_cpu import chunk_kda_cpu\n"
+        "x = [torch.randn(1, 40, 4, 16) for _ in range(3)]\n"
+        "g, beta = -torch.rand(1, 40, 4, 16), torch.rand(1, 40, 4)\n"
+        "for _ in range(2):\n"
+        "    chunk_kda_cpu(*x, g, beta)\n"
+        "    assert torch.get_num_threads() == 1, torch.get_num_threads()\n"
+        "    assert numba.get_num_threads() == 1, numba.get_num_threads()\n"
+        "print('ok', numba.threading_layer())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "NUMBA_NUM_THREADS": "2"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr
+
+
 def test_cached_kernel_is_tied_to_its_sources():
     """numba's cache is invalidated by edits to kda_cpu_kernel.py only: the _simd.py it was compiled against and
     the constants it shares with kda_torch must be recorded there (see kda_cpu_kernel's docstring)."""
