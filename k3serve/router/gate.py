@@ -51,18 +51,20 @@ class _Held:
 
 class AdmissionGate:
     """Admission for one router process. ``renew_interval_s`` (default min(lease/3, 0.5 s)) is the renewer's beat;
-    with ``recovery`` the state-loss guard holds new admissions for three beats after Redis lost its state."""
+    with ``recovery`` the state-loss guard holds new admissions for three beats after Redis lost its state;
+    ``config`` the waiting, ticket and lending behaviour (``AdmissionConfig``'s defaults when None)."""
 
     def __init__(self, client: redis.Redis, namespace: str, classes: Sequence[ClassSpec], *, enabled: bool = True,
                  lease_ttl_s: float = 10.0, policy: PrefixCachePolicy | None = None, context_ttl_s: float = 3600.0,
-                 renew_interval_s: float | None = None, recovery: bool = True) -> None:
+                 renew_interval_s: float | None = None, recovery: bool = True,
+                 config: AdmissionConfig | None = None) -> None:
         self.client, self.classes, self.enabled = client, list(classes), enabled
         self.policy = policy or PrefixCachePolicy()
         self.lease_ttl_s, self.context_ttl_s = lease_ttl_s, context_ttl_s
         self.renew_interval_s = renew_interval_s or min(lease_ttl_s / 3, 0.5)
         guard = RecoveryGuard(alive_ttl_s=6 * self.renew_interval_s, grace_s=3 * self.renew_interval_s) \
             if recovery else None
-        self.admission = Admission(client, namespace, AdmissionConfig(), guard=guard)
+        self.admission = Admission(client, namespace, config or AdmissionConfig(), guard=guard)
         self._prefix = key_prefix(namespace)
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
