@@ -335,7 +335,14 @@ class RouterActor:
         return f"http://{self.metrics_address}/metrics"
 
     def counters(self) -> dict:
-        return {**self.service.counters, **{f"admission.{k}": v for k, v in self.service.gate.counters.items()}}
+        gate = self.service.gate
+        return {**self.service.counters, **{f"admission.{k}": v for k, v in gate.counters.items()},
+                "admission.unknown_tickets": gate.admission.unknown_tickets}
+
+    def learned_durations(self, cls: str) -> tuple[float, float]:
+        """(TTFT, time per output token) the retry hints of class ``cls`` are paced by (router/progress.py)."""
+        d = self.service.durations
+        return d.ttft_s(cls), d.tpot_s()
 
     def set_admission(self, enabled: bool) -> None:
         """Switch the budget gate on or off at run time (the admission bench compares both)."""

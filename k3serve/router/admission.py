@@ -373,12 +373,16 @@ class Admission(AdmissionRefusals):
         """``stats`` of many (cluster, class) pairs in one round trip (status and metrics read them all)."""
         pipe = self._r.pipeline(transaction=False)
         for cluster, cls in pairs:
-            k = self.keys(cluster, cls)
-            spec = (specs or {}).get(cls)
-            self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"],
-                              *(k[n] for n in _TICKET_KEYS), k["since"]],
-                        args=[spec.inflight_token_budget, spec.max_concurrent] if spec else [0, 0], client=pipe)
+            self.stats_on(pipe, cluster, cls, (specs or {}).get(cls))
         return [ClassLoad(*(int(x) for x in row)) for row in pipe.execute()]
+
+    def stats_on(self, pipe, cluster: str, cls: str, spec: ClassSpec | None = None) -> None:
+        """Queue ``stats`` of one (cluster, class) on a caller's pipeline: its row (``ClassLoad``'s fields) comes
+        back among the pipeline's replies, so a monitor can read the raw keys atomically beside it."""
+        k = self.keys(cluster, cls)
+        self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"],
+                          *(k[n] for n in _TICKET_KEYS), k["since"]],
+                    args=[spec.inflight_token_budget, spec.max_concurrent] if spec else [0, 0], client=pipe)
 
     def inflight(self, cluster: str, cls: str) -> tuple[int, int]:
         """(in-flight tokens, in-flight requests) of one (cluster, class)."""

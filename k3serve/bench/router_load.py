@@ -1,0 +1,311 @@
+"""``k3serve bench router-load``: two router replicas under a burst of concurrent streams at a service sized for
+far fewer, and the harness the router's live load test shares.
+
+Every client follows the retry-after hint of each RESOURCE_EXHAUSTED with its retry ticket until it completes. A
+monitor samples every (cluster, "short") budget from Redis every 20 ms (in flight, queue, held places, lends) and
+probes both routers' health and ``ClusterStatus`` every 0.2 s. From the samples each hint is compared with the
+moment its place really came free::
+
+    refusal at t_err, hint h                      place free at t_free (first sample where it is)
+    |-------------- h --------------|             ratio = max(h, floor) / max(t_free - t_err, floor)
+    |------------- measured wait -------------|   within 2x: 0.5 <= ratio <= 2
+
+What is behaviour (``tests/cluster/test_router_live.py`` asserts it): every stream completes, every refusal
+carries a ticket, no ticket lapses, every refused place comes free, in-flight requests and tokens never exceed the
+budget and the line never promises more rooms than it has, health and status answer throughout. What is timing
+(this bench reports it, the test only prints it): the hint/wait ratios, the budgets' busy fraction, how late the
+clients themselves came back. Those are figures of the host: on a shared 2-core machine the load generator, the
+routers and the service compete for the same cores, and one host measured 63% of hints within 2x where another
+measured 99%.
+
+A warm-up burst (``warmup_streams``) first lets the routers learn the durations of the service as loaded by this
+harness: learned at low load, the durations are half of what the burst sees and every first hint is early by 2x.
+
+Two ways to run the routers:
+
+* ``run_load`` (the test): two ``RouterService`` objects started in this process over a fresh admission
+  namespace. They share this process's GIL with the 200 client threads and the monitor, so their timing is the
+  harness's more than the router's (seen: the learned time per token 3x that of router processes).
+* ``run_router_load_bench`` (the bench): the deployment's own two router processes (``RouterActor``) configured
+  by ``load_deploy_config``; only the clients and the monitor run here. This is what a deployment's clients see.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import grpc
+
+from k3serve.bench.router_load_monitor import Monitor
+from k3serve.router.admission import AdmissionConfig, ClassSpec
+from k3serve.v1 import router_pb2 as pb
+from k3serve.v1 import router_pb2_grpc
+
+TOKEN_BUDGET = 1 << 20  # the short class's in-flight token budget: never the limit here, the request count is
+
+
+@dataclass(frozen=True)
+class LoadSetup:
+    """One burst. Per cluster the service admits ``max_concurrent`` short requests and queues ``queue``; each
+    router serves at most ``router_streams`` streams at once (so both refusals happen: the router's stream limit
+    and the admission budget)."""
+
+    streams: int = 200
+    warmup_streams: int = 60
+    max_tokens: int = 8
+    max_concurrent: int = 2
+    queue: int = 2
+    router_streams: int = 8
+    ticket_grace_s: float = AdmissionConfig().ticket_grace_s
+    onset_s: float = 4.0  # hints handed out this long after the burst began are also counted apart
+    floor_s: float = 0.1  # waits and hints below this compare as this (sampling granularity, minimum hint)
+    max_attempts: int = 40  # per client
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One RESOURCE_EXHAUSTED a client got: when (monotonic), the hint, who refused, the ticket, the message."""
+
+    at: float
+    hint_s: float
+    rejected_by: str
+    ticket: str
+    details: str
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    """A client's final outcome ("ok" or the status code's name) and the refusals it followed before it."""
+
+    status: str
+    tokens: int
+    finish_reason: str
+    refusals: tuple[Refusal, ...]
+
+
+@dataclass
+class LoadOutcome:
+    """What one burst did: the streams' outcomes and what the monitor and the routers saw (see ``figures``)."""
+
+    setup: LoadSetup
+    results: list[StreamResult]
+    elapsed_s: float
+    started: float  # monotonic time the burst began
+    monitor: Monitor
+    lapsed_tickets: int  # tickets presented that Redis no longer knew, over both routers
+    tickets_honoured: int
+    lent_admissions: int
+    lateness_s: list[float]  # per retry: how long after its hinted moment the client sent it (its own delay)
+    learned: dict = field(default_factory=dict)  # the routers' learned durations after the warm-up and the burst
+
+    @property
+    def refusals(self) -> list[Refusal]:
+        return [x for r in self.results for x in r.refusals]
+
+    def waits(self) -> list[tuple[Refusal, float | None]]:
+        """Each refusal with its measured wait (seconds until its place was free; None: never seen free)."""
+        out = []
+        for x in self.refusals:
+            free = self.monitor.free_at(x.ticket.split("/")[2], x.at) if x.ticket else None
+            out.append((x, None if free is None else free - x.at))
+        return out
+
+    def busy(self) -> float:
+        """The budgets' busy fraction during the burst (sampled in flight / budget): places left empty while their
+        holders had not come back show here, not in the hint ratios."""
+        during = [loads for t, loads in self.monitor.samples if self.started <= t <= self.started + self.elapsed_s]
+        if not during:
+            return 0.0
+        return (sum(ln.count for loads in during for ln in loads.values())
+                / (len(during) * len(self.monitor.clusters) * self.setup.max_concurrent))
+
+    def max_in_flight(self) -> tuple[int, int]:
+        """(requests, tokens): the most in flight at once on one cluster over every sample."""
+        lines = [ln for _, loads in self.monitor.samples for ln in loads.values()]
+        return max((ln.count for ln in lines), default=0), max((ln.tokens for ln in lines), default=0)
+
+    def figures(self) -> dict:
+        """The JSON report: behaviour counts and the timing figures."""
+        from k3serve.bench.router_load_figures import load_figures
+
+        return load_figures(self)
+
+
+def start_router(deployment, ns: str, classes: list[ClassSpec], max_streams: int, config: AdmissionConfig):
+    """A router replica of ``deployment`` in this process (real RouterService and gRPC server) under admission
+    namespace ``ns``: (service, server, address)."""
+    from k3serve.cluster.redis_server import connect
+    from k3serve.model.checkpoint import load_config
+    from k3serve.router.gate import AdmissionGate
+    from k3serve.router.membership import Membership, MembershipView
+    from k3serve.router.pins import PinStore
+    from k3serve.router.server import RouterService, start_router_server
+    from k3serve.router.validate import ModelLimits
+    from k3serve.tokenizer import BYTE_VOCAB_SIZE
+
+    d = deployment.deploy
+    cfg = load_config(deployment.checkpoint)
+    client = connect(deployment.redis_url)
+    view = MembershipView(Membership(client, d.control.namespace), refresh_interval_s=0.2)
+    gate = AdmissionGate(client, ns, classes, policy=d.clusters.prefix_policy(), config=config)
+    svc = RouterService(view, PinStore(client, ns), ModelLimits(cfg.vocab_size, cfg.max_position_embeddings,
+                                                                cfg.vocab_size == BYTE_VOCAB_SIZE),
+                        d.secret, gate=gate, max_streams=max_streams)
+    server, addr = start_router_server(svc)
+    return svc, server, addr
+
+
+@dataclass(frozen=True)
+class RouterTargets:
+    """The two routers a burst runs against: their addresses, and what they counted (summed over both:
+    ``unknown_tickets`` (lapsed or lost), ``tickets_honoured``, ``lent``) and learned (the durations their hints
+    are paced by)."""
+
+    addresses: list[str]
+    counters: Callable[[], dict[str, int]]
+    learned: Callable[[], str]
+
+
+def _classes(setup: LoadSetup) -> list[ClassSpec]:
+    return [ClassSpec("short", 4096, inflight_token_budget=TOKEN_BUDGET, max_concurrent=setup.max_concurrent,
+                      queue_limit=setup.queue, max_wait_s=20.0),
+            ClassSpec("long", None, inflight_token_budget=1 << 30, max_concurrent=1, queue_limit=0, max_wait_s=0)]
+
+
+def run_load(deployment, setup: LoadSetup = LoadSetup()) -> LoadOutcome:
+    """Two router replicas of ``deployment`` started in this process (fresh admission namespace, ``setup``'s
+    classes and ticket grace) under ``setup``'s warm-up and burst; the routers are stopped before it returns.
+    In-process routers share this process (and its GIL) with the clients and the monitor: the behaviour is the
+    deployment's, the timing is not (:func:`run_router_load_bench` measures against router processes)."""
+    from k3serve.cluster.redis_server import connect
+
+    ns = "load" + uuid.uuid4().hex[:8]
+    config = AdmissionConfig(ticket_grace_s=setup.ticket_grace_s)
+    routers = [start_router(deployment, ns, _classes(setup), setup.router_streams, config) for _ in range(2)]
+
+    def counters() -> dict[str, int]:
+        return {"unknown_tickets": sum(svc.gate.admission.unknown_tickets for svc, _, _ in routers),
+                "tickets_honoured": sum(svc.gate.counters["tickets_honoured"] for svc, _, _ in routers),
+                "lent": sum(svc.gate.counters["lent"] for svc, _, _ in routers)}
+
+    def learned() -> str:
+        d = routers[0][0].durations
+        return f"ttft {d.ttft_s('short'):.2f}s + tpot {d.tpot_s():.3f}s"
+
+    try:
+        targets = RouterTargets([addr for _, _, addr in routers], counters, learned)
+        return _burst(targets, routers[0][0].gate.admission, connect(deployment.redis_url, timeout_s=10.0),
+                      sorted(deployment.cluster_endpoints), setup)
+    finally:
+        for svc, server, _ in routers:
+            server.stop(0)
+            svc.close()
+
+
+def _burst(targets: RouterTargets, admission, client, clusters: list[str], setup: LoadSetup) -> LoadOutcome:
+    """``setup``'s warm-up and burst against ``targets``, sampled by a :class:`Monitor` over ``client``."""
+    stubs = [router_pb2_grpc.RouterStub(grpc.insecure_channel(addr)) for addr in targets.addresses]
+    lateness: list[float] = []
+    sp = pb.SamplingParams(max_tokens=setup.max_tokens, ignore_eos=True)
+
+    def one(i: int, phase: str) -> StreamResult:
+        refusals: list[Refusal] = []
+        ticket = ""
+        for _ in range(setup.max_attempts):
+            req = pb.GenerateRequest(session_id=f"{phase}-{i}", prompt_text=f"load {phase} {i}", sampling=sp)
+            try:
+                msgs = list(stubs[i % len(stubs)].Generate(req, timeout=90,
+                                                           metadata=(("retry-ticket", ticket),) if ticket else None))
+                return StreamResult("ok", sum(len(m.token_ids) for m in msgs), msgs[-1].finish_reason,
+                                    tuple(refusals))
+            except grpc.RpcError as e:
+                at = time.monotonic()
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    return StreamResult(e.code().name, 0, e.details() or "", tuple(refusals))
+                md = dict(e.trailing_metadata() or ())
+                hint = float(md.get("retry-after-s", "nan"))
+                ticket = md.get("retry-ticket", "")
+                refusals.append(Refusal(at, hint, md.get("k3serve-rejected-by", ""), ticket, e.details() or ""))
+                time.sleep(hint if hint == hint else 1.0)  # (a NaN hint is counted as a refusal without one)
+                lateness.append(time.monotonic() - (at + hint))
+        return StreamResult("RESOURCE_EXHAUSTED", 0, "attempts exhausted", tuple(refusals))
+
+    short = _classes(setup)[0]
+    mon = Monitor(client, admission, short, clusters, targets.addresses)
+    learned_at: dict[str, str] = {}
+    try:
+        if setup.warmup_streams:
+            with ThreadPoolExecutor(setup.warmup_streams) as pool:
+                warm = list(pool.map(lambda i: one(i, "warm"), range(setup.warmup_streams)))
+            bad = [w for w in warm if w.status != "ok"]
+            if bad:
+                raise RuntimeError(f"the warm-up lost {len(bad)} streams: {bad[:2]}")
+            learned_at["after_warmup"] = targets.learned()
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(setup.streams) as pool:
+            results = list(pool.map(lambda i: one(i, "burst"), range(setup.streams)))
+        elapsed = time.monotonic() - t0
+        time.sleep(0.3)  # the last places' release is sampled
+        learned_at["after_burst"] = targets.learned()
+    finally:
+        mon.stop()
+    c = targets.counters()
+    return LoadOutcome(setup, results, elapsed, t0, mon, lapsed_tickets=c["unknown_tickets"],
+                       tickets_honoured=c["tickets_honoured"], lent_admissions=c["lent"], lateness_s=lateness,
+                       learned=learned_at)
+
+
+def load_deploy_config(base, setup: LoadSetup):
+    """``base`` (a DeployConfig) with two router processes whose admission classes and stream limit are
+    ``setup``'s (the ticket grace stays the deployment default: what users get)."""
+    from k3serve.cluster.deploy import RequestClassSpec
+
+    classes = (RequestClassSpec("short", 4096, inflight_token_budget=TOKEN_BUDGET,
+                                max_concurrent=setup.max_concurrent, queue_limit=setup.queue, max_wait_s=20.0),
+               RequestClassSpec("long", 1 << 30, inflight_token_budget=1 << 30, max_concurrent=1, queue_limit=0,
+                                max_wait_s=0.0))
+    return replace(base, routers=2, admission=True, request_classes=classes,
+                   control=replace(base.control, router_max_streams=setup.router_streams))
+
+
+def run_load_on_router_processes(dep, setup: LoadSetup) -> LoadOutcome:
+    """The burst against ``dep``'s own two router processes (RouterActor; ``dep`` built from
+    :func:`load_deploy_config`): the clients and the monitor run here, the routers do not share their GIL."""
+    import ray
+
+    from k3serve.cluster.redis_server import connect
+    from k3serve.router.admission import Admission
+
+    def counters() -> dict[str, int]:
+        per = ray.get([r.counters.remote() for r in dep.routers], timeout=60)
+        return {k: sum(int(c.get(f"admission.{k}", 0)) for c in per)
+                for k in ("unknown_tickets", "tickets_honoured", "lent")}
+
+    def learned() -> str:
+        ttft, tpot = ray.get(dep.routers[0].learned_durations.remote("short"), timeout=60)
+        return f"ttft {ttft:.2f}s + tpot {tpot:.3f}s"
+
+    client = connect(dep.redis_url, timeout_s=10.0)
+    admission = Admission(client, dep.deploy.control.namespace)  # the routers' key layout and stats script
+    return _burst(RouterTargets(list(dep.router_addresses), counters, learned), admission, client,
+                  sorted(dep.cluster_endpoints), setup)
+
+
+def run_router_load_bench(config: str = "configs/local.yaml", setup: LoadSetup = LoadSetup()) -> dict:
+    """A local deployment of ``config`` with two router processes sized by ``setup`` (:func:`load_deploy_config`),
+    one warm-up and one burst: ``LoadOutcome.figures`` plus the setup."""
+    from dataclasses import asdict
+
+    from k3serve.cluster.deploy import load_deploy
+    from k3serve.cluster.deployment import Deployment
+
+    if setup.ticket_grace_s != AdmissionConfig().ticket_grace_s:
+        raise ValueError("ticket_grace_s: router processes take the deployment default "
+                         f"({AdmissionConfig().ticket_grace_s} s); only in-process routers (run_load) take another")
+    with Deployment(load_deploy_config(load_deploy(config), setup)) as dep:
+        outcome = run_load_on_router_processes(dep, setup)
+    return {**outcome.figures(), "routers": "two router processes (RouterActor)", "setup": asdict(setup)}
