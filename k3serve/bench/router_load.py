@@ -170,10 +170,20 @@ class RouterTargets:
     learned: Callable[[], str]
 
 
+def _request_classes(setup: LoadSetup):
+    """The burst's two classes as a deploy file states them: "short" sized by ``setup``, "long" for the rest."""
+    from k3serve.cluster.deploy import RequestClassSpec
+
+    return (RequestClassSpec("short", 4096, inflight_token_budget=TOKEN_BUDGET, max_concurrent=setup.max_concurrent,
+                             queue_limit=setup.queue, max_wait_s=20.0),
+            RequestClassSpec("long", 1 << 30, inflight_token_budget=1 << 30, max_concurrent=1, queue_limit=0,
+                             max_wait_s=0.0))
+
+
 def _classes(setup: LoadSetup) -> list[ClassSpec]:
-    return [ClassSpec("short", 4096, inflight_token_budget=TOKEN_BUDGET, max_concurrent=setup.max_concurrent,
-                      queue_limit=setup.queue, max_wait_s=20.0),
-            ClassSpec("long", None, inflight_token_budget=1 << 30, max_concurrent=1, queue_limit=0, max_wait_s=0)]
+    """The same classes as the router's admission takes them (as RouterActor converts a deploy file's)."""
+    return [ClassSpec(c.name, c.max_uncached_tokens, c.inflight_token_budget, c.max_concurrent, c.queue_limit,
+                      c.max_wait_s) for c in _request_classes(setup)]
 
 
 def run_load(deployment, setup: LoadSetup = LoadSetup()) -> LoadOutcome:
@@ -262,13 +272,7 @@ def _burst(targets: RouterTargets, admission, client, clusters: list[str], setup
 def load_deploy_config(base, setup: LoadSetup):
     """``base`` (a DeployConfig) with two router processes whose admission classes and stream limit are
     ``setup``'s (the ticket grace stays the deployment default: what users get)."""
-    from k3serve.cluster.deploy import RequestClassSpec
-
-    classes = (RequestClassSpec("short", 4096, inflight_token_budget=TOKEN_BUDGET,
-                                max_concurrent=setup.max_concurrent, queue_limit=setup.queue, max_wait_s=20.0),
-               RequestClassSpec("long", 1 << 30, inflight_token_budget=1 << 30, max_concurrent=1, queue_limit=0,
-                                max_wait_s=0.0))
-    return replace(base, routers=2, admission=True, request_classes=classes,
+    return replace(base, routers=2, admission=True, request_classes=_request_classes(setup),
                    control=replace(base.control, router_max_streams=setup.router_streams))
 
 
