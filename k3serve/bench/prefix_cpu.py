@@ -4,9 +4,10 @@ The same requests as :func:`k3serve.bench.prefix.ttft_hit_vs_cold` (tiny preset,
 prompt, a hit on the cached prefix, a cold prompt of the increment alone), each timed by the CPU time it
 consumes, which contention barely moves (docs/profile.md)::
 
-    OMP_NUM_THREADS=1 PYTHONPATH=<tree> python -m k3serve.bench.prefix_cpu 1 3 [--profile cold|hit|short]
+    OMP_NUM_THREADS=1 PYTHONPATH=<tree> python -m k3serve.bench.prefix_cpu 1 3 [--profile cold|hit|short] [--deterministic]
 
-Arguments: intra-op threads, repeats (a fresh engine each; best and median reported). ``--profile R`` prints
+Arguments: intra-op threads, repeats (a fresh engine each; best and median reported). ``--deterministic`` runs the
+engine in numerics mode ``deterministic`` (its forwards then run ``numerics.threads`` threads). ``--profile R`` prints
 the ``torch.profiler`` operator table (self CPU time) of request R in the first repeat (its timing then
 includes the profiler's overhead).
 """
@@ -22,6 +23,7 @@ import time
 import torch
 
 from k3serve.bench.prefix import _engine
+from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.engine.prefix_cache import PrefixCachePolicy
@@ -29,15 +31,15 @@ from k3serve.model.checkpoint import load_config
 from k3serve.model.presets import write_preset_checkpoint
 
 
-def ttft_cpu(ckpt: str, prefix_len: int = 8192, increment: int = 128, profile: str | None = None
-             ) -> dict[str, float]:
+def ttft_cpu(ckpt: str, prefix_len: int = 8192, increment: int = 128, profile: str | None = None,
+             numerics: Numerics = DEFAULT_NUMERICS) -> dict[str, float]:
     """CPU seconds of the cold, hit and short prompts (the same prompts as ``ttft_hit_vs_cold``). profile:
     one of "cold", "hit", "short" to print that request's operator table."""
     cfg = load_config(ckpt)
     rng = random.Random(1)
     prefix = [rng.randrange(256) for _ in range(prefix_len)]
     params = SamplingParams(max_tokens=1)
-    engine = _engine(ckpt, cfg, PrefixCachePolicy(), pages=4096)
+    engine = _engine(ckpt, cfg, PrefixCachePolicy(), pages=4096, numerics=numerics)
 
     def timed(rid: str, prompt: list[int], prof: bool = False) -> float:
         c = time.process_time()
@@ -62,9 +64,10 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(int(argv[0]))
     repeats = int(argv[1])
     profile = argv[argv.index("--profile") + 1] if "--profile" in argv else None
+    numerics = DETERMINISTIC if "--deterministic" in argv else DEFAULT_NUMERICS
     with tempfile.TemporaryDirectory(prefix="k3serve-bench-") as d:
         ckpt = str(write_preset_checkpoint("tiny", d))
-        runs = [ttft_cpu(ckpt, profile=profile if i == 0 else None) for i in range(repeats)]
+        runs = [ttft_cpu(ckpt, profile=profile if i == 0 else None, numerics=numerics) for i in range(repeats)]
     for key in ("cold", "hit", "short"):
         xs = [r[key] for r in runs]
         print(f"{key}: cpu best {min(xs) * 1e3:.1f} med {statistics.median(xs) * 1e3:.1f} ms")

@@ -15,9 +15,13 @@ import torch.nn.functional as F
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in fp32; returns x's dtype. x `[..., n]`, weight `[n]`."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = y * weight.float() if torch.is_grad_enabled() else y.mul_(weight.float())
-    return y.to(x.dtype)
+    # mean(x^2) as |x|^2 / n: the norm's reduction reads x once, where x.pow(2).mean() first wrote a full-size
+    # square (45% of a [4096, 256] norm's time at one thread; docs/profile.md, "Sixth pass")
+    if torch.is_grad_enabled():
+        ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square() / xf.shape[-1]
+        return (xf * torch.rsqrt(ms + eps) * weight.float()).to(x.dtype)
+    ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1])
+    return (xf * ms.add_(eps).rsqrt_()).mul_(weight.float()).to(x.dtype)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: str, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
