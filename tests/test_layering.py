@@ -74,3 +74,16 @@ def test_no_import_cycle_between_folders():
     for start in sorted(edges):
         if start not in state and (cycle := visit(start)):
             raise AssertionError(f"import cycle between folders: {' -> '.join(cycle)}")
+
+
+def test_a_router_process_imports_no_torch():
+    """A deployment starts two routers; they validate requests against the model's config only, so their
+    module (what Ray imports in the router's process) must not pull in torch (~3 s of CPU per process)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, k3serve.cluster.router_actor, k3serve.router.server, k3serve.router.gate, "
+            "k3serve.router.metrics, k3serve.model.config_file, k3serve.cluster.redis_server; "
+            "print(sorted(m for m in ('torch', 'numba', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", f"the router's modules import {out.stdout.strip()}"

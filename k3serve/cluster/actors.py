@@ -1,4 +1,5 @@
-"""Ray actors of a deployment: one ClusterActor per cluster (it owns its rank actors) and RouterActors.
+"""Ray actors of a deployment: one ClusterActor per cluster (it owns its rank actors) and RouterActors
+(``router_actor.py``, re-exported here).
 
 ```
  ClusterActor c0 ── placement group: prefill rank 0..P-1, decode rank 0..D-1 (RankActor); one node
@@ -26,7 +27,9 @@ import ray
 from redis.exceptions import RedisError
 
 from k3serve.cluster.deploy import DeployConfig
-from k3serve.cluster.rank_actor import ACTOR_CPU, RayExecutor, ray_worker_spec
+from k3serve.cluster.placement import ACTOR_CPU
+from k3serve.cluster.rank_actor import RayExecutor, ray_worker_spec
+from k3serve.cluster.router_actor import RouterActor  # noqa: F401 - the deployment's actors, one import
 
 log = logging.getLogger(__name__)
 
@@ -272,94 +275,6 @@ def _staging(client) -> "PoolUsage":
     return PoolUsage(sum(r.staged_bytes for r in client.status("")))
 
 
-def router_max_streams(d: DeployConfig) -> int:
-    """Streams one router serves at once: the deploy file's, else what admission can hold (every class's
-    concurrency and queue on every cluster), at most 256 (one gRPC thread each)."""
-    if d.control.router_max_streams:
-        return d.control.router_max_streams
-    per_cluster = sum(c.max_concurrent + c.queue_limit for c in d.request_classes)
-    return min(256, per_cluster * len(d.clusters.cluster_ids))
-
-
 def _long_threshold(d: DeployConfig) -> int:
     """The engine's long class starts above the smallest class bound of the deploy file."""
     return min(c.max_uncached_tokens for c in d.request_classes) + 1
-
-
-@ray.remote(num_cpus=ACTOR_CPU, max_restarts=0, max_concurrency=4)
-class RouterActor:
-    def __init__(self, deploy: DeployConfig, checkpoint: str, redis_url: str) -> None:
-        self.deploy, self.checkpoint, self.redis_url = deploy, checkpoint, redis_url
-        self.server = None
-
-    def start(self) -> str:
-        from k3serve.cluster.redis_server import connect
-        from k3serve.model.checkpoint import load_config
-        from k3serve.router.membership import CircuitBreaker, BreakerConfig, Membership, MembershipView
-        from k3serve.router.pins import PinStore
-        from k3serve.router.server import RouterService, start_router_server
-        from k3serve.router.validate import ModelLimits
-        from k3serve.tokenizer import BYTE_VOCAB_SIZE
-
-        d, ctl = self.deploy, self.deploy.control
-        cfg = load_config(self.checkpoint)
-        client = connect(self.redis_url)
-        view = MembershipView(Membership(client, ctl.namespace), refresh_interval_s=0.2,
-                              breaker=CircuitBreaker(BreakerConfig(cool_down_s=ctl.suspect_cooldown_s)))
-        limits = ModelLimits(cfg.vocab_size, cfg.max_position_embeddings, cfg.vocab_size == BYTE_VOCAB_SIZE)
-        from k3serve.router.admission import ClassSpec
-        from k3serve.router.gate import AdmissionGate
-
-        classes = [ClassSpec(c.name, c.max_uncached_tokens, c.inflight_token_budget, c.max_concurrent, c.queue_limit,
-                             c.max_wait_s) for c in d.request_classes]
-        gate = AdmissionGate(client, ctl.namespace, classes, enabled=d.admission,
-                             policy=d.clusters.prefix_policy(), context_ttl_s=ctl.pin_ttl_s)
-        from k3serve.router.metrics import RouterMetrics, class_stats_source
-
-        # the service is built after its metrics: the cluster gauges read it at scrape time
-        metrics = RouterMetrics(class_stats_source(gate, lambda: view.snapshot().alive_ids()),
-                                cluster_infos=lambda: self.service.cluster_infos())
-        self.metrics_address = metrics.serve(d.bind_host)
-        self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
-                                     d.api_keys, gate=gate, metrics=metrics, stall_timeout_s=ctl.stall_timeout_s,
-                                     max_streams=router_max_streams(d))
-        self.server, addr = start_router_server(self.service, d.bind_host)
-        return addr
-
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
-
-    def metrics_endpoint(self) -> str:
-        return f"http://{self.metrics_address}/metrics"
-
-    def counters(self) -> dict:
-        gate = self.service.gate
-        return {**self.service.counters, **{f"admission.{k}": v for k, v in gate.counters.items()},
-                "admission.unknown_tickets": gate.admission.unknown_tickets}
-
-    def learned_durations(self, cls: str) -> tuple[float, float]:
-        """(TTFT, time per output token) the retry hints of class ``cls`` are paced by (router/progress.py)."""
-        d = self.service.durations
-        return d.ttft_s(cls), d.tpot_s()
-
-    def set_admission(self, enabled: bool) -> None:
-        """Switch the budget gate on or off at run time (the admission bench compares both)."""
-        self.service.gate.enabled = enabled
-
-    def class_stats(self, clusters: list[str]) -> dict:
-        return self.service.gate.class_stats(clusters)
-
-    def drain(self, timeout_s: float) -> int:
-        """Refuse new requests (health NOT_SERVING, UNAVAILABLE) and wait up to timeout_s for in-flight streams;
-        returns how many were still in flight at the end."""
-        return self.service.drain(timeout_s) if self.server is not None else 0
-
-    def inflight(self) -> int:
-        return self.service.inflight if self.server is not None else 0
-
-    def stop(self, grace_s: float = 2.0) -> None:
-        if self.server is not None:
-            self.server.stop(grace_s).wait()
-            self.service.close()

@@ -69,7 +69,7 @@ class Deployment:
 
     # ------------------------------------------------------------------------------------------- start
     def start(self, timeout_s: float = 300.0) -> "Deployment":
-        from k3serve.cluster.actors import RouterActor
+        from k3serve.cluster.router_actor import RouterActor
 
         self.deploy = self.deploy.with_secret()
         if not self.workdir:

@@ -23,6 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# Ray CPUs each actor of a deployment asks for: almost none, so that Ray's CPU count never limits how many ranks,
+# fronts and routers share a node (their threads are capped by torch_threads instead)
+ACTOR_CPU = 0.01
+
 Resources = tuple[tuple[str, float], ...]  # (resource name, amount) pairs, sorted: hashable, one order
 
 

@@ -16,11 +16,10 @@ from dataclasses import replace
 import ray
 import torch
 
+from k3serve.cluster.placement import ACTOR_CPU
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.engine.executor import WorkerDied, WorkerSpec, group_failure
 from k3serve.engine.worker import ModelWorker
-
-ACTOR_CPU = 0.01
 
 
 # ops run one at a time in the default group; `watch` parks in its own group so it never blocks them

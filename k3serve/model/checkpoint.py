@@ -30,11 +30,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3serve.model.config import ConfigError, ModelConfig
+from k3serve.model.config_file import CONFIG_FILE, load_config  # noqa: F401 - re-exported: callers read it here
 from k3serve.model.init import make_tensor, storage_dtype
 from k3serve.model.names import SplitKind, TensorSpec, checkpoint_specs
 from k3serve.model.quant_check import quant_summary
 
-CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
@@ -55,16 +55,6 @@ def shard_file_name(i: int, n: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------- config
-def load_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a checkpoint dir, or of a bare config.json file."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"no such file or directory: {path}")
-    if path.is_dir() and not (path / CONFIG_FILE).is_file():
-        raise ConfigError(f"{path} has no {CONFIG_FILE}")
-    return ModelConfig.from_json_file(path)
-
-
 # ----------------------------------------------------------------------------------------------- make
 def _assign_shards(specs: list[TensorSpec], sizes: list[int], shards: int) -> list[int]:
     """Shard index per spec: contiguous, non-decreasing, every shard non-empty, balanced by bytes."""
