@@ -181,9 +181,10 @@ def _request_classes(setup: LoadSetup):
 
 
 def _classes(setup: LoadSetup) -> list[ClassSpec]:
-    """The same classes as the router's admission takes them (as RouterActor converts a deploy file's)."""
-    return [ClassSpec(c.name, c.max_uncached_tokens, c.inflight_token_budget, c.max_concurrent, c.queue_limit,
-                      c.max_wait_s) for c in _request_classes(setup)]
+    """The same classes as the router's admission takes them (RouterActor's own conversion)."""
+    from k3serve.cluster.router_actor import admission_classes
+
+    return admission_classes(_request_classes(setup))
 
 
 def run_load(deployment, setup: LoadSetup = LoadSetup()) -> LoadOutcome:

@@ -1,5 +1,5 @@
 """Ray actors of a deployment: one ClusterActor per cluster (it owns its rank actors) and RouterActors
-(``router_actor.py``, re-exported here).
+(``router_actor.py``: a module of their own, without torch).
 
 ```
  ClusterActor c0 ── placement group: prefill rank 0..P-1, decode rank 0..D-1 (RankActor); one node
@@ -29,7 +29,6 @@ from redis.exceptions import RedisError
 from k3serve.cluster.deploy import DeployConfig
 from k3serve.cluster.placement import ACTOR_CPU
 from k3serve.cluster.rank_actor import RayExecutor, ray_worker_spec
-from k3serve.cluster.router_actor import RouterActor  # noqa: F401 - the deployment's actors, one import
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,13 @@ on a 2-core machine). tests/test_layering.py pins it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import ray
 
-from k3serve.cluster.deploy import DeployConfig
+from k3serve.cluster.deploy import DeployConfig, RequestClassSpec
 from k3serve.cluster.placement import ACTOR_CPU
+from k3serve.router.admission import ClassSpec
 
 
 def router_max_streams(d: DeployConfig) -> int:
@@ -22,6 +25,11 @@ def router_max_streams(d: DeployConfig) -> int:
     per_cluster = sum(c.max_concurrent + c.queue_limit for c in d.request_classes)
     return min(256, per_cluster * len(d.clusters.cluster_ids))
 
+
+def admission_classes(classes: Sequence[RequestClassSpec]) -> list[ClassSpec]:
+    """A deploy file's request classes as the router's admission takes them."""
+    return [ClassSpec(c.name, c.max_uncached_tokens, c.inflight_token_budget, c.max_concurrent, c.queue_limit,
+                      c.max_wait_s) for c in classes]
 
 
 @ray.remote(num_cpus=ACTOR_CPU, max_restarts=0, max_concurrency=4)
@@ -45,12 +53,9 @@ class RouterActor:
         view = MembershipView(Membership(client, ctl.namespace), refresh_interval_s=0.2,
                               breaker=CircuitBreaker(BreakerConfig(cool_down_s=ctl.suspect_cooldown_s)))
         limits = ModelLimits(cfg.vocab_size, cfg.max_position_embeddings, cfg.vocab_size == BYTE_VOCAB_SIZE)
-        from k3serve.router.admission import ClassSpec
         from k3serve.router.gate import AdmissionGate
 
-        classes = [ClassSpec(c.name, c.max_uncached_tokens, c.inflight_token_budget, c.max_concurrent, c.queue_limit,
-                             c.max_wait_s) for c in d.request_classes]
-        gate = AdmissionGate(client, ctl.namespace, classes, enabled=d.admission,
+        gate = AdmissionGate(client, ctl.namespace, admission_classes(d.request_classes), enabled=d.admission,
                              policy=d.clusters.prefix_policy(), context_ttl_s=ctl.pin_ttl_s)
         from k3serve.router.metrics import RouterMetrics, class_stats_source
 

@@ -54,7 +54,6 @@ def shard_file_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-# --------------------------------------------------------------------------------------------- config
 # ----------------------------------------------------------------------------------------------- make
 def _assign_shards(specs: list[TensorSpec], sizes: list[int], shards: int) -> list[int]:
     """Shard index per spec: contiguous, non-decreasing, every shard non-empty, balanced by bytes."""

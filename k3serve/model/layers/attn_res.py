@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from k3serve.model.layers.norm import rms_norm
-
 
 def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float, softmax0=None) -> torch.Tensor:
