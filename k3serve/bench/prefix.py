@@ -11,12 +11,14 @@ a small user increment. Reported per scheme:
 * prefill tokens computed and wall time.
 
 Then TTFT of a long prefix with a small increment (default 8192 + 128), cold vs hit, K3 scheme, and of a cold prompt
-of the increment alone (the floor a hit can approach).
+of the increment alone (the floor a hit can approach): medians of ``ttft_repeats`` rounds on a warm engine, with the
+engine's first request reported apart (:func:`ttft_hit_vs_cold`).
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import tempfile
 import time
 
@@ -32,6 +34,9 @@ from k3serve.model.checkpoint import load_config
 from k3serve.model.config import ModelConfig
 from k3serve.model.presets import write_preset_checkpoint
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
+
+# Rounds of the TTFT trio (cold, hit, short) after the warm-up request; their medians are reported.
+TTFT_REPEATS = 3
 
 K3_FULL = dict(kda_layers=69, kda_heads=96, head_dim=128, conv=3, mla_layers=24, latent=576, elem=2)
 
@@ -101,11 +106,21 @@ def run_trace(ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, trace: lis
 
 
 def ttft_hit_vs_cold(ckpt: str, cfg: ModelConfig, prefix_len: int, increment: int,
-                     numerics: Numerics = DEFAULT_NUMERICS) -> dict:
+                     numerics: Numerics = DEFAULT_NUMERICS, repeats: int = TTFT_REPEATS) -> dict:
+    """TTFT of a cold ``prefix + increment`` prompt, of a hit on that prefix with a new increment, and of a cold
+    prompt of the increment alone (the floor a hit can approach), on one warm engine.
+
+    The engine's first request (a cold prompt of the same size) pays one-time costs a serving engine pays once
+    (first touch of the pools, oneDNN primitives and numba dispatch for new shapes): it is reported alone as
+    ``first_request_ttft_s`` and not counted. Then ``repeats`` rounds, each on a fresh random prefix (so each
+    cold prompt misses): cold, hit, short. The ``*_ttft_s`` figures are the rounds' medians (one number on a
+    machine whose runs swing by tens of percent), ``*_samples_s`` every round's figure."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     rng = random.Random(1)
-    prefix = [rng.randrange(256) for _ in range(prefix_len)]
     params = SamplingParams(max_tokens=1)
     engine = _engine(ckpt, cfg, PrefixCachePolicy(), pages=4096, numerics=numerics)
+    tokens = lambda n: [rng.randrange(256) for _ in range(n)]  # noqa: E731
 
     def timed(rid: str, prompt: list[int]) -> tuple[float, int]:
         t = time.monotonic()
@@ -113,28 +128,39 @@ def ttft_hit_vs_cold(ckpt: str, cfg: ModelConfig, prefix_len: int, increment: in
         (h,) = engine.run_to_completion()
         return time.monotonic() - t, h.cached_tokens
 
-    cold_s, _ = timed("cold", prefix + [rng.randrange(256) for _ in range(increment)])
-    hit_s, cached = timed("hit", prefix + [rng.randrange(256) for _ in range(increment)])
-    # The hit's floor: a cold prompt of just `increment` tokens (its first token starts a fresh block chain).
-    short_s, _ = timed("short", [256] + [rng.randrange(256) for _ in range(increment - 1)])
+    first_s, _ = timed("first", tokens(prefix_len + increment))
+    cold, hit, short, cached = [], [], [], []
+    for r in range(repeats):
+        prefix = tokens(prefix_len)
+        cold.append(timed(f"cold{r}", prefix + tokens(increment))[0])
+        hit_s, hit_cached = timed(f"hit{r}", prefix + tokens(increment))
+        hit.append(hit_s)
+        cached.append(hit_cached)
+        # the first token 256 (outside the random 0..255) starts a fresh block chain: nothing of it is cached
+        short.append(timed(f"short{r}", [256] + tokens(increment - 1))[0])
     engine.executor.close()
-    return {"prefix_tokens": prefix_len, "increment_tokens": increment, "cold_ttft_s": cold_s, "hit_ttft_s": hit_s,
-            "hit_cached_tokens": cached, "hit_speedup": cold_s / hit_s, "cold_short_ttft_s": short_s,
-            "hit_over_cold_short": hit_s / short_s}
+    cold_s, hit_s, short_s = (statistics.median(x) for x in (cold, hit, short))
+    return {"prefix_tokens": prefix_len, "increment_tokens": increment, "repeats": repeats,
+            "first_request_ttft_s": first_s, "cold_ttft_s": cold_s, "hit_ttft_s": hit_s,
+            "hit_cached_tokens": min(cached), "hit_speedup": cold_s / hit_s, "cold_short_ttft_s": short_s,
+            "hit_over_cold_short": hit_s / short_s, "cold_samples_s": cold, "hit_samples_s": hit,
+            "cold_short_samples_s": short}
 
 
 def run_prefix_bench(preset_name: str = "tiny", sessions: int = 3, turns: int = 10, system_len: int = 4096,
                      increment: tuple[int, int] = (32, 160), reply: int = 48, ttft_prefix: int = 8192,
-                     ttft_increment: int = 128, deterministic: bool = False) -> dict:
+                     ttft_increment: int = 128, deterministic: bool = False, ttft_repeats: int = TTFT_REPEATS) -> dict:
     """deterministic: also run the K3 trace and the TTFT pair in numerics mode deterministic, reported side by
     side with the default mode (``numerics``)."""
+    if ttft_repeats < 1:  # before the trace runs, not minutes into it
+        raise ValueError(f"ttft_repeats must be >= 1, got {ttft_repeats}")
     with tempfile.TemporaryDirectory(prefix="k3serve-bench-") as d:
         ckpt = str(write_preset_checkpoint(preset_name, d))
         cfg = load_config(ckpt)
         trace = agentic_trace(sessions, turns, system_len, increment, reply)
         k3 = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace)
         naive = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="naive", naive_chunk=4096), trace)
-        ttft = ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment)
+        ttft = ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment, repeats=ttft_repeats)
         numerics = None
         if deterministic:  # both modes at the mode's thread count, alternating (bench/numerics_compare.py)
             figures = lambda tr, tt: {"trace_wall_s": tr["wall_s"], "cold_ttft_s": tt["cold_ttft_s"],  # noqa: E731
@@ -142,9 +168,10 @@ def run_prefix_bench(preset_name: str = "tiny", sessions: int = 3, turns: int = 
             with mode_threads() as bench_threads:
                 same = (figures(k3, ttft) if bench_threads == DETERMINISTIC.threads else
                         figures(run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace),
-                                ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment)))
+                                ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment, repeats=ttft_repeats)))
                 k3_det = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace, DETERMINISTIC)
-                det = figures(k3_det, ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment, DETERMINISTIC))
+                det = figures(k3_det, ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment, DETERMINISTIC,
+                                                                ttft_repeats))
             numerics = add_default_at_bench_threads(numerics_side_by_side(same, det, lower_is_better=True),
                                                     figures(k3, ttft), bench_threads, lower_is_better=True)
             numerics["deterministic_reuse_ratio"] = k3_det["reuse_ratio"]

@@ -32,6 +32,8 @@ def kernels(t: int = typer.Option(4096, "--tokens"), heads: int = typer.Option(4
 def prefix(preset: str = typer.Option("tiny", "--preset"), sessions: int = typer.Option(3, "--sessions"),
            turns: int = typer.Option(10, "--turns"), system_len: int = typer.Option(4096, "--system-tokens"),
            ttft_prefix: int = typer.Option(8192, "--ttft-prefix"), ttft_increment: int = typer.Option(128, "--ttft-increment"),
+           ttft_repeats: int = typer.Option(3, "--ttft-repeats", help="rounds of cold / hit / short after a warm-up "
+                                            "request; medians reported"),
            threads: int = typer.Option(2, "--threads"),
            deterministic: bool = typer.Option(False, "--deterministic",
                                               help="also run numerics: deterministic, side by side"),
@@ -41,7 +43,8 @@ def prefix(preset: str = typer.Option("tiny", "--preset"), sessions: int = typer
     from k3serve.bench.prefix import run_prefix_bench
 
     emit(run_prefix_bench(preset, sessions, turns, system_len, ttft_prefix=ttft_prefix,
-                           ttft_increment=ttft_increment, deterministic=deterministic), as_json)
+                           ttft_increment=ttft_increment, deterministic=deterministic, ttft_repeats=ttft_repeats),
+         as_json)
 
 
 @app.command("decode")

@@ -153,6 +153,12 @@ class DefaultOps:
         """Softmax over dim 0 of `[n, ...]`."""
         return x.softmax(0)
 
+    def row_dot(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Each row of x `[..., d]` dotted with v `[d]` -> `[...]`: one GEMV (a single read of x, where the
+        elementwise product and row sum write and re-read a full-size temporary; a row's bits may depend on the
+        row count, which the default mode allows)."""
+        return torch.matmul(x, v)
+
     def threads(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -325,6 +331,11 @@ class DeterministicOps(DefaultOps):
         """Softmax over dim 0, computed as a last-dim softmax of `[..., n]` rows: one row at a time, the same
         code for a row whatever the number of rows (dim-0 softmax vectorises across the rows instead)."""
         return x.movedim(0, -1).contiguous().softmax(-1).movedim(-1, 0)
+
+    def row_dot(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Each row of x `[..., d]` dotted with v `[d]` -> `[...]` as an elementwise product and a last-dim sum:
+        a row's bits depend only on that row (a GEMV's do not: a different row count can take another kernel)."""
+        return (x * v).sum(-1)
 
     def _gather(self, parts: torch.Tensor) -> torch.Tensor:
         """[units_local, ...] per rank -> [units, ...] in unit order (rank r holds units r*ul .. r*ul+ul-1)."""

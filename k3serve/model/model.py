@@ -140,11 +140,11 @@ class HybridModel:
         ```
         """
         eps, size = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
-        sm = self.ops.softmax0 if self.ops.deterministic else None
+        sm, dot = (self.ops.softmax0 if self.ops.deterministic else None), self.ops.row_dot
         done: list[torch.Tensor] = []
         partial: torch.Tensor | None = emb
         for layer in self.layers:
-            x = attn_res_mix(done + [partial], *layer.attn_res, eps, sm) if done else partial
+            x = attn_res_mix(done + [partial], *layer.attn_res, eps, sm, dot) if done else partial
             if layer.layer % size == 0:
                 done.append(partial)
                 partial = None
@@ -152,8 +152,8 @@ class HybridModel:
             if batch.on_layer is not None:
                 batch.on_layer(layer.layer)
             partial = a if partial is None else partial + a
-            x = attn_res_mix(done + [partial], *layer.mlp_res, eps, sm)
+            x = attn_res_mix(done + [partial], *layer.mlp_res, eps, sm, dot)
             partial = partial + layer.feed_forward(x, eps)
             if layer.layer in batch.capture_layers:
                 batch.captured[layer.layer] = partial.float()
-        return attn_res_mix(done + [partial], *self.output_res, eps, sm)
+        return attn_res_mix(done + [partial], *self.output_res, eps, sm, dot)

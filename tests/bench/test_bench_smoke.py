@@ -15,7 +15,19 @@ def test_prefix_bench_reports_both_schemes():
         assert "checkpoint_to_page_bytes" in out[scheme]
     # short turns under a 4096-token chunk: the naive scheme never hits, the K3 scheme does
     assert out["naive"]["reused_tokens"] == 0 and out["k3"]["reused_tokens"] > 0
-    assert out["ttft"]["hit_cached_tokens"] == 1024 and "hit_speedup" in out
+    ttft = out["ttft"]
+    assert ttft["hit_cached_tokens"] == 1024 and "hit_speedup" in out
+    # medians of the rounds after the warm-up request, every round's figure alongside
+    assert ttft["repeats"] == 3 and ttft["first_request_ttft_s"] > 0
+    for key in ("cold", "hit", "cold_short"):
+        samples = ttft[f"{key}_samples_s"]
+        assert len(samples) == 3 and ttft[f"{key}_ttft_s"] == sorted(samples)[1]
+
+
+def test_prefix_bench_rejects_zero_ttft_rounds():
+    with pytest.raises(ValueError, match="repeats"):
+        run_prefix_bench("tiny", sessions=1, turns=1, system_len=64, increment=(4, 8), reply=4,
+                         ttft_prefix=64, ttft_increment=8, ttft_repeats=0)
 
 
 def test_prefix_bench_side_by_side_at_the_modes_thread_count():

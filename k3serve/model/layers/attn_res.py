@@ -11,18 +11,20 @@ import torch
 
 
 def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
-                 eps: float, softmax0=None) -> torch.Tensor:
+                 eps: float, softmax0=None, row_dot=None) -> torch.Tensor:
     """sources: n tensors `[..., d]`; query `[1, d]`; norm_weight `[d]` -> `[..., d]` in the sources' dtype.
 
-    softmax0: the softmax over the sources (dim 0 of `[n, ...]`); None is ``Tensor.softmax(0)``
-    (deterministic numerics pass one whose bits do not depend on the token count, model/deterministic.py).
+    softmax0: the softmax over the sources (dim 0 of `[n, ...]`); None is ``Tensor.softmax(0)``.
+    row_dot: `(x [..., d], v [d]) -> [...]`, each row's dot product with v; None is the elementwise product and
+    row sum. The model passes its numerics mode's operators (model/deterministic.py): the default mode's GEMV,
+    the deterministic mode's forms whose bits do not depend on the token count.
 
     out = sum_i softmax_i(<query, RMSNorm(v_i)>) * v_i
 
     Sources are scored and summed one by one (then a running weighted sum, in place when autograd is off):
     no `[n, ..., d]` stack and no full-size temporaries of it; this mix runs twice per layer on every token.
-    The bits of a token's output depend only on its own row (row reductions, elementwise products), so the
-    deterministic mode's batch invariance holds (tests/engine/test_deterministic_paths.py).
+    With the deterministic mode's operators the bits of a token's output depend only on its own row (row
+    reductions, elementwise products), so its batch invariance holds (tests/engine/test_deterministic_paths.py).
     """
     q = query.float().view(-1)
     d = q.numel()
@@ -30,7 +32,8 @@ def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: 
     # norm's own reduction fused), instead of a normalised copy scaled twice (docs/profile.md, "Sixth pass")
     wq = norm_weight.float() * q  # [d]
     vals = [s.float() for s in sources]
-    logits = torch.stack([(v * wq).sum(-1) * torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / d + eps)
+    dot = row_dot if row_dot is not None else (lambda x, v: (x * v).sum(-1))
+    logits = torch.stack([dot(v, wq) * torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / d + eps)
                           for v in vals])  # [n, ...]
     weights = (logits.softmax(0) if softmax0 is None else softmax0(logits)).unsqueeze(-1)  # [n, ..., 1]
     out = vals[0] * weights[0]
