@@ -54,6 +54,19 @@ def store_conv_window(conv: torch.Tensor, which: int, window: torch.Tensor) -> N
     conv[:, :, which].copy_(window.view(b, w, h, k).permute(0, 2, 1, 3))
 
 
+def conv_windows_all(conv: torch.Tensor) -> torch.Tensor:
+    """The q, k and v windows at once in channel layout: conv `[B, H, 3, W-1, K]` -> `[B, W-1, 3*H*K]` (copy),
+    channels ordered (projection, head, k) like a row-stacked q | k | v projection's output."""
+    b, h, n, w, k = conv.shape
+    return conv.permute(0, 3, 2, 1, 4).reshape(b, w, n * h * k)
+
+
+def store_conv_windows_all(conv: torch.Tensor, window: torch.Tensor) -> None:
+    """Inverse of :func:`conv_windows_all`: window `[B, W-1, 3*H*K]` into conv `[B, H, 3, W-1, K]`."""
+    b, h, n, w, k = conv.shape
+    conv.copy_(window.view(b, w, n, h, k).permute(0, 3, 2, 1, 4))
+
+
 def new_kda_blocks(cfg: ModelConfig, batch: int, heads: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Zeroed KDA state for `batch` fresh requests: one `[batch, heads, block_floats]` fp32 tensor per KDA layer."""
     return [torch.zeros(batch, heads, cfg.kda_head_block_floats, dtype=torch.float32, device=device)

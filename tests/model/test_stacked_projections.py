@@ -66,3 +66,32 @@ def test_deterministic_stacks_keep_the_separate_projections_bits(name: str) -> N
         decode = model.forward(ids[:, 64:65], batch)
         outs.append((prefill, decode))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_conv_over_qkv_at_once_keeps_the_three_calls_bits(batch: int) -> None:
+    """A decode step runs the KDA q, k and v short convs as one call over their stacked channels: the logits and
+    every state block (recurrent state and conv windows) are torch.equal to three separate calls'."""
+    cfg = preset("tiny")
+    weights = random_weights(cfg, 0)
+    fused, separate = HybridModel(cfg, weights), HybridModel(cfg, weights)
+    kda = [layer.attn for layer in separate.layers if hasattr(layer.attn, "conv_w_qkv")]
+    assert kda and all(a.conv_w_qkv is not None for a in kda)
+    for attn in kda:
+        attn.conv_w_qkv = None  # the per-projection path on the same (view) taps
+    outs = []
+    for model in (fused, separate):
+        g = torch.Generator().manual_seed(5)
+        blocks = model.new_kda_state(batch)
+        for b in blocks:  # non-zero windows and states, as after a prefill
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+        pages = torch.zeros(batch, cfg.num_mla_layers, 64, cfg.mla_latent_dim)
+        tables = torch.arange(batch).unsqueeze(1)
+        logits = []
+        for pos in range(3):
+            ids = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
+            logits.append(model.forward(ids, ForwardBatch(blocks, PagedLatentCache(pages, tables), [pos] * batch,
+                                                          decode=True)))
+        outs.append((torch.stack(logits), blocks))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
