@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from k3serve.model.scalars import fp32
+
 
 def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float, softmax0=None, row_dot=None) -> torch.Tensor:
@@ -33,7 +35,8 @@ def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: 
     wq = norm_weight.float() * q  # [d]
     vals = [s.float() for s in sources]
     dot = row_dot if row_dot is not None else (lambda x, v: (x * v).sum(-1))
-    logits = torch.stack([dot(v, wq) * torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / d + eps)
+    d_t, eps_t = fp32(d), fp32(eps)  # 0-dim fp32 operands: no per-call scalar conversion (scalars.py)
+    logits = torch.stack([dot(v, wq) * torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / d_t + eps_t)
                           for v in vals])  # [n, ...]
     weights = (logits.softmax(0) if softmax0 is None else softmax0(logits)).unsqueeze(-1)  # [n, ..., 1]
     out = vals[0] * weights[0]

@@ -16,6 +16,7 @@ from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import BMM_MIN_OUT, DefaultOps
 from k3serve.model.layers.norm import rms_norm
 from k3serve.model.layers.stacked import stack_rows
+from k3serve.model.scalars import fp32
 from k3serve.model.state import (conv_window_channels, conv_windows_all, kda_conv_view, kda_recurrent_view,
                                  store_conv_window, store_conv_windows_all)
 from k3serve.model.tp import TPGroup
@@ -24,7 +25,7 @@ from k3serve.model.tp import TPGroup
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Per-head L2 normalisation in fp32: x `[..., K]` -> x / sqrt(sum(x^2) + eps)."""
     xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + fp32(eps))
 
 
 class KDAAttention:

@@ -11,17 +11,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3serve.model.scalars import fp32
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in fp32; returns x's dtype. x `[..., n]`, weight `[n]`."""
     xf = x.float()
     # mean(x^2) as |x|^2 / n: the norm's reduction reads x once, where x.pow(2).mean() first wrote a full-size
     # square (45% of a [4096, 256] norm's time at one thread; docs/profile.md, "Sixth pass")
+    n, eps_t = fp32(xf.shape[-1]), fp32(eps)  # 0-dim fp32 operands: no per-call scalar conversion (scalars.py)
     if torch.is_grad_enabled():
-        ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square() / xf.shape[-1]
-        return (xf * torch.rsqrt(ms + eps) * weight.float()).to(x.dtype)
-    ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1])
-    return (xf * ms.add_(eps).rsqrt_()).mul_(weight.float()).to(x.dtype)
+        ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square() / n
+        return (xf * torch.rsqrt(ms + eps_t) * weight.float()).to(x.dtype)
+    ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(n)
+    return (xf * ms.add_(eps_t).rsqrt_()).mul_(weight.float()).to(x.dtype)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: str, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
@@ -34,6 +37,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor, act: str, beta1: float = 4.0, beta
     if act == "silu":
         out = F.silu(g) * u if grad else F.silu(g).mul_(u)
     elif act == "situ":
+        beta1, beta2 = fp32(beta1), fp32(beta2)  # 0-dim fp32 operands (scalars.py): four conversions fewer per call
         if grad:
             out = (beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)) * (beta2 * torch.tanh(u / beta2))
         else:  # same products, same order: (b1 t1) s, then (b2 t2), then their product
