@@ -71,7 +71,7 @@ def test_looped_active_experts_equal_the_grouped_gemm_bitwise(counts: list[int])
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     active = [i for i, n in enumerate(counts) if n]
     want = grouped_experts(z, offs, st, "silu", 1.0, 1.0)
-    got = looped_experts(z, [counts[i] for i in active], [st.span(i, i + 1) for i in active], "silu", 1.0, 1.0)
+    got = looped_experts(z, [counts[i] for i in active], [st.per_expert[i] for i in active], "silu", 1.0, 1.0)
     assert torch.equal(got, want)
 
 

@@ -191,23 +191,22 @@ class MoE:
             first, last = active[0], active[-1] + 1
             e0 = self.expert_ids.start
             run = counts_t[e0 + first: e0 + last]
-            span = self.stacked.span(first, last)
             act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
             width = max(counts[e0 + first: e0 + last])
             if self.ops.gemm_loops_experts(z, *self.stacked.w1.shape[1:]):  # the CPU GEMM of model/cpu_gemm.py
-                y = looped_experts(z[rows], [counts[e0 + i] for i in active], [self.stacked.span(i, i + 1)
-                                                                                for i in active], *act, self.ops)
+                y = looped_experts(z[rows], [counts[e0 + i] for i in active],
+                                   [self.stacked.per_expert[i] for i in active], *act, self.ops)
             elif decode and len(active) >= PADDED_MIN_ACTIVE and width <= PADDED_MAX_ROWS:  # 3 padded bmm
                 expert = ids.reshape(-1)[mine] - (e0 + first)
                 pos = torch.arange(hi - lo, device=z.device) - (run.cumsum(0) - run)[expert]
-                y = padded_experts(z[rows], expert, pos, width, span, *act)
+                y = padded_experts(z[rows], expert, pos, width, self.stacked.span(first, last), *act)
             elif 2 * len(active) < last - first:
                 # most of the span idle (a decode step of a few requests): the active experts' GEMMs one by one,
                 # the same mm per run that grouped_mm issues (bit-identical), without its one mm per idle group
-                y = looped_experts(z[rows], [counts[e0 + i] for i in active], [self.stacked.span(i, i + 1)
-                                                                                for i in active], *act)
+                y = looped_experts(z[rows], [counts[e0 + i] for i in active],
+                                   [self.stacked.per_expert[i] for i in active], *act)
             else:
-                y = grouped_experts(z[rows], run.cumsum(0).to(torch.int32), span, *act)
+                y = grouped_experts(z[rows], run.cumsum(0).to(torch.int32), self.stacked.span(first, last), *act)
             out.index_add_(0, rows, y.float() * w[rows, slot].unsqueeze(-1))
             return out
         ys, rows_used = [], []

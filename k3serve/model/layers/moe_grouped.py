@@ -22,6 +22,8 @@ loop), or off the CPU (``grouped_mm`` on CUDA takes bf16 on SM80+ only; a Triton
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,12 @@ class StackedExperts:
     w1: torch.Tensor
     w3: torch.Tensor
     w2: torch.Tensor
+
+    @functools.cached_property
+    def per_expert(self) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]:
+        """(w1 `[I, e_in]`, w3 `[I, e_in]`, w2 `[e_in, I]`) of each local expert: 2-D views made once (a decode step
+        reaches a few experts per layer; slicing them out per call was ~200 ops of a bench-preset step)."""
+        return tuple((self.w1[i], self.w3[i], self.w2[i]) for i in range(self.w1.shape[0]))
 
     def span(self, first: int, last: int) -> "StackedExperts":
         """Local experts first .. last-1 (views)."""
@@ -99,23 +107,24 @@ def grouped_experts(z_sorted: torch.Tensor, offs: torch.Tensor, stacked: Stacked
     return F.grouped_mm(glu(gate, up, act, beta1, beta2), stacked.w2.transpose(1, 2), offs=offs)
 
 
-def looped_experts(z_sorted: torch.Tensor, counts: list[int], experts: list[StackedExperts], act: str,
-                   beta1: float, beta2: float, ops=None) -> torch.Tensor:
+def looped_experts(z_sorted: torch.Tensor, counts: list[int],
+                   experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], act: str, beta1: float,
+                   beta2: float, ops=None) -> torch.Tensor:
     """:func:`grouped_experts` for the non-empty runs only: z_sorted `[n, e_in]` (rows grouped by expert),
-    counts[i] rows of experts[i] (a one-expert span) -> `[n, e_in]`.
+    counts[i] rows of experts[i] = (w1, w3, w2) (``StackedExperts.per_expert``) -> `[n, e_in]`.
 
     ops None: each run is the ``mm`` grouped_mm issues for it (bit-identical); used when most of a span's experts
     are idle, whose empty groups grouped_mm would still visit (measured, bench preset at batch 1, 4 of 32 experts
     active: ~12% of the layer's expert time). ops (model/deterministic.DefaultOps on oneDNN, model/cpu_gemm.py):
     the gate and up as one ``ops.whole_linear_pair``, the down ``ops.whole_linear``, on the packed weights."""
     out, at = torch.empty_like(z_sorted), 0
-    for n, e in zip(counts, experts):
+    for n, (w1, w3, w2) in zip(counts, experts):
         zi = z_sorted[at: at + n]
         if ops is not None:
-            gate, up = ops.whole_linear_pair(zi, e.w1[0], e.w3[0])
-            out[at: at + n] = ops.whole_linear(glu(gate, up, act, beta1, beta2), e.w2[0])
+            gate, up = ops.whole_linear_pair(zi, w1, w3)
+            out[at: at + n] = ops.whole_linear(glu(gate, up, act, beta1, beta2), w2)
         else:
-            h = glu(F.linear(zi, e.w1[0]), F.linear(zi, e.w3[0]), act, beta1, beta2)
-            torch.mm(h, e.w2[0].t(), out=out[at: at + n])
+            h = glu(F.linear(zi, w1), F.linear(zi, w3), act, beta1, beta2)
+            torch.mm(h, w2.t(), out=out[at: at + n])
         at += n
     return out
