@@ -24,8 +24,9 @@ class PromptError(ValueError):
 def validate_prompt(prompt_ids: list[int], vocab_size: int, max_len: int) -> None:
     if not prompt_ids:
         raise PromptError("prompt is empty")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
+    # min / max run in C (a long prompt's per-token Python check was ~0.45 ms per 8K tokens on every request)
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
         raise PromptError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
     if len(prompt_ids) >= max_len:
         raise PromptError(f"prompt has {len(prompt_ids)} tokens; the model's context is {max_len}")
