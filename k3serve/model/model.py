@@ -140,7 +140,7 @@ class HybridModel:
         ```
         """
         eps, size = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
-        sm, dot = (self.ops.softmax0 if self.ops.deterministic else None), self.ops.row_dot
+        sm, dot = self.ops.softmax0, self.ops.row_dot  # the numerics mode's operators (model/deterministic.py)
         done: list[torch.Tensor] = []
         partial: torch.Tensor | None = emb
         for layer in self.layers:
