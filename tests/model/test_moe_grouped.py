@@ -66,12 +66,12 @@ def test_looped_active_experts_equal_the_grouped_gemm_bitwise(counts: list[int])
 
     g = torch.Generator().manual_seed(len(counts) + sum(counts))
     e, inner, d = len(counts), 64, 96
-    st = StackedExperts(*(torch.randn(e, a, b, generator=g) for a, b in ((inner, d), (inner, d), (d, inner))))
+    st = StackedExperts.of(*(torch.randn(e, a, b, generator=g) for a, b in ((inner, d), (inner, d), (d, inner))))
     z = torch.randn(sum(counts), d, generator=g)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     active = [i for i, n in enumerate(counts) if n]
     want = grouped_experts(z, offs, st, "silu", 1.0, 1.0)
-    got = looped_experts(z, [counts[i] for i in active], [st.per_expert[i] for i in active], "silu", 1.0, 1.0)
+    got = looped_experts(z, [counts[i] for i in active], st, active, "silu", 1.0, 1.0)
     assert torch.equal(got, want)
 
 

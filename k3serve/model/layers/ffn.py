@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import BMM_MIN_OUT, ELEMENTWISE_VEC, MIN_TILE, DefaultOps, tile_rows
 from k3serve.model.layers.expert_weights import DenseLinear, expert_linear
-from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, StackedExperts, grouped_experts,
+from k3serve.model.layers.moe_grouped import (PADDED_MAX_ROWS, PADDED_MIN_ACTIVE, grouped_experts,
                                                looped_experts, padded_experts, stack_dense_experts)
 from k3serve.model.layers.moe_mxfp4 import fuse_mxfp4_experts
 from k3serve.model.layers.norm import glu, rms_norm
@@ -194,8 +194,7 @@ class MoE:
             act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
             width = max(counts[e0 + first: e0 + last])
             if self.ops.gemm_loops_experts(z, *self.stacked.w1.shape[1:]):  # the CPU GEMM of model/cpu_gemm.py
-                y = looped_experts(z[rows], [counts[e0 + i] for i in active],
-                                   [self.stacked.per_expert[i] for i in active], *act, self.ops)
+                y = looped_experts(z[rows], [counts[e0 + i] for i in active], self.stacked, active, *act, self.ops)
             elif decode and len(active) >= PADDED_MIN_ACTIVE and width <= PADDED_MAX_ROWS:  # 3 padded bmm
                 expert = ids.reshape(-1)[mine] - (e0 + first)
                 pos = torch.arange(hi - lo, device=z.device) - (run.cumsum(0) - run)[expert]
@@ -203,8 +202,7 @@ class MoE:
             elif 2 * len(active) < last - first:
                 # most of the span idle (a decode step of a few requests): the active experts' GEMMs one by one,
                 # the same mm per run that grouped_mm issues (bit-identical), without its one mm per idle group
-                y = looped_experts(z[rows], [counts[e0 + i] for i in active],
-                                   [self.stacked.per_expert[i] for i in active], *act)
+                y = looped_experts(z[rows], [counts[e0 + i] for i in active], self.stacked, active, *act)
             else:
                 y = grouped_experts(z[rows], run.cumsum(0).to(torch.int32), self.stacked.span(first, last), *act)
             out.index_add_(0, rows, y.float() * w[rows, slot].unsqueeze(-1))
@@ -338,7 +336,7 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
                 # stack; the copy of their weights cost more than the GEMMs (bench preset, batch 1: 4 of 32)
                 return False
             at = torch.tensor(active, device=dev)
-            stacked = StackedExperts(*(t.index_select(0, at) for t in (stacked.w1, stacked.w3, stacked.w2)))
+            stacked = stacked.select(at)
         n_act = torch.tensor([local[i] for i in active], device=dev)
         slot_of = torch.zeros(len(local), dtype=torch.long, device=dev)
         slot_of[torch.tensor(active, device=dev)] = torch.arange(len(active), device=dev)
