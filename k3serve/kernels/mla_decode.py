@@ -68,13 +68,16 @@ def mla_decode_torch(q_latent, q_pe, kv_pages, block_table, seq_lens, softmax_sc
                 break
             longest, b1 = cand, b1 + 1
         if longest > 0:
-            out[b0:b1] = _attend(q_latent[b0:b1], q_pe[b0:b1], kv_pages,
-                                 block_table[b0:b1], lens[b0:b1], longest, softmax_scale)
+            out[b0:b1] = _attend(q_latent[b0:b1], q_pe[b0:b1], kv_pages, block_table[b0:b1], lens[b0:b1],
+                                 longest, softmax_scale, any_empty=0 in lens_host[b0:b1])
         b0 = b1
     return out
 
 
-def _attend(q_latent, q_pe, kv_pages, block_table, lens, longest, softmax_scale):
+def _attend(q_latent, q_pe, kv_pages, block_table, lens, longest, softmax_scale, any_empty=True):
+    """One group of requests: the scores against the gathered rows ``[c | k_pe]`` as one product with the query
+    ``[q_latent | q_pe]`` (scale folded into the query), masked past each request's length. any_empty: some
+    request of the group has no tokens (its row of probabilities is zeroed, not NaN)."""
     B, _, Dl = q_latent.shape
     ps = kv_pages.shape[1]
     npg = -(-longest // ps)
@@ -84,13 +87,15 @@ def _attend(q_latent, q_pe, kv_pages, block_table, lens, longest, softmax_scale)
     # index_select, not kv_pages[page_ids]: on a strided pool view advanced indexing runs ~30x slower (measured:
     # 16 pages of [64, 576] from pool[:, layer], one thread, 1.47 ms vs 51 us); the same copy
     kv = kv_pages.index_select(0, page_ids.reshape(-1)).view(B, npg * ps, -1).to(torch.float32)  # [B, L, Dl + R]
-    c, k_pe = kv[..., :Dl], kv[..., Dl:]
-    s = (q_latent.float() @ c.transpose(1, 2) + q_pe.float() @ k_pe.transpose(1, 2)) * softmax_scale
-    valid = torch.arange(npg * ps, device=lens.device)[None, :] < lens[:, None]   # [B, L]
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    q = torch.cat([q_latent, q_pe], dim=-1).float().mul_(softmax_scale)  # [B, H, Dl + R]
+    s = q @ kv.transpose(1, 2)  # [B, H, L]: q_latent . c + q_pe . k_pe in one product
+    if npg * ps > int(lens.min()):  # some request's last page is partly filled (or it has none)
+        valid = torch.arange(npg * ps, device=lens.device)[None, :] < lens[:, None]   # [B, L]
+        s.masked_fill_(~valid[:, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
-    p = torch.where((lens > 0)[:, None, None], p, torch.zeros_like(p))   # empty rows: 0, not NaN
-    return p @ c
+    if any_empty:
+        p = torch.where((lens > 0)[:, None, None], p, torch.zeros_like(p))   # empty rows: 0, not NaN
+    return p @ kv[..., :Dl]
 
 
 def mla_decode(

@@ -65,3 +65,16 @@ def test_torch_path_groups_requests(monkeypatch):
     ref = mla_decode(q_lat, q_pe, kv, table, lens, 0.25, backend="torch")
     monkeypatch.setattr(mod, "_GATHER_BUDGET", 1)
     torch.testing.assert_close(mla_decode(q_lat, q_pe, kv, table, lens, 0.25, backend="torch"), ref)
+
+
+@pytest.mark.parametrize("lens", [[4, 8], [8, 8], [3, 8]])
+def test_torch_path_full_and_partial_last_pages(lens):
+    """The torch path skips the length mask when every request's pages are full, and the empty-row guard when no
+    request is empty: both against the oracle (the masked case beside them)."""
+    q_lat, q_pe, kv, table, _ = _setup(seed=4)
+    q_lat, q_pe, table = q_lat[2:4], q_pe[2:4], table[2:4]  # requests with 3 and 4 pages of their own
+    seq = torch.tensor(lens)
+    scale = (Dl + R) ** -0.5
+    ref = mla_decode(q_lat, q_pe, kv, table, seq, scale, backend="naive")
+    torch.testing.assert_close(mla_decode(q_lat, q_pe, kv, table, seq, scale, backend="torch"), ref,
+                               atol=1e-5, rtol=1e-5)
