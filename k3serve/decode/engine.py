@@ -14,8 +14,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from torch.profiler import record_function
-
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.executor import Executor, OpFailed
 from k3serve.contracts.handoff import Handoff
@@ -26,6 +24,7 @@ from k3serve.engine.spec.config import SpecConfig, make_drafter
 from k3serve.engine.spec.drafter import Drafter, DraftSession, VerifyOutcome
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.requests import RequestFailure, TokenEvent
+from k3serve.model.profiling import profile_label
 from k3serve.model.sampling import is_stop, sample_token
 from k3serve.model.config import ModelConfig
 from k3serve.transfer.inprocess import InProcessChannel
@@ -228,7 +227,7 @@ class DecodeEngine:
         except OpFailed as e:
             self._fail_batch(batch, "decode step", e)
             return []
-        with record_function(SAMPLING_LABEL):
+        with profile_label(SAMPLING_LABEL):
             toks = [sample_token(logits[i], run.handoff.params, run.next_position + 1) for i, run in enumerate(batch)]
         events = []
         for run, tok in zip(batch, toks):
@@ -243,7 +242,7 @@ class DecodeEngine:
         self.records_in_use = len(bucket)
         try:
             logits, features = self.executor.run(spec.verify_ops(bucket, layers))[0]
-            with record_function(SAMPLING_LABEL):
+            with profile_label(SAMPLING_LABEL):
                 accs = spec.accept_bucket(bucket, logits)
             self.executor.run(spec.commit_op(bucket, accs))
         except OpFailed as e:

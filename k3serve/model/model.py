@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
+from k3serve.model.profiling import profile_label
 
 from k3serve.contracts.numerics import Numerics
 from k3serve.model.config import ModelConfig
@@ -50,8 +50,7 @@ class DecoderLayer:
             self.mlp_res = (weights[p + "mlp_res_proj.weight"], weights[p + "mlp_res_norm.weight"])
 
     def attention(self, x: torch.Tensor, batch: ForwardBatch, eps: float) -> torch.Tensor:
-        # record_function labels feed `bench decode`'s per-step breakdown; without a profiler they cost ~1 us.
-        with record_function(self.attn_label):
+        with profile_label(self.attn_label):
             h = rms_norm(x, self.input_norm, eps)
             if self.is_kda:
                 records = batch.kda_records[self.kda_idx] if batch.kda_records is not None else None
@@ -59,7 +58,7 @@ class DecoderLayer:
             return self.attn.forward(h, batch)
 
     def feed_forward(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        with record_function(self.ffn_label):
+        with profile_label(self.ffn_label):
             return self.ffn.forward(rms_norm(x, self.post_norm, eps))
 
 

@@ -44,4 +44,4 @@ def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: 
     for v, w in zip(vals[1:], weights[1:]):
         # the same kernel either way (the same bits with and without autograd); in place when serving
         out = torch.addcmul(out, v, w) if grad else out.addcmul_(v, w)
-    return out.to(sources[0].dtype)
+    return out if out.dtype == sources[0].dtype else out.to(sources[0].dtype)  # a no-op .to costs ~2.6 us
