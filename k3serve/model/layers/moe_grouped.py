@@ -110,8 +110,12 @@ def stack_dense_experts(experts: list[tuple[object, object, object]]) -> Stacked
     first = experts[0][0].weight
     if first.device.type != "cpu" or any(lin.weight.requires_grad for e in experts for lin in e):
         return None
-    with torch.no_grad():
-        w13 = torch.stack([torch.cat([e[0].weight, e[1].weight]) for e in experts])
+    inner, e_in = first.shape
+    with torch.no_grad():  # written in place: no per-expert temporary of [w1; w3]
+        w13 = first.new_empty(len(experts), 2 * inner, e_in)
+        for i, (w1, w3, _) in enumerate(experts):
+            w13[i, :inner].copy_(w1.weight)
+            w13[i, inner:].copy_(w3.weight)
         w2 = torch.stack([e[2].weight for e in experts])
     return StackedExperts(w13, w2)
 
