@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from k3serve.model.profiling import profile_label
 
 from k3serve.contracts.numerics import Numerics
 from k3serve.model.config import ModelConfig
@@ -22,6 +21,7 @@ from k3serve.model.layers.ffn import MoE, DenseFFN
 from k3serve.model.layers.kda import KDAAttention
 from k3serve.model.layers.mla import MLAAttention
 from k3serve.model.layers.norm import rms_norm
+from k3serve.model.profiling import profile_label
 from k3serve.model.state import ForwardBatch, new_kda_blocks
 from k3serve.model.tp import SINGLE, TPGroup
 

@@ -166,7 +166,7 @@ class MoE:
         without the 2 small ops per idle expert that dominated decode steps (docs/profile.md). Stacked
         (full-precision) experts run all of the rank's runs as one grouped GEMM per matrix instead of the loop
         (moe_grouped.py; the same GEMM per run, bit-identical), or, for decode-sized runs over many experts, as
-        three bmm over zero-padded runs (last-bit rounding may then differ, as with any other batch). The
+        two bmm over zero-padded runs (last-bit rounding may then differ, as with any other batch). The
         grouping is :func:`group_by_expert`. MXFP4 experts on the CPU run all of this (grouping, experts, the
         weighted sum in ascending expert order) as one fused kernel call (moe_mxfp4.py): its fixed per-row
         order makes a token's result independent of the call's other tokens, and equal to the loop's within
@@ -195,7 +195,7 @@ class MoE:
             width = max(counts[e0 + first: e0 + last])
             if self.ops.gemm_loops_experts(z, *self.stacked.w1.shape[1:]):  # the CPU GEMM of model/cpu_gemm.py
                 y = looped_experts(z[rows], [counts[e0 + i] for i in active], self.stacked, active, *act, self.ops)
-            elif decode and len(active) >= PADDED_MIN_ACTIVE and width <= PADDED_MAX_ROWS:  # 3 padded bmm
+            elif decode and len(active) >= PADDED_MIN_ACTIVE and width <= PADDED_MAX_ROWS:  # 2 padded bmm
                 expert = ids.reshape(-1)[mine] - (e0 + first)
                 pos = torch.arange(hi - lo, device=z.device) - (run.cumsum(0) - run)[expert]
                 y = padded_experts(z[rows], expert, pos, width, self.stacked.span(first, last), *act)
@@ -294,9 +294,9 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     GEMM row does not depend on the GEMM's row count (tests/model/test_numerics_invariants.py), so
 
     * many active experts (``PADDED_MIN_ACTIVE``, decode-sized runs): every run zero-padded to one row tile R
-      (``tile_rows`` of the longest run) and the span of active experts as three ``bmm``
+      (``tile_rows`` of the longest run) and the span of active experts as two ``bmm``
       (`[R, e_in] x [e_in, I]` per entry);
-    * otherwise (few experts, prefill runs): every run padded to at least MIN_TILE rows and the three grouped
+    * otherwise (few experts, prefill runs): every run padded to at least MIN_TILE rows and the two grouped
       GEMMs (``grouped_experts``: one mm per run on the CPU, in C++, not a Python loop of tiles)."""
     c, ops = moe.cfg, moe.ops
     e0, e1 = moe.expert_ids.start, moe.expert_ids.stop
