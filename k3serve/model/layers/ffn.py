@@ -295,7 +295,7 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
 
     * many active experts (``PADDED_MIN_ACTIVE``, decode-sized runs): every run zero-padded to one row tile R
       (``tile_rows`` of the longest run) and the span of active experts as two ``bmm``
-      (`[R, e_in] x [e_in, I]` per entry);
+      (`[R, e_in] x [e_in, 2I]`, then `[R, I] x [I, e_in]`, per entry);
     * otherwise (few experts, prefill runs): every run padded to at least MIN_TILE rows and the two grouped
       GEMMs (``grouped_experts``: one mm per run on the CPU, in C++, not a Python loop of tiles)."""
     c, ops = moe.cfg, moe.ops
