@@ -69,15 +69,15 @@ def mla_decode_torch(q_latent, q_pe, kv_pages, block_table, seq_lens, softmax_sc
             longest, b1 = cand, b1 + 1
         if longest > 0:
             out[b0:b1] = _attend(q_latent[b0:b1], q_pe[b0:b1], kv_pages, block_table[b0:b1], lens[b0:b1],
-                                 longest, softmax_scale, any_empty=0 in lens_host[b0:b1])
+                                 longest, min(lens_host[b0:b1]), softmax_scale)
         b0 = b1
     return out
 
 
-def _attend(q_latent, q_pe, kv_pages, block_table, lens, longest, softmax_scale, any_empty=True):
+def _attend(q_latent, q_pe, kv_pages, block_table, lens, longest, shortest, softmax_scale):
     """One group of requests: the scores against the gathered rows ``[c | k_pe]`` as one product with the query
-    ``[q_latent | q_pe]`` (scale folded into the query), masked past each request's length. any_empty: some
-    request of the group has no tokens (its row of probabilities is zeroed, not NaN)."""
+    ``[q_latent | q_pe]`` (scale folded into the query), masked past each request's length. longest, shortest: the
+    group's largest and smallest length (host ints, from the caller's one copy of the lengths)."""
     B, _, Dl = q_latent.shape
     ps = kv_pages.shape[1]
     npg = -(-longest // ps)
@@ -89,11 +89,11 @@ def _attend(q_latent, q_pe, kv_pages, block_table, lens, longest, softmax_scale,
     kv = kv_pages.index_select(0, page_ids.reshape(-1)).view(B, npg * ps, -1).to(torch.float32)  # [B, L, Dl + R]
     q = torch.cat([q_latent, q_pe], dim=-1).float().mul_(softmax_scale)  # [B, H, Dl + R]
     s = q @ kv.transpose(1, 2)  # [B, H, L]: q_latent . c + q_pe . k_pe in one product
-    if npg * ps > int(lens.min()):  # some request's last page is partly filled (or it has none)
+    if npg * ps > shortest:  # some request's last page is partly filled (or it has none)
         valid = torch.arange(npg * ps, device=lens.device)[None, :] < lens[:, None]   # [B, L]
         s.masked_fill_(~valid[:, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
-    if any_empty:
+    if shortest == 0:
         p = torch.where((lens > 0)[:, None, None], p, torch.zeros_like(p))   # empty rows: 0, not NaN
     return p @ kv[..., :Dl]
 
