@@ -91,11 +91,11 @@ def _step_breakdown(decode: DecodeEngine, steps: int, step_s: float) -> dict:
 
 
 def decoding_engine(ckpt: str, cfg: ModelConfig, batch: int, context: int, max_tokens: int,
-                    numerics: Numerics = DEFAULT_NUMERICS) -> DecodeEngine:
+                    numerics: Numerics = DEFAULT_NUMERICS, device: str = "cpu") -> DecodeEngine:
     """A local decode engine holding `batch` requests of `context` random prompt tokens, prefilled and handed
-    over, each allowed `max_tokens` more (ignore_eos): what the decode benches time steps of."""
+    over, each allowed `max_tokens` more (ignore_eos): what the decode benches time steps of (on `device`)."""
     pools = PoolConfig(kda_slots=batch + 2, mla_pages=batch * (-(-(context + max_tokens + 4) // 64)) + 8)
-    prefill = PrefillEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools, numerics=numerics)),
+    prefill = PrefillEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools, device=device, numerics=numerics)),
                             PrefillConfig(pools, enable_prefix_cache=False, numerics=numerics),
                             model_fingerprint(cfg.to_hf_dict()))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -105,7 +105,7 @@ def decoding_engine(ckpt: str, cfg: ModelConfig, batch: int, context: int, max_t
                                            params))
     handoffs = prefill.run_to_completion()
     prefill.executor.close()
-    decode = DecodeEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools, numerics=numerics)),
+    decode = DecodeEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools, device=device, numerics=numerics)),
                           DecodeConfig(pools, max_batch=batch))
     for h in handoffs:
         decode.submit(h)

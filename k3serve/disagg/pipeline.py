@@ -39,19 +39,23 @@ class LocalPipeline:
     def __init__(self, checkpoint: str, prefill_tp: int = 1, decode_tp: int = 1,
                  prefill: PrefillConfig | None = None, decode: DecodeConfig | None = None,
                  speculative: SpecConfig | None = None, drafter: Drafter | None = None,
-                 numerics: Numerics = DEFAULT_NUMERICS) -> None:
+                 numerics: Numerics = DEFAULT_NUMERICS, device: str = "cpu") -> None:
         """speculative: decode with drafts (ignored when `decode` is given: that config says it);
         drafter: the drafting method (default: the one the config names);
-        numerics: the mode of both groups (contracts/numerics.py); it replaces `prefill.numerics`."""
+        numerics: the mode of both groups (contracts/numerics.py); it replaces `prefill.numerics`;
+        device: where both groups' ranks hold the model and pools ("cpu", "cuda", "cuda:1"; CUDA runs the
+        Triton kernels)."""
         self.cfg = load_config(checkpoint)
         prefill = replace(prefill or PrefillConfig(PoolConfig(kda_slots=64, mla_pages=1024)), numerics=numerics)
         if decode is None:
             k1 = speculative.num_draft_tokens + 1 if speculative is not None else 0
             decode = DecodeConfig(PoolConfig(kda_slots=64, mla_pages=1024, page_size=prefill.pools.page_size,
                                              spec_slots=64 if k1 else 0, spec_tokens=k1), speculative=speculative)
-        self._prefill_exec = make_executor(WorkerSpec(checkpoint, prefill_tp, prefill.pools, numerics=numerics))
+        self._prefill_exec = make_executor(WorkerSpec(checkpoint, prefill_tp, prefill.pools, device=device,
+                                                       numerics=numerics))
         try:
-            self._decode_exec = make_executor(WorkerSpec(checkpoint, decode_tp, decode.pools, numerics=numerics))
+            self._decode_exec = make_executor(WorkerSpec(checkpoint, decode_tp, decode.pools, device=device,
+                                                          numerics=numerics))
         except BaseException:
             self._prefill_exec.close()
             raise
