@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+import psutil  # Ray's own copy (ray/thirdparty_files, which `import ray` puts on sys.path)
 
 from k3serve.cluster.deploy import DeployConfig
 from k3serve.cluster.nodes import LostNode
@@ -30,6 +31,11 @@ log = logging.getLogger(__name__)
 # local starts on small loaded machines (Deployment._start_local_ray)
 GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
 GCS_PORT_WAIT_S = 120
+# the start timeout a local start is retried on (Ray 2.60, ray/_private/node.py): the raylet did not register with
+# the GCS within Ray's fixed 30 s (a plain Exception)
+_RAYLET_TIMEOUT = "timed out during startup"
+# how long the processes a failed start left get after SIGTERM, and then after SIGKILL
+LEFTOVER_STOP_S = 10.0
 
 
 @contextlib.contextmanager
@@ -183,26 +189,35 @@ class Deployment:
     def _start_local_ray(self, env: dict, attempts: int = 3) -> None:
         """Start a private local Ray instance, kept on loopback (rank rendezvous and gRPC never leave this
         machine). Ray waits a fixed 30 s for its raylet to register and then raises a bare Exception; on a
-        loaded 2-core machine that wait is sometimes too short, so a start that timed out is shut down and
+        loaded 2-core machine that wait is sometimes too short, so a start that timed out is stopped and
         tried again (the other start errors are raised at once).
 
-        Ray also waits 30 s (by default) for its GCS server to write its port file, and on a timeout leaves
-        the half-started head behind, so that wait is not retried but lengthened to ``GCS_PORT_WAIT_S``
-        unless the operator set ``RAY_gcs_server_port_wait_time_s`` (seen in the test suite on a loaded
-        2-core machine: a GCS that needed over 30 s failed every test of the package's deployment). Ray reads
-        that wait from the driver's environment inside ``ray.init``, so it is set for the call only."""
+        Ray also waits 30 s (by default) for its GCS server to write its port file; that wait is lengthened to
+        ``GCS_PORT_WAIT_S`` unless the operator set ``RAY_gcs_server_port_wait_time_s`` (seen in the test suite
+        on a loaded 2-core machine: a GCS that needed over 30 s failed every test of the package's deployment).
+        Ray reads that wait from the driver's environment inside ``ray.init``, so it is set for the call only.
+
+        Both timeouts are raised from inside the constructor of Ray's ``Node``, before ``ray.init`` records
+        the node, so ``ray.shutdown()`` does not stop what it had started: the GCS server, raylet, monitors
+        and agents run on (until this process exits) and load the machine under the next start. So after
+        any failed start the processes it started, this process's descendants that were not there before it,
+        are stopped and waited for."""
         for attempt in range(1, attempts + 1):
+            before = _descendants()
             try:
                 with _gcs_port_wait():
                     ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False,
                              runtime_env=env, _node_ip_address="127.0.0.1")
                 return
-            except Exception as exc:  # Ray raises a plain Exception for this one case
-                if "timed out during startup" not in str(exc) or attempt == attempts:
-                    raise
-                log.warning("local Ray start %d of %d timed out; shutting it down and starting again", attempt,
-                            attempts)
+            except Exception as exc:  # the raylet timeout is a plain Exception
+                retry = attempt < attempts and _retryable_start_error(exc, attempt)
+                if retry:
+                    log.warning("local Ray start %d of %d timed out (%s); stopping it and starting again", attempt,
+                                attempts, str(exc).splitlines()[0])
                 ray.shutdown()
+                _stop_started_since(before)
+                if not retry:
+                    raise
 
     def _start_redis(self) -> None:
         url = self.deploy.control.redis_url or os.environ.get("REDIS_URL", "")
@@ -317,6 +332,36 @@ class DrainReport:
     cut: int  # still in flight when the drain timeout passed (then stopped)
     drain_s: float
     stop_s: float = 0.0  # from the end of the drain until everything was stopped
+
+
+def _retryable_start_error(exc: Exception, attempt: int) -> bool:
+    return _RAYLET_TIMEOUT in str(exc)
+
+
+def _descendants() -> set[psutil.Process]:
+    return set(psutil.Process().children(recursive=True))
+
+
+def _stop_started_since(before: set[psutil.Process]) -> None:
+    """Stop this process's descendants that are not in ``before`` (what a failed ``ray.init`` started: its
+    processes are children of the driver, their workers and agents grandchildren): SIGTERM, then SIGKILL for
+    any still running after ``LEFTOVER_STOP_S``, and wait for them (which also reaps the direct children).
+    ``ray.init`` is the only thing that starts processes here while it runs (``start`` calls it first)."""
+    procs = _descendants() - before
+    if not procs:
+        return
+    log.warning("stopping %d processes a failed Ray start left running: %s", len(procs),
+                sorted(p.pid for p in procs))
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):  # exited since it was listed: nothing to stop
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=LEFTOVER_STOP_S)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    _, alive = psutil.wait_procs(alive, timeout=LEFTOVER_STOP_S)
+    if alive:  # e.g. stuck in a disk write (uninterruptible); Ray's own shutdown gives up on these too
+        log.warning("still running after SIGKILL: %s", sorted(p.pid for p in alive))
 
 
 def _get(ref, timeout_s: float, default):

@@ -1,10 +1,16 @@
 """Starting the private local Ray instance: a raylet that registers late (Ray's fixed 30 s wait, seen on a
-loaded 2-core CI machine) is retried; any other start error is raised at once."""
+loaded 2-core CI machine) is retried, after the processes the failed start left running are stopped; any other
+start error is raised at once."""
 
+import contextlib
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import ray
+import psutil  # Ray's copy (ray/thirdparty_files, put on sys.path by `import ray`), as deployment.py uses
 
 from k3serve.cluster.deploy import load_deploy
 from k3serve.cluster.deployment import Deployment
@@ -13,12 +19,14 @@ _TIMEOUT = "The current node timed out during startup. This could happen because
 
 
 class _FakeRay:
-    def __init__(self, errors):
-        self.errors, self.inits, self.shutdowns = list(errors), 0, 0
+    def __init__(self, errors, on_init=None):
+        self.errors, self.inits, self.shutdowns, self.on_init = list(errors), 0, 0, on_init
 
     def init(self, **kwargs):
         self.inits += 1
         assert kwargs["_node_ip_address"] == "127.0.0.1"
+        if self.on_init is not None:
+            self.on_init()
         if self.errors:
             raise self.errors.pop(0)
 
@@ -28,8 +36,8 @@ class _FakeRay:
 
 @pytest.fixture
 def fake_ray(monkeypatch):
-    def make(errors):
-        fake = _FakeRay(errors)
+    def make(errors, on_init=None):
+        fake = _FakeRay(errors, on_init)
         monkeypatch.setattr(ray, "init", fake.init)
         monkeypatch.setattr(ray, "shutdown", fake.shutdown)
         monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -61,7 +69,84 @@ def test_other_start_errors_are_not_retried(fake_ray):
     fake = fake_ray([ValueError("bad runtime_env")])
     with pytest.raises(ValueError, match="bad runtime_env"):
         _deployment()._start_ray()
-    assert (fake.inits, fake.shutdowns) == (1, 0)
+    assert fake.inits == 1
+
+
+def test_other_errors_of_a_retried_start_are_raised_at_once(fake_ray):
+    fake = fake_ray([Exception(_TIMEOUT), ValueError("bad runtime_env")])
+    with pytest.raises(ValueError, match="bad runtime_env"):
+        _deployment()._start_ray()
+    assert fake.inits == 2
+
+
+@pytest.fixture
+def spawned():
+    """Processes a test starts, killed at its end whatever happened."""
+    procs = []
+
+    def spawn(script):
+        procs.append(subprocess.Popen([sys.executable, "-c", script]))
+        return procs[-1]
+    yield spawn
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):  # stopped by the code under test
+            for kid in psutil.Process(p.pid).children(recursive=True):
+                kid.kill()
+        p.kill()
+        p.wait()
+
+
+# a child that starts a grandchild and waits for it (as the raylet does its workers)
+_PARENT = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); " \
+          "time.sleep(300)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_children(proc, n: int) -> list[int]:
+    deadline = time.monotonic() + 30
+    while len(kids := psutil.Process(proc.pid).children(recursive=True)) < n:
+        assert time.monotonic() < deadline, "the test's grandchild did not start"
+        time.sleep(0.05)
+    return [k.pid for k in kids]
+
+
+def test_the_processes_of_a_timed_out_start_are_stopped_before_the_next(fake_ray, spawned):
+    """ray.init raises from inside the constructor of Ray's Node, so ray.shutdown() has no node and leaves the
+    GCS, raylet and the rest running; they must be gone before the next start."""
+    unrelated = spawned("import time; time.sleep(300)")  # a child this process had before the start: kept
+    started = []
+
+    def on_init():
+        if started:  # the next start: nothing of the last one may still run
+            assert not [pid for pid in started if _alive(pid)]
+            return
+        head = spawned(_PARENT)
+        started.extend([head.pid, *_wait_children(head, 1)])
+
+    fake = fake_ray([Exception(_TIMEOUT)], on_init)
+    _deployment()._start_ray()
+    assert fake.inits == 2
+    assert len(started) == 2 and not [pid for pid in started if _alive(pid)]
+    assert unrelated.poll() is None
+
+
+def test_a_start_that_failed_for_good_leaves_no_processes(fake_ray, spawned):
+    started = []
+
+    def on_init():
+        head = spawned(_PARENT)
+        started.extend([head.pid, *_wait_children(head, 1)])
+
+    fake_ray([ValueError("bad runtime_env")], on_init)
+    with pytest.raises(ValueError, match="bad runtime_env"):
+        _deployment()._start_ray()
+    assert len(started) == 2 and not [pid for pid in started if _alive(pid)]
 
 
 def test_the_gcs_port_wait_is_lengthened_for_the_start_unless_the_operator_set_it(fake_ray, monkeypatch):
