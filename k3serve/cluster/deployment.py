@@ -31,9 +31,11 @@ log = logging.getLogger(__name__)
 # local starts on small loaded machines (Deployment._start_local_ray)
 GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
 GCS_PORT_WAIT_S = 120
-# the start timeout a local start is retried on (Ray 2.60, ray/_private/node.py): the raylet did not register with
-# the GCS within Ray's fixed 30 s (a plain Exception)
+# the two start timeouts a local start is retried on (Ray 2.60, ray/_private/node.py): the raylet did not register
+# with the GCS within Ray's fixed 30 s (a plain Exception), and the GCS did not write its port file in time (a
+# RuntimeError from ray._raylet.wait_for_persisted_port)
 _RAYLET_TIMEOUT = "timed out during startup"
+_GCS_PORT_TIMEOUT = ("Timed out waiting for file", "gcs_server_port")
 # how long the processes a failed start left get after SIGTERM, and then after SIGKILL
 LEFTOVER_STOP_S = 10.0
 
@@ -196,6 +198,9 @@ class Deployment:
         ``GCS_PORT_WAIT_S`` unless the operator set ``RAY_gcs_server_port_wait_time_s`` (seen in the test suite
         on a loaded 2-core machine: a GCS that needed over 30 s failed every test of the package's deployment).
         Ray reads that wait from the driver's environment inside ``ray.init``, so it is set for the call only.
+        A first start whose GCS misses even that wait is raised; a retried one's is retried, since it started
+        right after a start that had timed out, on a machine that was just as loaded (seen in the suite: start
+        1 of 3 timed out, then start 2's GCS missed the 120 s).
 
         Both timeouts are raised from inside the constructor of Ray's ``Node``, before ``ray.init`` records
         the node, so ``ray.shutdown()`` does not stop what it had started: the GCS server, raylet, monitors
@@ -335,7 +340,8 @@ class DrainReport:
 
 
 def _retryable_start_error(exc: Exception, attempt: int) -> bool:
-    return _RAYLET_TIMEOUT in str(exc)
+    msg = str(exc)
+    return _RAYLET_TIMEOUT in msg or (attempt > 1 and all(s in msg for s in _GCS_PORT_TIMEOUT))
 
 
 def _descendants() -> set[psutil.Process]:

@@ -1,6 +1,6 @@
 """Starting the private local Ray instance: a raylet that registers late (Ray's fixed 30 s wait, seen on a
-loaded 2-core CI machine) is retried, after the processes the failed start left running are stopped; any other
-start error is raised at once."""
+loaded 2-core CI machine) is retried, and so is a GCS port-file timeout of a retried start; the processes a failed
+start left running are stopped first; any other start error is raised at once."""
 
 import contextlib
 import os
@@ -16,6 +16,8 @@ from k3serve.cluster.deploy import load_deploy
 from k3serve.cluster.deployment import Deployment
 
 _TIMEOUT = "The current node timed out during startup. This could happen because some of the raylet failed"
+# what ray._raylet.wait_for_persisted_port raises (Ray 2.60)
+_GCS_PORT_TIMEOUT = "Timed out waiting for file /tmp/ray/session_2026-12-03_10-00-00_000000_1/gcs_server_port_ab12"
 
 
 class _FakeRay:
@@ -77,6 +79,29 @@ def test_other_errors_of_a_retried_start_are_raised_at_once(fake_ray):
     with pytest.raises(ValueError, match="bad runtime_env"):
         _deployment()._start_ray()
     assert fake.inits == 2
+
+
+def test_a_gcs_port_file_timeout_of_a_retried_start_is_retried(fake_ray):
+    fake = fake_ray([Exception(_TIMEOUT), RuntimeError(_GCS_PORT_TIMEOUT)])
+    dep = _deployment()
+    dep._start_ray()
+    assert (fake.inits, fake.shutdowns) == (3, 2)
+    assert dep._own_ray
+
+
+def test_a_gcs_port_file_timeout_of_the_first_start_is_raised(fake_ray):
+    # the first start's wait is already lengthened to GCS_PORT_WAIT_S on a machine nothing of ours loads
+    fake = fake_ray([RuntimeError(_GCS_PORT_TIMEOUT)])
+    with pytest.raises(RuntimeError, match="gcs_server_port"):
+        _deployment()._start_ray()
+    assert fake.inits == 1
+
+
+def test_the_last_start_s_gcs_port_file_timeout_is_raised(fake_ray):
+    fake = fake_ray([Exception(_TIMEOUT), RuntimeError(_GCS_PORT_TIMEOUT), RuntimeError(_GCS_PORT_TIMEOUT)])
+    with pytest.raises(RuntimeError, match="gcs_server_port"):
+        _deployment()._start_ray()
+    assert fake.inits == 3
 
 
 @pytest.fixture
