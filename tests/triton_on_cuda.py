@@ -61,11 +61,13 @@ def _write_back(host: torch.Tensor, dev: torch.Tensor) -> None:
         host.copy_(back)
 
 
-def on_cuda(fn, device: torch.device):
-    """``fn`` with its CPU tensor arguments on ``device``, writes mirrored back, results on the CPU."""
+def on_cuda(fn, device: torch.device, calls: list[int]):
+    """``fn`` with its CPU tensor arguments on ``device``, writes mirrored back, results on the CPU; each call
+    counted in ``calls[0]``."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        calls[0] += 1
         d_args = [_to_device(a, device) for a in args]
         d_kwargs = {k: _to_device(v, device) for k, v in kwargs.items()}
         out = fn(*d_args, **d_kwargs)
@@ -76,7 +78,6 @@ def on_cuda(fn, device: torch.device):
                     _write_back(host, dev)
         return _to_host(out)
 
-    run.__wrapped_on_cuda__ = True
     return run
 
 
@@ -88,6 +89,8 @@ def pytest_configure(config):
     from k3serve.kernels import _dispatch
 
     device = torch.device("cuda", torch.cuda.current_device())
+    config._triton_calls = [0]      # Triton calls made in this process so far
+    config.pluginmanager.register(TritonTests(), "triton_on_cuda_tests")
     for name, fns in ENTRY_POINTS.items():
         try:
             module = importlib.import_module(name)
@@ -95,7 +98,7 @@ def pytest_configure(config):
             print(f"triton_on_cuda: {name} does not import here ({type(exc).__name__}: {exc})")
             continue
         for fn in fns:
-            setattr(module, fn, on_cuda(getattr(module, fn), device))
+            setattr(module, fn, on_cuda(getattr(module, fn), device, config._triton_calls))
     # the dispatchers refuse CPU tensors for backend="triton" without the interpreter; here they are moved
     _dispatch._interpret_enabled = lambda: True
 
@@ -105,6 +108,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if getattr(item, "originalname", item.name) in CPU_ONLY:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The call phase's report carries how many Triton calls the test made (a user property: it reaches the
+    xdist controller and the junit XML)."""
+    outcome = yield
+    if not hasattr(item.config, "_triton_calls"):
+        return
+    if call.when == "setup":
+        item._triton_calls_at_setup = item.config._triton_calls[0]
+    elif call.when == "call":
+        made = item.config._triton_calls[0] - getattr(item, "_triton_calls_at_setup", 0)
+        outcome.get_result().user_properties.append(("triton_calls", made))
+
+
+class TritonTests:
+    """Which tests made Triton calls, and their outcomes (from the reports: in the xdist controller too)."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, str] = {}
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" and dict(report.user_properties).get("triton_calls", 0):
+            self.outcomes[report.nodeid] = report.outcome
+
+    def pytest_terminal_summary(self, terminalreporter):
+        passed = sum(o == "passed" for o in self.outcomes.values())
+        terminalreporter.write_line(f"triton_on_cuda: {len(self.outcomes)} tests ran Triton kernels on the GPU, "
+                                    f"{passed} passed")
+        for nodeid, o in sorted(self.outcomes.items()):
+            if o != "passed":
+                terminalreporter.write_line(f"triton_on_cuda:   {o}: {nodeid}")
 
 
 def pytest_report_header(config):

@@ -13,6 +13,8 @@ others still run, so one device session reports everything it can.
   ``input_precision="ieee"``), and against bf16's. A recurrent KDA decode step and the paged MLA decode kernel
   against the copy bandwidth (bytes they must read and write).
 * ``model``: ``cuda_model.check_preset`` for tiny-trained, tiny-linear and bench.
+* ``sweep``: launch configurations of the MLA decode and chunked KDA kernels, timed and checked
+  (``cuda_sweep.py``).
 * ``decode``: the bench preset's decode step through the engines on CUDA at batch 1 / 8 / 32 (context 256),
   tokens/s and the step-byte model of ``bench decode`` against the copy bandwidth.
 """
@@ -157,7 +159,12 @@ def _part(report: dict, name: str, fn) -> None:
         print(f"cuda_check: {name} FAILED: {type(exc).__name__}: {exc}", flush=True)
 
 
-def run_cuda_check(out_dir: Path, presets=("tiny-trained", "tiny-linear", "bench")) -> dict:
+PARTS = ("roofline", "kernels", "model", "decode", "sweep")
+
+
+def run_cuda_check(out_dir: Path, presets=("tiny-trained", "tiny-linear", "bench"), parts=PARTS) -> dict:
+    """The parts named in `parts` (the roofline always: the others are fractions of it); the report is
+    rewritten after each part, so a run cut short still leaves what it measured."""
     if not torch.cuda.is_available():
         raise SystemExit("cuda_check: no CUDA device (torch.cuda.is_available() is False)")
     import triton
@@ -169,22 +176,33 @@ def run_cuda_check(out_dir: Path, presets=("tiny-trained", "tiny-linear", "bench
                                "multiprocessors": props.multi_processor_count,
                                "memory_gib": props.total_memory / 2**30, "torch": torch.__version__,
                                "triton": triton.__version__, "python": platform.python_version()}}
-    _part(report, "roofline", lambda: roofline(device))
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def part(name: str, fn, into: dict = report) -> None:
+        _part(into, name, fn)
+        (out_dir / "cuda_check.json").write_text(json.dumps(report, indent=2))
+
+    part("roofline", lambda: roofline(device))
     roof = report["roofline"] if "error" not in report["roofline"] else None
-    if roof is not None:
-        _part(report, "chunk_kda", lambda: chunk_kda_bench(device, roof))
-        _part(report, "recurrent_kda_step", lambda: recurrent_step_bench(device, roof))
-        _part(report, "mla_decode", lambda: mla_decode_bench(device, roof))
+    if roof is not None and "kernels" in parts:
+        part("chunk_kda", lambda: chunk_kda_bench(device, roof))
+        part("recurrent_kda_step", lambda: recurrent_step_bench(device, roof))
+        part("mla_decode", lambda: mla_decode_bench(device, roof))
+    if roof is not None and "sweep" in parts:
+        from k3serve.bench.cuda_sweep import chunk_kda_sweep, mla_decode_sweep
+
+        part("mla_decode_sweep", lambda: mla_decode_sweep(device, roof["copy_gbps"], cuda_time))
+        part("chunk_kda_sweep", lambda: chunk_kda_sweep(device, _kda_inputs, cuda_time))
     with tempfile.TemporaryDirectory(prefix="k3serve-cuda-") as d:
         ckpts = {}
-        report["model"] = {}
-        for name in presets:
-            ckpts[name] = str(write_preset_checkpoint(name, Path(d) / name))
-            _part(report["model"], name, lambda n=name: check_preset(ckpts[n], "cuda"))
-        if roof is not None and "bench" in ckpts:
-            _part(report, "decode", lambda: decode_bench(ckpts["bench"], "cuda", roof))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "cuda_check.json").write_text(json.dumps(report, indent=2))
+        if "model" in parts:
+            report["model"] = {}
+            for name in presets:
+                ckpts[name] = str(write_preset_checkpoint(name, Path(d) / name))
+                part(name, lambda n=name: check_preset(ckpts[n], "cuda"), report["model"])
+        if roof is not None and "decode" in parts:
+            ckpts.setdefault("bench", str(write_preset_checkpoint("bench", Path(d) / "bench")))
+            part("decode", lambda: decode_bench(ckpts["bench"], "cuda", roof))
     return report
 
 
@@ -197,12 +215,18 @@ def check_preset(ckpt: str, device: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for cuda_check.json")
-    ap.add_argument("--presets", default="tiny-trained,tiny-linear,bench")
+    ap.add_argument("--presets", default="tiny-trained,tiny-linear,bench", help="presets the model part checks")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"a subset of {','.join(PARTS)}")
     args = ap.parse_args(argv)
-    report = run_cuda_check(args.out, tuple(p for p in args.presets.split(",") if p))
+    parts = tuple(p for p in args.parts.split(",") if p)
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"--parts: unknown {unknown}; expected a subset of {list(PARTS)}")
+    report = run_cuda_check(args.out, tuple(p for p in args.presets.split(",") if p), parts)
     failed = [k for k, v in report.items() if isinstance(v, dict) and "error" in v]
     failed += [f"model.{k}" for k, v in report.get("model", {}).items() if "error" in v]
-    print(json.dumps({k: v for k, v in report.items() if k != "model"}, indent=1)[:6000])
+    print(json.dumps({k: v for k, v in report.items() if k not in ("model", "mla_decode_sweep", "chunk_kda_sweep")},
+                     indent=1)[:6000])
     print("cuda_check: failed parts:", failed or "none")
     return 1 if failed else 0
 

@@ -169,7 +169,9 @@ def _chunk_kda_kernel(
         tl.store(p_ht, S, mask=mkv)
 
 
-def _launch(kernel, q, k, v, g, beta, scale, initial_state, output_final_state, **meta):
+def _launch(kernel, q, k, v, g, beta, scale, initial_state, output_final_state, block_v=None, **meta):
+    """block_v: the V block of a program (default min(64, V padded)); meta: the kernel's other constexprs and
+    launch options (num_warps), as ``k3serve.bench.cuda_sweep`` varies them."""
     B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
     scale = default_scale(scale, K)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -178,7 +180,7 @@ def _launch(kernel, q, k, v, g, beta, scale, initial_state, output_final_state, 
     h0 = initial_state if initial_state is not None else o   # dummy pointer when unused
     strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     BK = triton.next_power_of_2(max(K, 16))   # tl.dot needs every dim >= 16
-    BV = min(64, triton.next_power_of_2(max(V, 16)))
+    BV = block_v or min(64, triton.next_power_of_2(max(V, 16)))
     grid = (triton.cdiv(V, BV), B * H)
     kernel[grid](
         q, k, v, g, beta, o, h0, ht, *strides, T, H, K, V, scale,

@@ -78,3 +78,28 @@ def test_torch_path_full_and_partial_last_pages(lens):
     ref = mla_decode(q_lat, q_pe, kv, table, seq, scale, backend="naive")
     torch.testing.assert_close(mla_decode(q_lat, q_pe, kv, table, seq, scale, backend="torch"), ref,
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("heads", [5, 20])
+def test_triton_context_splits(num_splits, heads):
+    """The split-context Triton kernel (flash-decoding) at any split count: splits past a request's length, a
+    request of length 0, tokens of one BN block on several pages (page size 4 < BN), two head blocks."""
+    from k3serve.kernels.mla_decode_triton import mla_decode_triton
+
+    q_lat, q_pe, kv, table, lens = _setup(seed=5, H=heads)
+    scale = (Dl + R) ** -0.5
+    ref = mla_decode(q_lat, q_pe, kv, table, lens, scale, backend="naive")
+    out = mla_decode_triton(q_lat, q_pe, kv, table, lens, scale, num_splits=num_splits)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.count_nonzero(out[-1]) == 0
+
+
+def test_triton_split_choice_fills_the_device_and_keeps_blocks_whole():
+    from k3serve.kernels.mla_decode_triton import BN, MAX_SPLITS, choose_splits
+
+    cpu = torch.device("cpu")   # one "multiprocessor": the count only scales the target
+    assert choose_splits(1, 8, 4096, cpu) == 4                    # 4 programs per SM, 1 request x 1 head block
+    assert choose_splits(64, 8, 4096, cpu) == 1                   # enough requests already
+    assert choose_splits(1, 8, BN, cpu) == 1                      # never a split shorter than a block
+    assert choose_splits(1, 8, 1 << 20, cpu) <= MAX_SPLITS
