@@ -213,6 +213,19 @@ def recurrent_kda_triton(
     return _launch(_recurrent_kda_kernel, q, k, v, g, beta, scale, initial_state, output_final_state)
 
 
+# (chunk size, V block, warps) of the chunked kernel for head sizes above 64, by measurement on an H200
+# (docs/cuda.md; `k3serve.bench.cuda_sweep`, B = 8, H = 32, T = 4096, K = V = 128): 50.7 ms against 242 ms for
+# the (32, 64, 4) that smaller heads keep (not swept there). At K = 128 the per-chunk [BT, BK] fp32 and fp64
+# tiles of a 32-token chunk spill; 16-token chunks and 32-wide V blocks (twice the programs) do not.
+WIDE_HEAD_LAUNCH = (16, 32, 2)
+NARROW_HEAD_LAUNCH = (32, 64, 4)
+
+
+def chunk_launch(K: int) -> tuple[int, int, int]:
+    """(chunk size, V block, num_warps) of the chunked kernel at head size K."""
+    return WIDE_HEAD_LAUNCH if K > 64 else NARROW_HEAD_LAUNCH
+
+
 def chunk_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -223,7 +236,7 @@ def chunk_kda_triton(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 32,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA in Triton (one fused kernel; correctness first, see module docstring).
 
@@ -232,13 +245,17 @@ def chunk_kda_triton(
         scale: multiplies q (default K**-0.5).
         initial_state: [B, H, K, V] (any strides; read only).
         output_final_state: also return the final state.
-        chunk_size: BT, a power of two >= 16. 32 rather than 64 because the per-chunk tiles
-            ([BT, BK] fp32 and fp64, [BT, BT]) live in registers.
+        chunk_size: BT, a power of two >= 16; None: ``chunk_launch(K)``'s, with its V block and warps (the
+            per-chunk tiles ([BT, BK] fp32 and fp64, [BT, BT]) live in registers).
     Returns:
         o [B, T, H, V] in v's dtype; final_state [B, H, K, V] fp32 or None.
     """
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError("chunk_size must be a power of two >= 16")
+    bt, bv, warps = chunk_launch(q.shape[-1])
+    if chunk_size is not None:
+        if chunk_size < 16 or chunk_size & (chunk_size - 1):
+            raise ValueError("chunk_size must be a power of two >= 16")
+        bt = chunk_size
     return _launch(
-        _chunk_kda_kernel, q, k, v, g, beta, scale, initial_state, output_final_state, BT=chunk_size
+        _chunk_kda_kernel, q, k, v, g, beta, scale, initial_state, output_final_state, block_v=bv, BT=bt,
+        num_warps=warps,
     )

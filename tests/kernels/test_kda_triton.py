@@ -53,3 +53,16 @@ def test_triton_chunk_sizes(kda_inputs, chunk_size, T):
                             chunk_size=chunk_size)
     torch.testing.assert_close(o, ref_o, atol=1e-5, rtol=0)
     torch.testing.assert_close(s, ref_s, atol=1e-5, rtol=0)
+
+
+def test_triton_chunk_wide_heads_launch(kda_inputs):
+    """Head size 128 takes the wide-head launch (16-token chunks, 32-wide V blocks: 4 V programs per head)."""
+    from k3serve.kernels.kda_triton import WIDE_HEAD_LAUNCH, chunk_kda_triton, chunk_launch
+
+    assert chunk_launch(128) == WIDE_HEAD_LAUNCH and chunk_launch(64) != WIDE_HEAD_LAUNCH
+    q, k, v, g, beta = kda_inputs(1, 19, 1, 128, 128, "k3", seed=11)
+    h0 = torch.randn(1, 1, 128, 128)
+    ref_o, ref_s = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o, ref_o, atol=1e-5, rtol=0)
+    torch.testing.assert_close(s, ref_s, atol=1e-5, rtol=0)
