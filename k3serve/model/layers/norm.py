@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3serve.model.scalars import fp32
+from k3serve.model.scalars import as_dtype, fp32
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,7 +25,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return (xf * torch.rsqrt(ms + eps_t) * weight.float()).to(x.dtype)
     ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(n)
     out = (xf * ms.add_(eps_t).rsqrt_()).mul_(weight.float())
-    return out if x.dtype == out.dtype else out.to(x.dtype)  # Tensor.to(dtype) costs ~2.6 us even as a no-op
+    return as_dtype(out, x.dtype)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: str, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
@@ -46,4 +46,4 @@ def glu(gate: torch.Tensor, up: torch.Tensor, act: str, beta1: float = 4.0, beta
             out.mul_(torch.tanh(u / beta2).mul_(beta2))
     else:
         raise ValueError(f"unknown activation {act!r}")
-    return out if gate.dtype == out.dtype else out.to(gate.dtype)
+    return as_dtype(out, gate.dtype)
