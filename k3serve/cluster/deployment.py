@@ -205,10 +205,10 @@ class Deployment:
         Both timeouts are raised from inside the constructor of Ray's ``Node``, before ``ray.init`` records
         the node, so ``ray.shutdown()`` does not stop what it had started: the GCS server, raylet, monitors
         and agents run on (until this process exits) and load the machine under the next start. So after
-        any failed start the processes it started, this process's descendants that were not there before it,
-        are stopped and waited for."""
+        any failed start the processes it started (this process's new children and all below them) are
+        stopped and waited for."""
         for attempt in range(1, attempts + 1):
-            before = _descendants()
+            before = _children()
             try:
                 with _gcs_port_wait():
                     ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False,
@@ -344,16 +344,22 @@ def _retryable_start_error(exc: Exception, attempt: int) -> bool:
     return _RAYLET_TIMEOUT in msg or (attempt > 1 and all(s in msg for s in _GCS_PORT_TIMEOUT))
 
 
-def _descendants() -> set[psutil.Process]:
-    return set(psutil.Process().children(recursive=True))
+def _children() -> set[psutil.Process]:
+    return set(psutil.Process().children())
 
 
 def _stop_started_since(before: set[psutil.Process]) -> None:
-    """Stop this process's descendants that are not in ``before`` (what a failed ``ray.init`` started: its
-    processes are children of the driver, their workers and agents grandchildren): SIGTERM, then SIGKILL for
-    any still running after ``LEFTOVER_STOP_S``, and wait for them (which also reaps the direct children).
-    ``ray.init`` is the only thing that starts processes here while it runs (``start`` calls it first)."""
-    procs = _descendants() - before
+    """Stop what a failed ``ray.init`` started: this process's direct children that are not in ``before`` (the
+    GCS server, raylet, monitors: Ray starts them as children of the driver) and everything below them (the
+    raylet's workers and agents). SIGTERM, then SIGKILL for any still running after ``LEFTOVER_STOP_S``, and
+    wait for them (which also reaps the direct children). Only new direct children count: a process that was
+    already a child keeps whatever it starts meanwhile (a Ray instance already running in this process, as in
+    the test suite, spawns workers under its own raylet at any time)."""
+    new = _children() - before
+    procs = set(new)
+    for child in new:
+        with contextlib.suppress(psutil.NoSuchProcess):  # exited since it was listed: nothing below it to stop
+            procs.update(child.children(recursive=True))
     if not procs:
         return
     log.warning("stopping %d processes a failed Ray start left running: %s", len(procs),

@@ -161,6 +161,26 @@ def test_the_processes_of_a_timed_out_start_are_stopped_before_the_next(fake_ray
     assert unrelated.poll() is None
 
 
+def test_what_an_earlier_child_starts_meanwhile_is_kept(fake_ray, spawned, tmp_path):
+    """Only the start's own processes are stopped: a child this process already had (e.g. the raylet of a Ray
+    instance already running here, as in this suite) may start processes of its own at any time."""
+    go = tmp_path / "go"
+    earlier = spawned("import os, subprocess, sys, time\n"
+                      f"while not os.path.exists({str(go)!r}): time.sleep(0.02)\n"
+                      "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)")
+    grandchildren = []
+
+    def on_init():
+        if not grandchildren:  # during the first, failing start: the earlier child starts a grandchild
+            go.touch()
+            grandchildren.extend(_wait_children(earlier, 1))
+
+    fake = fake_ray([Exception(_TIMEOUT)], on_init)
+    _deployment()._start_ray()
+    assert fake.inits == 2
+    assert earlier.poll() is None and all(_alive(pid) for pid in grandchildren)
+
+
 def test_a_start_that_failed_for_good_leaves_no_processes(fake_ray, spawned):
     started = []
 
