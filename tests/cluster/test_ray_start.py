@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -36,13 +37,21 @@ class _FakeRay:
         self.shutdowns += 1
 
 
+def _on_this_thread(fake_fn, real_fn):
+    """fake_fn for calls from the test's thread, real_fn for any other: in the full suite a real deployment (the
+    package's shared one) is up in this process, and its supervisor thread's ray.wait() calls ray.is_initialized
+    and, where that says False, ray.init (seen: a fake start counted an init of that thread's)."""
+    test_thread = threading.get_ident()
+    return lambda *a, **kw: (fake_fn if threading.get_ident() == test_thread else real_fn)(*a, **kw)
+
+
 @pytest.fixture
 def fake_ray(monkeypatch):
     def make(errors, on_init=None):
         fake = _FakeRay(errors, on_init)
-        monkeypatch.setattr(ray, "init", fake.init)
-        monkeypatch.setattr(ray, "shutdown", fake.shutdown)
-        monkeypatch.setattr(ray, "is_initialized", lambda: False)
+        monkeypatch.setattr(ray, "init", _on_this_thread(fake.init, ray.init))
+        monkeypatch.setattr(ray, "shutdown", _on_this_thread(fake.shutdown, ray.shutdown))
+        monkeypatch.setattr(ray, "is_initialized", _on_this_thread(lambda: False, ray.is_initialized))
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
         return fake
     return make
