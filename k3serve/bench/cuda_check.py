@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -166,7 +167,8 @@ def run_cuda_check(out_dir: Path, presets=("tiny-trained", "tiny-linear", "bench
     """The parts named in `parts` (the roofline always: the others are fractions of it); the report is
     rewritten after each part, so a run cut short still leaves what it measured."""
     if not torch.cuda.is_available():
-        raise SystemExit("cuda_check: no CUDA device (torch.cuda.is_available() is False)")
+        print("cuda_check: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+        raise SystemExit(2)
     import triton
 
     device = torch.device("cuda")
