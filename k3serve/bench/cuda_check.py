@@ -30,10 +30,8 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from k3serve.kernels.flops import chunk_flops
-from k3serve.kernels.gate import kda_gate
 from k3serve.kernels.kda import chunk_kda, recurrent_kda
 from k3serve.kernels.mla_decode import mla_decode
 from k3serve.model.config_file import load_config
@@ -78,14 +76,10 @@ def roofline(device: torch.device) -> dict:
 
 
 def _kda_inputs(B: int, T: int, H: int, K: int, device: torch.device, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1) * K**-0.5
-    k = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
-    v = torch.randn(B, T, H, K, generator=g)
-    beta = torch.rand(B, T, H, generator=g)
-    gate = kda_gate(torch.randn(B, T, H * K, generator=g), torch.log(torch.linspace(1.0, 16.0, H)),
-                    torch.zeros(H * K), -5.0, backend="torch")
-    return tuple(x.to(device) for x in (q, k, v, gate, beta))
+    """``bench kernels``' inputs (K3 gate, V = K), on `device`."""
+    from k3serve.bench.kernels import _inputs
+
+    return tuple(x.to(device) for x in _inputs(B, T, H, K, -5.0, seed))
 
 
 CHUNK_SHAPES = ((1, 4, 64), (1, 4, 128), (8, 32, 64), (8, 32, 128))  # (B, H, K)
