@@ -6,12 +6,13 @@ cached latent rows themselves (``[c | k_pe]``, one row per position shared by al
 decompressed, kept or compared::
 
     absorb    q_lat_h = q_nope_h W_UK_h          one [N, nope] x [nope, rank] GEMM per head over all N query rows
-              qa = [q_lat | q_pe]                `[H, N, rank + rope]` (scale folded into q)
+              qa = [q_lat | q_pe] log2(e)        `[H, N, rank + rope]` (scale folded into q; log2(e): scores in
+                                                 base-2 units, so the softmax takes exp2)
     keys      [0, KB) [KB, 2KB) ... [j KB, (j+1) KB) ...    KB = numerics.key_block, at absolute positions;
               block j = the latent rows [c | k_pe][j KB : (j+1) KB] (a request's last block zero-padded)
     scores    s = qa [c | k_pe]^T = q_nope W_UK c^T + q_pe k_pe^T     rows: (head, query) pairs of the group,
               keys past a row's position -> -inf                        columns: the blocks it may see
-    softmax   m = rowmax s (exact);  p = exp(s - m)
+    softmax   m = rowmax s (exact);  p = exp2(s - m)          (= exp of the natural-unit scores' difference)
               l   = fold_j (sum p_j)                                     p_j: the KB columns of block j
               ctx = fold_j (p_j c_j)                                     one [M, KB] x [KB, rank] GEMM per block
               fold: the blocks summed by folding halves (:func:`fold_blocks`: an order in which the zero blocks
@@ -24,8 +25,14 @@ not depend on the other columns; the score GEMM's entries are therefore those of
 ``[M, rank + rope] x [rank + rope, KB]`` GEMM for any batch, chunk or row count, and the per-block context GEMM
 has a fixed reduction length KB. A block wholly after a row's position is an exact no-op for it (p = 0: it adds
 exact zeros to l and ctx), and the max ignores -inf, so a prefill row that also sees later blocks of its chunk
-gets the bits of the decode row that stops at its own block (the fold adds those blocks' exact zeros only). Every exp runs on whole rows of KB-multiples
+gets the bits of the decode row that stops at its own block (the fold adds those blocks' exact zeros only). Every exp2 runs on whole rows of KB-multiples
 (vector code; a tensor whose size is off the vector grid is padded, as ``DeterministicOps.unary``).
+
+Why exp2: torch's CPU ``exp`` is the 1-ulp Sleef kernel, ~3x the time of its ``exp2`` (measured, one thread,
+a `[256, 8384]` score tile: 2.4 against 0.76 ms, AMD EPYC, AVX-512), and the exponentials are the largest cost of
+the softmax after the two GEMMs. Scores scaled by log2(e) once in ``qa`` (`[H, N, D]`, not the `[M, L]` scores)
+make ``exp2`` the same function to fp32 rounding (relative error ~ |s| 2^-24 from the extra rounding of qa, below
+the GEMM's own); every path takes it, so the bits stay one function of the position.
 
 Why absorbed (docs/numerics.md, fourth wave): the decompressed form read every request's per-head keys and
 values at every decode step (4 heads x (48 + 32) floats per position on the tiny preset, against the latent
@@ -55,6 +62,7 @@ _SCORE_BUDGET = 1 << 22
 # blocks up to its own (measured on the tiny preset, 256-token prefill, one MLA layer: 2.1 ms against 4.6 ms for
 # the whole chunk against all its blocks).
 _GROUP_MAX_QUERIES = 16
+LOG2E = 1.4426950408889634  # log2(e): scores in base-2 units, the softmax's exponential is exp2 (see "Why exp2")
 
 
 def blocked_attention(queries: list[torch.Tensor], rows: list[torch.Tensor], starts: list[int],
@@ -69,14 +77,14 @@ def blocked_attention(queries: list[torch.Tensor], rows: list[torch.Tensor], sta
     return attend_blocks(queries, blocks_of(rows, key_block), lengths, starts, w_uk, w_uv, key_block)
 
 
-def _exp(x: torch.Tensor) -> torch.Tensor:
-    """exp in vector code for every element: a size off the vector grid is padded (its tail would be scalar
+def _exp2(x: torch.Tensor) -> torch.Tensor:
+    """exp2 in vector code for every element: a size off the vector grid is padded (its tail would be scalar
     code, an ulp away, at places that depend on the batch)."""
     pad = -x.numel() % ELEMENTWISE_VEC
     if not pad:
-        return torch.exp(x)
+        return torch.exp2(x)
     flat = torch.cat([x.reshape(-1), x.new_zeros(pad)])
-    return torch.exp(flat)[: x.numel()].view(x.shape)
+    return torch.exp2(flat)[: x.numel()].view(x.shape)
 
 
 def fold_blocks(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -100,7 +108,7 @@ def fold_blocks(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _attend(qa: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, key_block: int, rank: int) -> torch.Tensor:
-    """One group: qa `[g, M, D]` (rows: (head, query) pairs), keys `[g, nb KB, D]` (each entry's blocks 0 ..
+    """One group: qa `[g, M, D]` (rows: (head, query) pairs; scores in base-2 units), keys `[g, nb KB, D]` (each entry's blocks 0 ..
     nb-1, contiguous rows), pos `[g, M]` each row's absolute position -> ctx / l `[g, M, rank]`.
 
     Memory passes over the `[g, M, nb KB]` scores are what a long prefill pays for: the softmax runs in place
@@ -121,9 +129,9 @@ def _attend(qa: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, key_block: 
         hidden = torch.arange(lo, length, device=qa.device).view(1, 1, -1) > pos.unsqueeze(-1)
         s[..., lo:].masked_fill_(hidden, float("-inf"))
     grad = torch.is_grad_enabled() and s.requires_grad
-    # p = exp(s - rowmax s): in place when no gradient is taken (the same kernels, so the same bits); every exp
+    # p = exp2(s - rowmax s): in place when no gradient is taken (the same kernels, so the same bits); every exp2
     # runs in vector code (M x nb KB is a multiple of ELEMENTWISE_VEC)
-    p = _exp(s - s.amax(-1, keepdim=True)) if grad else s.sub_(s.amax(-1, keepdim=True)).exp_()
+    p = _exp2(s - s.amax(-1, keepdim=True)) if grad else s.sub_(s.amax(-1, keepdim=True)).exp2_()
     p = p.view(g, rows, nb, key_block)
     sums = p.sum(-1)  # [g, M, nb]: one KB-element row sum per block
     values = keys.view(g, nb, key_block, -1)[..., :rank]  # [g, nb, KB, rank] (a view: c of each block)
@@ -154,6 +162,7 @@ def attend_blocks(queries: list[torch.Tensor], blocks: torch.Tensor, lengths: li
     q = q.transpose(0, 1)  # [H, N, Dq]
     q_lat = head_gemm(q[..., :nope], w_uk.transpose(1, 2))  # [H, N, rank]
     qa = torch.cat([q_lat, q[..., nope:]], dim=-1)  # [H, N, D]
+    qa = qa * LOG2E if qa.requires_grad else qa.mul_(LOG2E)  # base-2 score units (a new tensor of cat's: in place)
     ctx = qa.new_empty(heads, qa.shape[1], rank)
     # groups: requests with the same (queries, blocks) run as one bmm; long requests are cut into row chunks
     groups: dict[tuple[int, int], list[int]] = {}
