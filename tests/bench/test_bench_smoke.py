@@ -117,6 +117,11 @@ def test_decode_bench_reports_both_numerics_modes_side_by_side():
     num = out["numerics"]
     assert set(num["default"]) == set(num["deterministic"]) == set(num["slowdown"]) == {"1", "2"}
     assert num["max_slowdown"] == max(num["slowdown"].values()) and num["target_max_slowdown"] == 1.5
+    # the modes alternate round by round; each keeps its best round
+    for b in ("1", "2"):
+        assert len(num["rounds"][b]) == 3
+        assert num["default"][b] == pytest.approx(max(r[0] for r in num["rounds"][b]), rel=1e-3)
+        assert num["deterministic"][b] == pytest.approx(max(r[1] for r in num["rounds"][b]), rel=1e-3)
     # the ratio is taken at the mode's own thread count; the bench's threads' default figures are beside it
     assert num["threads"] == DETERMINISTIC.threads
     other = num["default_at_bench_threads"]
