@@ -271,6 +271,13 @@ class DeterministicOps(DefaultOps):
             # one packed GEMM over [w_a; w_b]: a column's bits do not depend on the other columns of the call
             both = self.packed.linear_stacked(x, (w_a, w_b))
             return both[:, : w_a.shape[0]], both[:, w_a.shape[0]:]
+        both = _adjacent_rows(w_a, w_b)
+        if both is not None and min(w_a.shape[0], w_b.shape[0]) >= BMM_MIN_OUT and not self.whole_packed(both):
+            # w_b's rows follow w_a's in memory (an expert's w1 and w3, views of its stacked w13: moe_grouped.py):
+            # one tiled GEMM over both, whose columns have the bits of the two GEMMs (each alone would take the
+            # same one-GEMM path of _tiled, being at least BMM_MIN_OUT wide); one padding and one call, not two
+            out = self._tiled(x, both)
+            return out[:, : w_a.shape[0]], out[:, w_a.shape[0]:]
         return self.whole_linear(x, w_a), self.whole_linear(x, w_b)
 
     def transient_linear(self, x: torch.Tensor, w: torch.Tensor, whole: tuple[int, int] | None = None
@@ -358,6 +365,17 @@ class DeterministicOps(DefaultOps):
             yield
         finally:
             torch.set_num_threads(before)
+
+
+def _adjacent_rows(w_a: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor | None:
+    """w_a `[n_a, K]` and w_b `[n_b, K]` as one `[n_a + n_b, K]` view when w_b's rows directly follow w_a's in one
+    contiguous storage, else None."""
+    if (w_a.dim() != 2 or w_b.dim() != 2 or w_a.shape[1] != w_b.shape[1] or w_a.dtype != w_b.dtype
+            or w_a.device != w_b.device or not (w_a.is_contiguous() and w_b.is_contiguous())
+            or w_a.untyped_storage().data_ptr() != w_b.untyped_storage().data_ptr()
+            or w_b.storage_offset() != w_a.storage_offset() + w_a.numel()):
+        return None
+    return w_a.as_strided((w_a.shape[0] + w_b.shape[0], w_a.shape[1]), w_a.stride())
 
 
 def make_ops(cfg, tp: TPGroup, numerics: Numerics | None) -> DefaultOps:

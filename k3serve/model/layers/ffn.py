@@ -304,6 +304,11 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     active = [i for i, n in enumerate(local) if n]
     if moe.stacked is None or not active:
         return moe.stacked is not None  # no local assignment: y stays zero
+    if len(active) < min(PADDED_MIN_ACTIVE, len(local)):
+        # few experts (decode-sized batches): the loop's one ops.linear per expert reads views of the stack; a
+        # copy of their weights cost more than the GEMMs (bench preset, batch 1: 4 of 32). Decided before any
+        # tensor op: a batch-1 step takes this exit in every MoE layer
+        return False
     longest = max(local)
     inter, e_in = moe.stacked.w1.shape[1], moe.stacked.w1.shape[2]
     if min(inter, e_in) < BMM_MIN_OUT or inter % ELEMENTWISE_VEC:
@@ -330,11 +335,7 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
         # i's n_i rows, then zero rows up to MIN_TILE
         dev = z.device
         stacked = moe.stacked
-        if len(active) < len(local):
-            if len(active) < PADDED_MIN_ACTIVE:
-                # few experts (decode-sized batches): the loop's one ops.linear per expert reads views of the
-                # stack; the copy of their weights cost more than the GEMMs (bench preset, batch 1: 4 of 32)
-                return False
+        if len(active) < len(local):  # (at least PADDED_MIN_ACTIVE of them: the few-experts exit above)
             at = torch.tensor(active, device=dev)
             stacked = stacked.select(at)
         n_act = torch.tensor([local[i] for i in active], device=dev)
