@@ -85,24 +85,51 @@ def _held_bytes(engine: PrefillEngine, cfg: ModelConfig) -> dict:
             "checkpoint_to_page_bytes_k3_full_geometry": full_ckpt / full_page if full_page else None}
 
 
+class _TraceRun:
+    """One engine taking the trace's requests one at a time (so two of them can alternate request by request),
+    with the reuse counts and its own wall time."""
+
+    def __init__(self, ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, numerics: Numerics) -> None:
+        self.cfg = cfg
+        self.engine = _engine(ckpt, cfg, policy, pages=4096, numerics=numerics)
+        self.reused = self.ideal = self.computed = 0
+        self.wall_s = 0.0
+        self.seen: list[list[int]] = []
+
+    def step(self, rid: str, sid: str, prompt: list[int]) -> None:
+        self.ideal += min(len(prompt) - 1, max((_lcp(prompt, p) for p in self.seen), default=0))
+        self.seen.append(prompt)
+        t0 = time.monotonic()
+        self.engine.add_request(PrefillRequest(rid, tuple(prompt), SamplingParams(max_tokens=1), session_id=sid))
+        (h,) = self.engine.run_to_completion()
+        self.wall_s += time.monotonic() - t0
+        self.reused += h.cached_tokens
+        self.computed += len(prompt) - h.cached_tokens
+
+    def close(self) -> dict:
+        out = {"reused_tokens": self.reused, "ideal_reusable_tokens": self.ideal,
+               "reuse_ratio": self.reused / self.ideal if self.ideal else 0.0,
+               "prefill_tokens_computed": self.computed, "wall_s": self.wall_s,
+               **_held_bytes(self.engine, self.cfg)}
+        self.engine.executor.close()
+        return out
+
+
+def run_traces(ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, trace: list[tuple[str, list[int]]],
+               modes: tuple[Numerics, ...]) -> list[dict]:
+    """The trace through one engine per numerics mode, the engines alternating request by request (a burst of
+    load on the shared cores then lands on both); per mode the reuse counts and the wall time of its own
+    requests."""
+    runs = [_TraceRun(ckpt, cfg, policy, n) for n in modes]
+    for i, (sid, prompt) in enumerate(trace):
+        for r in runs:
+            r.step(f"t{i}", sid, prompt)
+    return [r.close() for r in runs]
+
+
 def run_trace(ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, trace: list[tuple[str, list[int]]],
               numerics: Numerics = DEFAULT_NUMERICS) -> dict:
-    engine = _engine(ckpt, cfg, policy, pages=4096, numerics=numerics)
-    params = SamplingParams(max_tokens=1)
-    reused = ideal = computed = 0
-    seen: list[list[int]] = []
-    t0 = time.monotonic()
-    for i, (sid, prompt) in enumerate(trace):
-        ideal += min(len(prompt) - 1, max((_lcp(prompt, p) for p in seen), default=0))
-        seen.append(prompt)
-        engine.add_request(PrefillRequest(f"t{i}", tuple(prompt), params, session_id=sid))
-        (h,) = engine.run_to_completion()
-        reused += h.cached_tokens
-        computed += len(prompt) - h.cached_tokens
-    out = {"reused_tokens": reused, "ideal_reusable_tokens": ideal, "reuse_ratio": reused / ideal if ideal else 0.0,
-           "prefill_tokens_computed": computed, "wall_s": time.monotonic() - t0, **_held_bytes(engine, cfg)}
-    engine.executor.close()
-    return out
+    return run_traces(ckpt, cfg, policy, trace, (numerics,))[0]
 
 
 def ttft_hit_vs_cold(ckpt: str, cfg: ModelConfig, prefix_len: int, increment: int,
@@ -115,36 +142,50 @@ def ttft_hit_vs_cold(ckpt: str, cfg: ModelConfig, prefix_len: int, increment: in
     ``first_request_ttft_s`` and not counted. Then ``repeats`` rounds, each on a fresh random prefix (so each
     cold prompt misses): cold, hit, short. The ``*_ttft_s`` figures are the rounds' medians (one number on a
     machine whose runs swing by tens of percent), ``*_samples_s`` every round's figure."""
+    return ttft_paired(ckpt, cfg, prefix_len, increment, (numerics,), repeats)[0]
+
+
+def ttft_paired(ckpt: str, cfg: ModelConfig, prefix_len: int, increment: int, modes: tuple[Numerics, ...],
+                repeats: int = TTFT_REPEATS) -> list[dict]:
+    """:func:`ttft_hit_vs_cold` for one engine per numerics mode, the engines alternating round by round on the
+    same prompts (a burst of load on the shared cores then lands on every mode's round, not on one mode's)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     rng = random.Random(1)
     params = SamplingParams(max_tokens=1)
-    engine = _engine(ckpt, cfg, PrefixCachePolicy(), pages=4096, numerics=numerics)
+    engines = [_engine(ckpt, cfg, PrefixCachePolicy(), pages=4096, numerics=n) for n in modes]
     tokens = lambda n: [rng.randrange(256) for _ in range(n)]  # noqa: E731
 
-    def timed(rid: str, prompt: list[int]) -> tuple[float, int]:
+    def timed(engine: PrefillEngine, rid: str, prompt: list[int]) -> tuple[float, int]:
         t = time.monotonic()
         engine.add_request(PrefillRequest(rid, tuple(prompt), params, session_id="ttft"))
         (h,) = engine.run_to_completion()
         return time.monotonic() - t, h.cached_tokens
 
-    first_s, _ = timed("first", tokens(prefix_len + increment))
-    cold, hit, short, cached = [], [], [], []
+    first = tokens(prefix_len + increment)
+    samples = [{"first": timed(e, "first", first)[0], "cold": [], "hit": [], "short": [], "cached": []}
+               for e in engines]
     for r in range(repeats):
         prefix = tokens(prefix_len)
-        cold.append(timed(f"cold{r}", prefix + tokens(increment))[0])
-        hit_s, hit_cached = timed(f"hit{r}", prefix + tokens(increment))
-        hit.append(hit_s)
-        cached.append(hit_cached)
         # the first token 256 (outside the random 0..255) starts a fresh block chain: nothing of it is cached
-        short.append(timed(f"short{r}", [256] + tokens(increment - 1))[0])
-    engine.executor.close()
-    cold_s, hit_s, short_s = (statistics.median(x) for x in (cold, hit, short))
-    return {"prefix_tokens": prefix_len, "increment_tokens": increment, "repeats": repeats,
-            "first_request_ttft_s": first_s, "cold_ttft_s": cold_s, "hit_ttft_s": hit_s,
-            "hit_cached_tokens": min(cached), "hit_speedup": cold_s / hit_s, "cold_short_ttft_s": short_s,
-            "hit_over_cold_short": hit_s / short_s, "cold_samples_s": cold, "hit_samples_s": hit,
-            "cold_short_samples_s": short}
+        cold, hit, short = prefix + tokens(increment), prefix + tokens(increment), [256] + tokens(increment - 1)
+        for e, got in zip(engines, samples):
+            got["cold"].append(timed(e, f"cold{r}", cold)[0])
+            hit_s, hit_cached = timed(e, f"hit{r}", hit)
+            got["hit"].append(hit_s)
+            got["cached"].append(hit_cached)
+            got["short"].append(timed(e, f"short{r}", short)[0])
+    for e in engines:
+        e.executor.close()
+    out = []
+    for got in samples:
+        cold_s, hit_s, short_s = (statistics.median(got[k]) for k in ("cold", "hit", "short"))
+        out.append({"prefix_tokens": prefix_len, "increment_tokens": increment, "repeats": repeats,
+                    "first_request_ttft_s": got["first"], "cold_ttft_s": cold_s, "hit_ttft_s": hit_s,
+                    "hit_cached_tokens": min(got["cached"]), "hit_speedup": cold_s / hit_s,
+                    "cold_short_ttft_s": short_s, "hit_over_cold_short": hit_s / short_s,
+                    "cold_samples_s": got["cold"], "hit_samples_s": got["hit"], "cold_short_samples_s": got["short"]})
+    return out
 
 
 def run_prefix_bench(preset_name: str = "tiny", sessions: int = 3, turns: int = 10, system_len: int = 4096,
@@ -162,16 +203,15 @@ def run_prefix_bench(preset_name: str = "tiny", sessions: int = 3, turns: int = 
         naive = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="naive", naive_chunk=4096), trace)
         ttft = ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment, repeats=ttft_repeats)
         numerics = None
-        if deterministic:  # both modes at the mode's thread count, alternating (bench/numerics_compare.py)
+        if deterministic:  # both modes at the mode's thread count, their engines alternating (run_traces,
+            # ttft_paired; bench/numerics_compare.py)
             figures = lambda tr, tt: {"trace_wall_s": tr["wall_s"], "cold_ttft_s": tt["cold_ttft_s"],  # noqa: E731
                                       "hit_ttft_s": tt["hit_ttft_s"]}
             with mode_threads() as bench_threads:
-                same = (figures(k3, ttft) if bench_threads == DETERMINISTIC.threads else
-                        figures(run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace),
-                                ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment, repeats=ttft_repeats)))
-                k3_det = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace, DETERMINISTIC)
-                det = figures(k3_det, ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment, DETERMINISTIC,
-                                                                ttft_repeats))
+                modes = (DEFAULT_NUMERICS, DETERMINISTIC)
+                k3_same, k3_det = run_traces(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace, modes)
+                ttft_same, ttft_det = ttft_paired(ckpt, cfg, ttft_prefix, ttft_increment, modes, ttft_repeats)
+                same, det = figures(k3_same, ttft_same), figures(k3_det, ttft_det)
             numerics = add_default_at_bench_threads(numerics_side_by_side(same, det, lower_is_better=True),
                                                     figures(k3, ttft), bench_threads, lower_is_better=True)
             numerics["deterministic_reuse_ratio"] = k3_det["reuse_ratio"]

@@ -127,3 +127,30 @@ def test_decode_bench_reports_both_numerics_modes_side_by_side():
     other = num["default_at_bench_threads"]
     assert other["threads"] == DETERMINISTIC.threads + 1 and other["default"] == out["tokens_per_s"]
     assert other["slowdown"]["1"] == other["default"]["1"] / num["deterministic"]["1"]
+
+
+def test_paired_modes_each_get_what_they_get_alone(tmp_path):
+    """The side by side alternates the two modes' engines request by request (trace) and round by round (TTFT):
+    each engine still sees its own sequence, so every count is the one a run of that mode alone gives."""
+    from k3serve.bench.prefix import run_trace, run_traces, ttft_hit_vs_cold, ttft_paired
+    from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC
+    from k3serve.engine.prefix_cache import PrefixCachePolicy
+    from k3serve.model.checkpoint import load_config
+    from k3serve.model.presets import write_preset_checkpoint
+
+    ckpt = str(write_preset_checkpoint("tiny", str(tmp_path)))
+    cfg = load_config(ckpt)
+    modes = (DEFAULT_NUMERICS, DETERMINISTIC)
+    trace = agentic_trace(2, 2, 600, (20, 40), 16)
+    counts = ("reused_tokens", "ideal_reusable_tokens", "prefill_tokens_computed", "checkpoints", "pages_held")
+    paired = run_traces(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace, modes)
+    for got, mode in zip(paired, modes):
+        alone = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace, mode)
+        assert {k: got[k] for k in counts} == {k: alone[k] for k in counts}
+        assert got["wall_s"] > 0
+    assert paired[0]["reused_tokens"] > 0
+    ttft = ttft_paired(ckpt, cfg, 640, 16, modes, repeats=2)
+    for got, mode in zip(ttft, modes):
+        assert len(got["cold_samples_s"]) == len(got["hit_samples_s"]) == len(got["cold_short_samples_s"]) == 2
+        assert got["hit_cached_tokens"] == ttft_hit_vs_cold(ckpt, cfg, 640, 16, mode, repeats=1)["hit_cached_tokens"]
+    assert ttft[0]["hit_cached_tokens"] > 0
