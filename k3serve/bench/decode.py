@@ -151,6 +151,8 @@ def paired_rates(ckpt: str, cfg: ModelConfig, batch: int, context: int, steps: i
                 e.step()
             pair.append(batch * steps / (time.perf_counter() - t))
         samples.append((pair[0], pair[1]))
+    for e in engines:
+        e.executor.close()
     return max(a for a, _ in samples), max(b for _, b in samples), samples
 
 
