@@ -8,7 +8,8 @@ and orders that do not depend on how many rows share the call or on the TP degre
 ```
  rows     x [N, K] ──pad to >= 16 rows─▶ one [N, K] x [K, n] GEMM: each row has the bits of its [R, K] x [K, n]
           tile GEMM (R = MIN_TILE .. numerics.row_tile; measured: from 16 rows on a row's bits do not depend on
-          the row count); weights narrower than BMM_MIN_OUT (n = 1 does depend on it) run one mm per R-row tile
+          the row count); weights narrower than BMM_MIN_OUT (n = 1 does depend on it): each output a row-local
+          sum of elementwise products (narrow_linear), no GEMM
  columns  W [n_local, K] = units_local x [n/U, K]: one GEMM per unit (U = shard units: the largest TP)
  reduce   row-parallel W [N, K_local], K_local = units_local x K/U:
           partial_u = x[:, K_u] W[:, K_u]^T     (u = this rank's units)
@@ -46,6 +47,8 @@ BMM_MIN_OUT = 16
 # kernel; fewer rows take another for K >= 192 on AVX-512 MKL, fewer than 4 on AVX2: see the module docstring and
 # tests/model/test_numerics_invariants.py, which names the shape if a CPU breaks it).
 MIN_TILE = 16
+# Most elements of a narrow linear's product temporary (narrow_linear): longer calls go in row chunks.
+NARROW_BUDGET = 1 << 20
 
 
 def tile_rows(rows: int, tile: int) -> int:
@@ -199,19 +202,14 @@ class DeterministicOps(DefaultOps):
         Weights with at least BMM_MIN_OUT rows run as one GEMM over all N rows (zero-padded to MIN_TILE when
         fewer): from MIN_TILE rows on a row's bits do not depend on the GEMM's row count (measured up to 4096
         rows for the model's shapes, and equal to a bmm over tiles: tests/model/test_numerics_invariants.py),
-        so this is the tile loop's result without the tiles. Narrower ones (a 1-head unit of b_proj) call mm
-        per tile, because there the row count does change the bits (n = 1 at 5, 6, 7 .. rows)."""
+        so this is the tile loop's result without the tiles. Narrower ones (a 1-head unit of b_proj), whose
+        GEMM rows do change with the row count (n = 1 at 5, 6, 7 .. rows), take :func:`narrow_linear`."""
         rows, k = x.shape
-        if w.shape[0] >= BMM_MIN_OUT:
-            if rows < MIN_TILE:
-                x = torch.cat([x, x.new_zeros(MIN_TILE - rows, k)])
-            return torch.mm(x, w.t())[:rows]
-        size = tile_rows(rows, self.tile)
-        tiles = -(-rows // size)
-        if tiles * size != rows:
-            x = torch.cat([x, x.new_zeros(tiles * size - rows, k)])
-        wt = w.t()
-        return torch.cat([torch.mm(x[i * size: (i + 1) * size], wt) for i in range(tiles)])[:rows]
+        if w.shape[0] < BMM_MIN_OUT:
+            return narrow_linear(x, w)
+        if rows < MIN_TILE:
+            x = torch.cat([x, x.new_zeros(MIN_TILE - rows, k)])
+        return torch.mm(x, w.t())[:rows]
 
     def _one_tile(self, x: torch.Tensor) -> torch.Tensor | None:
         """x `[N, K]` padded to its single tile `[R, K]`, or None when N needs more than one tile."""
@@ -229,7 +227,7 @@ class DeterministicOps(DefaultOps):
             # a column's bits do not depend on the GEMM's width: the local weight in one call is each unit's GEMM
             # (a unit's shape, like a replicated weight's, is the same on every TP, so it may decide by size)
             out = self.packed.linear(flat, w)
-        elif units == 1:
+        elif units == 1 or n_u < BMM_MIN_OUT:  # narrow units: every output column is its own (narrow_linear)
             out = self._tiled(flat, w)
         elif n_u >= BMM_MIN_OUT and (tile := self._one_tile(flat)) is not None:
             # one tile (a decode step): the units' GEMMs as one bmm, each batch entry the same [R, K] x [K, n/U]
@@ -365,6 +363,22 @@ class DeterministicOps(DefaultOps):
             yield
         finally:
             torch.set_num_threads(before)
+
+
+def narrow_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x `[N, K]`, w `[n, K]` with n < BMM_MIN_OUT (KDA's b_proj, whose shard units are one head each) -> `[N, n]`:
+    each output the sum over K of one row's elementwise products with one weight row, as a last-dim sum of a
+    contiguous product (``DeterministicOps.row_dot``'s rule): torch reduces each output's K values by one code
+    path whatever the number of outputs, so an output's bits depend on its row and weight row only, not on N,
+    n, the unit split or the TP degree. A GEMM this narrow rounds a row by the row count, and the tile loop it
+    replaces (one mm per 16 rows per unit) made 4 x 520 GEMM calls per KDA layer of an 8K-token prefill.
+    Rows go in chunks of at most NARROW_BUDGET product elements (row-local: chunking moves no bit)."""
+    x = x.contiguous()
+    rows, k = x.shape
+    step = max(1, NARROW_BUDGET // max(1, w.shape[0] * k))
+    if rows <= step:
+        return (x.unsqueeze(1) * w).sum(-1)
+    return torch.cat([(x[i: i + step].unsqueeze(1) * w).sum(-1) for i in range(0, rows, step)])
 
 
 def _adjacent_rows(w_a: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor | None:

@@ -119,8 +119,8 @@ def test_an_absorbed_mla_row_has_the_same_bits_in_any_gemm_from_min_tile_rows(on
 def test_a_wide_linear_row_has_the_same_bits_in_one_gemm_of_any_row_count(one_thread, k, n):
     """Why DeterministicOps._tiled may run all rows of a linear as one GEMM (and the MoE's grouped GEMMs one mm
     per expert run): from MIN_TILE rows on, a row of one [M, K] x [K, n] GEMM has the bits of its 16-row tile
-    for M up to 4096 (mm, and the grouped GEMM's per-run mm). Not so for n = 1 (b_proj's unit), which keeps
-    the tiles."""
+    for M up to 4096 (mm, and the grouped GEMM's per-run mm). Not so for n = 1 (b_proj's unit), which takes
+    ``narrow_linear`` instead (next test)."""
     from k3serve.model.deterministic import MIN_TILE
 
     g = torch.Generator().manual_seed(k * n)
@@ -136,6 +136,28 @@ def test_a_wide_linear_row_has_the_same_bits_in_one_gemm_of_any_row_count(one_th
     assert not all(torch.equal(torch.mm(x[:m], narrow.t()), torch.cat([torch.mm(x[i: i + 16], narrow.t())
                                                                       for i in range(0, m, 16)])[:m])
                    for m in (5, 6, 7, 9, 10, 11))
+
+
+@pytest.mark.parametrize("k,n", [(256, 1), (256, 4), (1024, 1), (1024, 8), (96, 15)])
+def test_a_narrow_linear_output_depends_on_its_row_and_weight_row_only(one_thread, k, n):
+    """Why weights narrower than BMM_MIN_OUT (KDA's b_proj units) take deterministic.narrow_linear: an output
+    has the same bits for any row count, place, weight-row subset (the unit split of any TP) and input strides,
+    across the row chunks of a long call; and it is the dot product to fp32 rounding."""
+    from k3serve.model.deterministic import NARROW_BUDGET, narrow_linear
+
+    g = torch.Generator().manual_seed(k + n)
+    rows = NARROW_BUDGET // (n * k) * 2 + 5  # three row chunks
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    full = narrow_linear(x, w)
+    for m, at in ((1, 0), (1, 9), (2, 3), (5, 0), (7, 40), (16, 1), (17, 0), (100, 33), (rows - 7, 7)):
+        assert torch.equal(narrow_linear(x[at: at + m], w), full[at: at + m]), (m, at)
+    for j in range(n):
+        assert torch.equal(narrow_linear(x, w[j: j + 1]), full[:, j: j + 1]), j
+    strided = torch.randn(64, 2 * k, generator=g)[:, 1: k + 1]
+    assert torch.equal(narrow_linear(strided, w), narrow_linear(strided.contiguous(), w))
+    ops = DeterministicOps(SINGLE, DETERMINISTIC, units=n)  # n units of one column each (b_proj's split)
+    assert torch.equal(ops.linear(x[:33], w, n), full[:33])
+    torch.testing.assert_close(full.double(), x.double() @ w.double().t(), rtol=0, atol=1e-4 * k ** 0.5)
 
 
 @pytest.mark.parametrize("k", [64, 96, 128, 256, 512])
