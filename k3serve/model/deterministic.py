@@ -372,8 +372,10 @@ def narrow_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     path whatever the number of outputs, so an output's bits depend on its row and weight row only, not on N,
     n, the unit split or the TP degree. A GEMM this narrow rounds a row by the row count, and the tile loop it
     replaces (one mm per 16 rows per unit) made 4 x 520 GEMM calls per KDA layer of an 8K-token prefill.
-    Rows go in chunks of at most NARROW_BUDGET product elements (row-local: chunking moves no bit)."""
-    x = x.contiguous()
+    Rows go in chunks of at most NARROW_BUDGET product elements (row-local: chunking moves no bit). Both operands
+    are made contiguous so that the product is, whatever the callers' views (a permuted product would be reduced
+    along a strided dim, by another code path)."""
+    x, w = x.contiguous(), w.contiguous()
     rows, k = x.shape
     step = max(1, NARROW_BUDGET // max(1, w.shape[0] * k))
     if rows <= step:

@@ -155,6 +155,8 @@ def test_a_narrow_linear_output_depends_on_its_row_and_weight_row_only(one_threa
         assert torch.equal(narrow_linear(x, w[j: j + 1]), full[:, j: j + 1]), j
     strided = torch.randn(64, 2 * k, generator=g)[:, 1: k + 1]
     assert torch.equal(narrow_linear(strided, w), narrow_linear(strided.contiguous(), w))
+    w_t = torch.randn(k, n, generator=g)  # a transposed weight view
+    assert torch.equal(narrow_linear(x[:40], w_t.t()), narrow_linear(x[:40], w_t.t().contiguous()))
     ops = DeterministicOps(SINGLE, DETERMINISTIC, units=n)  # n units of one column each (b_proj's split)
     assert torch.equal(ops.linear(x[:33], w, n), full[:33])
     torch.testing.assert_close(full.double(), x.double() @ w.double().t(), rtol=0, atol=1e-4 * k ** 0.5)
