@@ -245,7 +245,9 @@ class AdmissionGate:
             if not held:
                 return
             renewed = self.admission.reassert_many([(r, remaining()) for r, remaining in held])
-        except (redis.RedisError, OSError) as e:
+        except (redis.RedisError, OSError, ValueError) as e:
+            # ValueError: redis-py's reader when the connection is closed under it by another thread (a client
+            # closed, a failed call on another thread resetting the pool); the next beat reconnects
             log.info("lease renewal skipped (Redis: %s: %s); retrying next beat", type(e).__name__, e)
             return
         gone = []
@@ -283,4 +285,8 @@ class AdmissionGate:
         return out
 
     def close(self) -> None:
+        """Stop the renewer and wait for its beat in progress (bounded by the client's socket timeout), so that
+        the owner may close the Redis client or server after this returns."""
         self._closed.set()
+        if self._renewer is not threading.current_thread():
+            self._renewer.join(timeout=self.renew_interval_s + 10.0)

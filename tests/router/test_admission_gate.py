@@ -1,5 +1,7 @@
 """The router's admission gate: uncached-token estimate per session, class choice, reservations."""
 
+import time
+
 import pytest
 
 from k3serve.router.admission import AdmissionRejected, ClassSpec
@@ -81,3 +83,18 @@ def test_the_estimate_follows_the_engine_policy_not_a_constant(rclient, ns):
         assert g.uncached_tokens("s:n", turn1 + [2] * 100, "c0") == 6100 - 4096  # naive: checkpoints every 4096
     finally:
         g.close()
+
+
+def test_close_waits_for_the_renewer_so_the_client_may_be_closed_after(rclient, ns):
+    """A gate's close() returns once its renewer thread has stopped: a beat in progress while the owner closed
+    the Redis client had raised in the thread (seen in a full run: ValueError from redis-py's reader)."""
+    import threading
+
+    before = {t for t in threading.enumerate() if t.name == "lease-renewer"}
+    g = AdmissionGate(rclient, ns, CLASSES, lease_ttl_s=1.0, renew_interval_s=0.05)
+    res = g.admit("c0", "held", 100, remaining_s=lambda: 1.0)  # the renewer has a lease to renew each beat
+    time.sleep(0.2)
+    g.close()
+    mine = {t for t in threading.enumerate() if t.name == "lease-renewer"} - before
+    assert not [t for t in mine if t.is_alive()]
+    g.release(res)

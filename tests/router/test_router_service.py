@@ -116,7 +116,7 @@ def test_streams_over_the_router_limit_are_refused_with_a_ticket_and_health_answ
 
 def test_a_flood_of_concurrent_calls_is_refused_by_the_router_with_hints_not_by_grpc(rig):
     """150 calls at once at a router of 2 streams (a pool of 18 threads): every call beyond what it serves is
-    refused by the router's own limit, with a retry-after and a ticket. gRPC's backstop
+    refused by the router's own limit (or admission's), with a retry-after and a ticket. gRPC's backstop
     (``maximum_concurrent_rpcs``) sits above such a burst: its refusal ("Concurrent RPC limit exceeded!") carries
     no hint, and it used to fire at 4x the pool (seen in the 200-stream bench: up to 5 hint-less refusals)."""
     rig.add_cluster("c0", Behaviour(delay_s=0.05))
@@ -132,10 +132,11 @@ def test_a_flood_of_concurrent_calls_is_refused_by_the_router_with_hints_not_by_
         except grpc.RpcError as e:
             refused.append((e.code(), e.details(), dict(e.trailing_metadata() or ())))
     assert done >= 1 and len(refused) + done == 150
-    for code, details, md in refused:
+    for code, details, md in refused:  # the router's stream limit, or (on a loaded host) admission's wait
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
-        assert md.get("k3serve-rejected-by", "").startswith("router"), details
+        assert md.get("k3serve-rejected-by", "").startswith(("router", "admission")), details
         assert float(md["retry-after-s"]) >= 0 and md.get("retry-ticket"), details
+    assert any(md["k3serve-rejected-by"].startswith("router") for _, _, md in refused)
 
 
 # -------------------------------------------------------------------------- 5: bounded repeated fields
