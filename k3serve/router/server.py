@@ -360,7 +360,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return res
 
     def close(self) -> None:
+        """Stop the background threads (membership refresher, watchdog, lease renewer), waiting for a Redis read
+        in progress, so that the owner may close the Redis client after this returns; close the cluster channels."""
         self._closed.set()
+        self._refresher.join(timeout=self.view.refresh_interval_s + 10.0)
         self.watchdog.close()
         if self.gate is not None:
             self.gate.close()
