@@ -103,6 +103,12 @@ def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, refs):
     # its own session (process group), which Ray's daemons keep: the cleanup kills that group (ray_nodes.py)
     head = subprocess.Popen([ray, "start", "--head", "--port=0", "--node-ip-address=127.0.0.1", "--num-cpus=4",
                              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={port}",
+                             # the agent's own ports too: by default 52365 and friends, which another Ray of this
+                             # process (the package's shared deployment) may hold, leaving this head without a job
+                             # agent ("No available agent to submit job")
+                             f"--dashboard-agent-listen-port={_free_port()}",
+                             f"--dashboard-agent-grpc-port={_free_port()}",
+                             f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
                              f"--temp-dir={temp_dir}", "--disable-usage-stats"],
                             env=head_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -113,9 +119,17 @@ def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, refs):
         assert head.returncode == 0, f"ray start failed ({head.returncode}): {started[-3000:]}"
         deploy = write_deploy(tmp_path / "deploy.yaml", tiny_ckpt)
         ep = tmp_path / "endpoints.json"
-        sub = subprocess.run([ray, "job", "submit", "--no-wait", "--submission-id", job, "--",
-                              "env", "OMP_NUM_THREADS=1", str(BIN / "k3serve"), "serve", "--config", str(deploy),
-                              "--endpoints-file", str(ep)], env=cli_env, capture_output=True, text=True, timeout=120)
+        submit = [ray, "job", "submit", "--no-wait", "--submission-id", job, "--", "env", "OMP_NUM_THREADS=1",
+                  str(BIN / "k3serve"), "serve", "--config", str(deploy), "--endpoints-file", str(ep)]
+        deadline = time.monotonic() + 60
+        while True:
+            sub = subprocess.run(submit, env=cli_env, capture_output=True, text=True, timeout=120)
+            # right after `ray start --head` the dashboard may have no job agent yet (its HTTP 500 says "please
+            # try again later"; seen when this test ran right after another Ray test): retry only that
+            if (sub.returncode == 0 or "No available agent to submit job" not in sub.stdout + sub.stderr
+                    or time.monotonic() > deadline):
+                break
+            time.sleep(2)
         assert sub.returncode == 0, sub.stdout[-2000:] + sub.stderr[-2000:]
         info = wait_for_file(ep, 240)
         prompts, streams = _streams(info["routers"][0], "rayjob")
