@@ -229,7 +229,7 @@ class DeterministicOps(DefaultOps):
             out = self.packed.linear(flat, w)
         elif units == 1 or n_u < BMM_MIN_OUT:  # narrow units: every output column is its own (narrow_linear)
             out = self._tiled(flat, w)
-        elif n_u >= BMM_MIN_OUT and (tile := self._one_tile(flat)) is not None:
+        elif (tile := self._one_tile(flat)) is not None:  # (n_u >= BMM_MIN_OUT here)
             # one tile (a decode step): the units' GEMMs as one bmm, each batch entry the same [R, K] x [K, n/U]
             # GEMM (B transposed) that the per-unit path runs: [U, R, n/U] -> [R, U n/U]
             out = torch.bmm(tile.unsqueeze(0).expand(units, -1, -1), w.view(units, n_u, k).transpose(1, 2))

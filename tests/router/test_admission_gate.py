@@ -1,5 +1,6 @@
 """The router's admission gate: uncached-token estimate per session, class choice, reservations."""
 
+import threading
 import time
 
 import pytest
@@ -88,8 +89,6 @@ def test_the_estimate_follows_the_engine_policy_not_a_constant(rclient, ns):
 def test_close_waits_for_the_renewer_so_the_client_may_be_closed_after(rclient, ns):
     """A gate's close() returns once its renewer thread has stopped: a beat in progress while the owner closed
     the Redis client had raised in the thread (seen in a full run: ValueError from redis-py's reader)."""
-    import threading
-
     before = {t for t in threading.enumerate() if t.name == "lease-renewer"}
     g = AdmissionGate(rclient, ns, CLASSES, lease_ttl_s=1.0, renew_interval_s=0.05)
     res = g.admit("c0", "held", 100, remaining_s=lambda: 1.0)  # the renewer has a lease to renew each beat
