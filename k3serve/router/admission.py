@@ -359,8 +359,8 @@ class Admission(AdmissionRefusals):
         already gone (released before, or the lease expired). The reservation as admitted (``admitted_ms`` set)
         also reports how long it held its room (the budget's mean holding time, RELEASE)."""
         k = self.keys(reservation.cluster, reservation.cls)
-        return bool(int(self._release(keys=[k["lease"], k["tok"], k["end"], k["turn"], k["since"]],
-                                      args=[reservation.request_id, reservation.admitted_ms])))
+        keys = [k["lease"], k["tok"], k["end"], k["turn"], k["since"], k["q"], k["tix"]]
+        return bool(int(self._release(keys=keys, args=[reservation.request_id, reservation.admitted_ms])))
 
     # ---------------------------------------------------------------------------------------- reads
     def stats(self, cluster: str, cls: str, spec: ClassSpec | None = None) -> ClassLoad:

@@ -191,11 +191,15 @@ redis.call('HSET', KEYS[3], ARGV[1], now + tonumber(ARGV[4]))
 return {now + tonumber(ARGV[2]), lost}
 """
 
-# KEYS: lease, tok, end, turn, since. ARGV: request_id, its admission ms (0: unknown). Returns 1 if this call released
-# the lease. A released lease's holding time (admission to release) feeds the budget's mean holding time (turn.hold)
-# and its spread (turn.hdev, the mean absolute deviation from it, as TCP's RTT variance): the service's own pace, at
-# which a budget of max_concurrent rooms frees places when it is kept busy (retry hints; HOLDERS adds the holds in
-# progress).
+# KEYS: lease, tok, end, turn, since, q, tix. ARGV: request_id, its admission ms (0: unknown). Returns 1 if this call
+# released the lease. A released lease's holding time (admission to release) feeds the budget's mean holding time
+# (turn.hold) and its spread (turn.hdev, the mean absolute deviation from it, as TCP's RTT variance): what a typical
+# hold is (HOLDERS' censored holders). A hold released while others wait in line (queue entries or held places) also
+# feeds turn.shold, the mean hold of the *saturated* service: the pace at which a budget of max_concurrent rooms
+# frees places for a line (retry hints; HOLDERS adds the holds in progress). Holds released to nobody are left out
+# of it: they are the service at low load (a burst's tail, whose last requests run alone and fast), and a line only
+# forms again under load (measured: paced by every hold, the next burst's first hints were 2-4x early, ending with
+# the previous burst's fast tail; docs/architecture.md, "Saturated pace").
 RELEASE = LUA_COMMON + """
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
@@ -208,6 +212,11 @@ if removed == 1 and since > 0 and now > since and now - since < 600000 then
   local dev = tonumber(redis.call('HGET', KEYS[4], 'hdev') or '0')
   if hold < 0 then hold = x else dev, hold = 0.75 * dev + 0.25 * math.abs(x - hold), 0.8 * hold + 0.2 * x end
   redis.call('HSET', KEYS[4], 'hold', math.floor(hold), 'hdev', math.floor(dev))
+  if redis.call('ZCARD', KEYS[6]) > 0 or redis.call('ZCARD', KEYS[7]) > 0 then
+    local shold = tonumber(redis.call('HGET', KEYS[4], 'shold') or '-1')
+    shold = shold < 0 and x or (0.8 * shold + 0.2 * x)
+    redis.call('HSET', KEYS[4], 'shold', math.floor(shold))
+  end
   redis.call('PEXPIRE', KEYS[4], 3600000)
 end
 return removed
@@ -255,8 +264,11 @@ if ARGV[1] ~= '' then place = redis.call('ZSCORE', T.tix, ARGV[1]) end
 local s, c = line_ahead(A, T, place, '', 0)
 local hold = tonumber(redis.call('HGET', KEYS[6], 'hold') or '-1')
 local typical = hold + tonumber(ARGV[3]) * tonumber(redis.call('HGET', KEYS[6], 'hdev') or '0')
+-- the pace of places: the saturated service's mean hold (RELEASE), the mean of every hold before a line was seen
+local pace = tonumber(redis.call('HGET', KEYS[6], 'shold') or '-1')
+if pace < 0 then pace = hold end
 local out = {now, c, s, tonumber(redis.call('HGET', KEYS[6], 'ewma') or '-1'),
-             tonumber(redis.call('HGET', KEYS[6], 'last') or '-1'), hold}
+             tonumber(redis.call('HGET', KEYS[6], 'last') or '-1'), pace}
 for _, rid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
   local e = tonumber(redis.call('HGET', KEYS[5], rid) or '-1')
   local since = tonumber(redis.call('HGET', KEYS[14], rid) or '-1')  -- none: a lease put back after a state loss

@@ -60,7 +60,9 @@ than it admits. When the borrower ends, the place counts again; its holder, back
 
 Pace. Behind a line, a place comes free after ``in flight + ahead + 1 - max_concurrent`` more places have. The pace
 of places is the budget's mean *holding time* (admission to release, measured by RELEASE) over ``max_concurrent``:
-the service's own pace when its rooms are kept busy. It was the measured interval between admissions, which is
+the service's own pace when its rooms are kept busy. Only holds released while others wait in line count for it
+(``turn.shold``; every hold before a line was first seen): a hold released to nobody is the service at low load,
+and a burst's tail (its last requests alone and fast) had set the next burst's first hints early. It was the measured interval between admissions, which is
 self-fulfilling: holders come back at their hints, so that interval is the hinted pace, and a line started slow (a
 burst's first requests are slow) stayed slow with its rooms idle (25% busy, one request in flight of two).
 Hinted at the service's pace, holders that the service is slower than come back early and wait in their places

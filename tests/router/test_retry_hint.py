@@ -156,3 +156,67 @@ def test_behind_a_line_the_censored_ends_of_slow_holders_bound_the_wait():
     assert abs(drain_wait_s(NOW, slow, 3, 30, 10, 1000, 2, turnover_s=0.1, censored_ends_ms=[NOW + 1500]) - 1.7) < 1e-9
     # with no line ahead, the holders' ends: the first room to come free is the typical holder's
     assert abs(drain_wait_s(NOW, slow, 0, 0, 10, 1000, 2, turnover_s=0.1) - 0.1) < 1e-9
+
+
+def test_the_pace_of_places_is_the_saturated_services_mean_hold(rclient, ns):
+    """A hold released while others wait in line teaches the pace of places (turn.shold); one released to nobody
+    (the service at low load, a burst's fast tail) teaches only the typical hold (turn.hold): the next line's
+    hints keep the loaded service's pace (admission_lua.RELEASE, docs/architecture.md "Saturated pace")."""
+    import time
+
+    from k3serve.router.admission import Admission, AdmissionRejected, ClassSpec
+
+    cls = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=1, queue_limit=0, max_wait_s=0.0)
+    adm = Admission(rclient, ns)
+    turn = adm.keys("c0", "short")["turn"]
+    # saturated: each hold is released while a place is held in line behind it (0.4 s holds)
+    held = adm.reserve_or_wait("c0", cls, "s0", 10, 30, expected_s=5.0)
+    for i in range(3):
+        with pytest.raises(AdmissionRejected) as e:
+            adm.reserve_or_wait("c0", cls, f"w{i}", 10, 30, expected_s=5.0)
+        time.sleep(0.4)
+        adm.release(held)
+        held = adm.reserve_or_wait("c0", cls, f"w{i}-back", 10, 30, ticket_id=e.value.ticket.id, expected_s=5.0)
+    time.sleep(0.05)
+    adm.release(held)  # nobody waits: a hold of the unloaded service
+    saturated = int(rclient.hget(turn, "shold"))
+    assert 380 <= saturated <= 600, saturated
+    # four fast holds released to an empty line: the typical hold falls, the pace of places does not
+    for i in range(4):
+        r = adm.reserve_or_wait("c0", cls, f"f{i}", 10, 30, expected_s=5.0)
+        time.sleep(0.02)
+        adm.release(r)
+    assert int(rclient.hget(turn, "hold")) < 250 and int(rclient.hget(turn, "shold")) == saturated
+    # the next line is paced by the saturated holds: places behind the first 0.4 s apart (one room), not ~0.1 s
+    held = adm.reserve_or_wait("c0", cls, "x", 10, 30, expected_s=5.0)
+    hints = []
+    for i in range(3):
+        with pytest.raises(AdmissionRejected) as e:
+            adm.reserve_or_wait("c0", cls, f"r{i}", 10, 30, expected_s=5.0)
+        hints.append(e.value.retry_after_s)
+    # the first place when the holder is expected to end (its published end, 5 s); the next ones a pace apart
+    assert 0.3 <= hints[2] - hints[1] <= 0.7, hints
+    adm.release(held)
+
+
+def test_a_never_saturated_budget_is_paced_by_every_hold(rclient, ns):
+    """Before any hold was released to a line, the pace of places is the mean of every hold (turn.hold)."""
+    import time
+
+    from k3serve.router.admission import Admission, AdmissionRejected, ClassSpec
+
+    cls = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=1, queue_limit=0, max_wait_s=0.0)
+    adm = Admission(rclient, ns)
+    for i in range(3):
+        r = adm.reserve_or_wait("c0", cls, f"h{i}", 10, 30, expected_s=5.0)
+        time.sleep(0.3)
+        adm.release(r)
+    assert rclient.hget(adm.keys("c0", "short")["turn"], "shold") is None
+    held = adm.reserve_or_wait("c0", cls, "x", 10, 30, expected_s=5.0)
+    hints = []
+    for i in range(3):
+        with pytest.raises(AdmissionRejected) as e:
+            adm.reserve_or_wait("c0", cls, f"r{i}", 10, 30, expected_s=5.0)
+        hints.append(e.value.retry_after_s)
+    assert 0.2 <= hints[2] - hints[1] <= 0.5, hints
+    adm.release(held)
