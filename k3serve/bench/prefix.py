@@ -12,7 +12,9 @@ a small user increment. Reported per scheme:
 
 Then TTFT of a long prefix with a small increment (default 8192 + 128), cold vs hit, K3 scheme, and of a cold prompt
 of the increment alone (the floor a hit can approach): medians of ``ttft_repeats`` rounds on a warm engine, with the
-engine's first request reported apart (:func:`ttft_hit_vs_cold`).
+engine's first request reported apart (:func:`ttft_hit_vs_cold`). Beside them, the least the hit can cost over the
+short prompt on this machine: its extra attention FLOPs at the machine's measured fp32 matmul peak
+(``hit_over_cold_short_floor``, prefix_floor.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import statistics
 import tempfile
 import time
 
+from k3serve.bench.prefix_floor import hit_floor, peak_gflops
 from k3serve.bench.numerics_compare import add_default_at_bench_threads, mode_threads, numerics_side_by_side
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.engine.block_hash import model_fingerprint
@@ -202,6 +205,9 @@ def run_prefix_bench(preset_name: str = "tiny", sessions: int = 3, turns: int = 
         k3 = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="k3"), trace)
         naive = run_trace(ckpt, cfg, PrefixCachePolicy(scheme="naive", naive_chunk=4096), trace)
         ttft = ttft_hit_vs_cold(ckpt, cfg, ttft_prefix, ttft_increment, repeats=ttft_repeats)
+        # the least a hit can cost over the short prompt at this machine's matmul peak (prefix_floor.py)
+        ttft.update(hit_floor(cfg, ttft_prefix, ttft_increment, ttft["cold_short_ttft_s"], ttft["hit_ttft_s"],
+                              peak_gflops()))
         numerics = None
         if deterministic:  # both modes at the mode's thread count, their engines alternating (run_traces,
             # ttft_paired; bench/numerics_compare.py)

@@ -22,6 +22,10 @@ def test_prefix_bench_reports_both_schemes():
     for key in ("cold", "hit", "cold_short"):
         samples = ttft[f"{key}_samples_s"]
         assert len(samples) == 3 and ttft[f"{key}_ttft_s"] == sorted(samples)[1]
+    # the hit's floor on this machine: above 1 (the hit does more work than the short prompt), and the fraction of
+    # the matmul peak the hit's extra work ran at (at most 1: the floor is the peak)
+    assert ttft["hit_extra_gflop"] > 0 and ttft["matmul_peak_gflops"] > 0
+    assert 1.0 < ttft["hit_over_cold_short_floor"] and 0 < ttft["hit_extra_achieved_fraction"] <= 1.0
 
 
 def test_prefix_bench_rejects_zero_ttft_rounds():
