@@ -16,6 +16,10 @@ Per-step breakdown: a few more steps run under ``torch.profiler``; the model's a
 the step is ``overhead`` (embedding, final norm + lm_head, gathers and scatters of the KDA slots, block tables,
 op dispatch). The fractions come from the profiled steps (the profiler inflates small ops a little); the
 seconds are those fractions of the unprofiled step time.
+
+``gemv_floor`` (batch 1 measured): the step's matrix products alone, each weight read cold by the library GEMV,
+and the fraction of the copy bandwidth such a step would reach (decode_floor.py): the ceiling of
+``achieved_fraction["1"]`` on this machine's BLAS.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from k3serve.bench.decode_floor import gemv_floor
 from k3serve.bench.numerics_compare import add_default_at_bench_threads, mode_threads, numerics_side_by_side
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
@@ -37,6 +42,7 @@ from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.checkpoint import load_config
 from k3serve.model.config import ModelConfig
+from k3serve.model.loader import load_weights
 from k3serve.model.model import PROFILE_LABELS
 from k3serve.decode.engine import SAMPLING_LABEL
 from k3serve.model.names import SplitKind, checkpoint_specs
@@ -178,8 +184,12 @@ def run_decode_bench(preset_name: str = "bench", batches: tuple[int, ...] = (1, 
             numerics = add_default_at_bench_threads(numerics_side_by_side(same, det, lower_is_better=False),
                                                     tokens_per_s, bench_threads, lower_is_better=False)
             numerics["rounds"] = {b: [[round(x, 2) for x in pair] for pair in r] for b, r in rounds.items()}
+        floor = None
+        if "1" in tokens_per_s:  # the step's GEMVs alone: what batch 1 can reach on this BLAS (decode_floor.py)
+            floor = gemv_floor(cfg, load_weights(ckpt), step_bytes(cfg, 1, context), ceiling,
+                               1.0 / tokens_per_s["1"])
     return {"preset": preset_name, "numerics": numerics, "context_tokens": context, "steps": steps, "threads": torch.get_num_threads(),
             "tokens_per_s": tokens_per_s, "copy_gbps": ceiling, "achieved_gbps": achieved,
             "achieved_fraction": {b: g / ceiling for b, g in achieved.items()},
             "batch_scaling": {b: r / tokens_per_s[str(batches[0])] for b, r in tokens_per_s.items()},
-            "step_breakdown": breakdown}
+            "step_breakdown": breakdown, "gemv_floor": floor}

@@ -71,6 +71,9 @@ def test_decode_bench_keys_and_byte_model():
     assert set(out["achieved_gbps"]) == {"1", "2"}
     cfg = preset("tiny")
     assert step_bytes(cfg, 8, 100) > step_bytes(cfg, 1, 100)
+    # batch 1's ceiling on this BLAS: the step's GEMVs alone are faster than the whole step
+    floor = out["gemv_floor"]
+    assert floor["s"] > 0 and floor["fraction_of_copy"] > 0 and floor["step_over_floor"] > 1.0
 
 
 def test_quant_bench_keys_side_by_side(tmp_path):
