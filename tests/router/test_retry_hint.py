@@ -158,6 +158,21 @@ def test_behind_a_line_the_censored_ends_of_slow_holders_bound_the_wait():
     assert abs(drain_wait_s(NOW, slow, 0, 0, 10, 1000, 2, turnover_s=0.1) - 0.1) < 1e-9
 
 
+def _hints_of_a_new_line(adm, cls, n: int) -> list[float]:
+    """One holder in c0's only room (published end 5 s), then the hints of ``n`` refused requests: the first place's
+    is the holder's end, the ones behind it a pace apart."""
+    from k3serve.router.admission import AdmissionRejected
+
+    held = adm.reserve_or_wait("c0", cls, "x", 10, 30, expected_s=5.0)
+    hints = []
+    for i in range(n):
+        with pytest.raises(AdmissionRejected) as e:
+            adm.reserve_or_wait("c0", cls, f"r{i}", 10, 30, expected_s=5.0)
+        hints.append(e.value.retry_after_s)
+    adm.release(held)
+    return hints
+
+
 def test_the_pace_of_places_is_the_saturated_services_mean_hold(rclient, ns):
     """A hold released while others wait in line teaches the pace of places (turn.shold); one released to nobody
     (the service at low load, a burst's fast tail) teaches only the typical hold (turn.hold): the next line's
@@ -188,22 +203,15 @@ def test_the_pace_of_places_is_the_saturated_services_mean_hold(rclient, ns):
         adm.release(r)
     assert int(rclient.hget(turn, "hold")) < 250 and int(rclient.hget(turn, "shold")) == saturated
     # the next line is paced by the saturated holds: places behind the first 0.4 s apart (one room), not ~0.1 s
-    held = adm.reserve_or_wait("c0", cls, "x", 10, 30, expected_s=5.0)
-    hints = []
-    for i in range(3):
-        with pytest.raises(AdmissionRejected) as e:
-            adm.reserve_or_wait("c0", cls, f"r{i}", 10, 30, expected_s=5.0)
-        hints.append(e.value.retry_after_s)
-    # the first place when the holder is expected to end (its published end, 5 s); the next ones a pace apart
+    hints = _hints_of_a_new_line(adm, cls, 3)
     assert 0.3 <= hints[2] - hints[1] <= 0.7, hints
-    adm.release(held)
 
 
 def test_a_never_saturated_budget_is_paced_by_every_hold(rclient, ns):
     """Before any hold was released to a line, the pace of places is the mean of every hold (turn.hold)."""
     import time
 
-    from k3serve.router.admission import Admission, AdmissionRejected, ClassSpec
+    from k3serve.router.admission import Admission, ClassSpec
 
     cls = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=1, queue_limit=0, max_wait_s=0.0)
     adm = Admission(rclient, ns)
@@ -212,11 +220,5 @@ def test_a_never_saturated_budget_is_paced_by_every_hold(rclient, ns):
         time.sleep(0.3)
         adm.release(r)
     assert rclient.hget(adm.keys("c0", "short")["turn"], "shold") is None
-    held = adm.reserve_or_wait("c0", cls, "x", 10, 30, expected_s=5.0)
-    hints = []
-    for i in range(3):
-        with pytest.raises(AdmissionRejected) as e:
-            adm.reserve_or_wait("c0", cls, f"r{i}", 10, 30, expected_s=5.0)
-        hints.append(e.value.retry_after_s)
+    hints = _hints_of_a_new_line(adm, cls, 3)
     assert 0.2 <= hints[2] - hints[1] <= 0.5, hints
-    adm.release(held)
