@@ -28,7 +28,10 @@ repetition's ratio.
 Time shares are fractions of all helper processes' CPU time during the gRPC repetitions (process_time
 covers gRPC's own threads): CRC32C (senders + receivers), resharding (the receivers' placement copies at the
 head/token offsets; slicing on the sender side is zero-copy views), and message framing (the senders' one
-copy of each payload into its message).
+copy of each payload into its message). ``ours_over_bare_grpc_crc_ceiling``: where the cores are the limit, our
+path costs at least bare gRPC's CPU plus the CRC32C its guarantees need (the senders' measured CRC time, and one
+pass over every received byte at this machine's CRC32C rate, ``crc32c_s_per_gb``), so ours/bare cannot exceed
+bare's CPU over that sum: the ceiling of ``ours_over_bare_grpc`` on this machine with CRC32C kept at both ends.
 """
 
 from __future__ import annotations
@@ -70,6 +73,18 @@ class TransferBenchConfig:
     mooncake: bool = True  # also measure the Mooncake plane and raw Mooncake (skipped, and said so, if absent)
     # the last-chunk-to-first-decode-token time with layer-wise export off and on (transfer_handoff.py); None: not run
     handoff: HandoffBenchConfig | None = HandoffBenchConfig()
+
+
+def crc32c_s_per_byte(nbytes: int = 64 << 20, repeats: int = 3) -> float:
+    """Seconds per byte of CRC32C (the transfer's own function) over a buffer larger than the last-level cache,
+    fastest of ``repeats``: what one checking pass over received bytes costs on this machine."""
+    buf = torch.ones(nbytes // 4).view(torch.uint8).numpy()
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        crc32c(buf)
+        best = min(best, time.perf_counter() - t0)
+    return best / nbytes
 
 
 def _random_state(g: StateGeometry, p: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -123,7 +138,8 @@ def _mooncake_rep(p: int, d: int, key: str, rep: int, senders, receivers, g, cfg
 
 
 def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[ReceiverProc], g: StateGeometry,
-              cfg: TransferBenchConfig, sender_cfg: SenderConfig, mc: MooncakeConfig | None) -> dict:
+              cfg: TransferBenchConfig, sender_cfg: SenderConfig, mc: MooncakeConfig | None,
+              crc_s_per_byte: float) -> dict:
     parts, mla = _random_state(g, p, seed=p * 10 + d)
     key, senders = f"p{p}d{d}", senders[:p]
     for r, s in enumerate(senders):
@@ -207,6 +223,10 @@ def _run_pair(p: int, d: int, senders: list[SenderProc], receivers: list[Receive
             ("grpc", "cpu"), ("bare_grpc", "bare_cpu"), ("bare_grpc_keep", "bare_keep_cpu"), ("socket", "socket_cpu"),
             ("mooncake", "mooncake_cpu"),
             ("raw_mooncake", "raw_mooncake_cpu"))},
+        # when the cores are the limit, ours costs at least bare gRPC's CPU plus the CRC32C the guarantees need: the
+        # senders' (measured) and one pass over every received byte (at this machine's CRC32C rate)
+        "ours_over_bare_grpc_crc_ceiling": round(
+            m["bare_cpu"] / (m["bare_cpu"] + m["crc"] + nbytes * crc_s_per_byte), 3),
         "crc_share": round(m["crc"] / m["cpu"], 3),
         "reshard_share": round(m["place"] / m["cpu"], 3), "framing_share": round(m["framing"] / m["cpu"], 3),
         "retried_streams": retried, "verified": True,
@@ -226,6 +246,7 @@ def run_transfer_bench(cfg: TransferBenchConfig = TransferBenchConfig()) -> dict
     # regions: one transfer's staging on a receiver (+ slack for alignment), one rank's state on a sender
     room = -(-(g.rank_bytes(1) + (1 << 20)) // 4096) * 4096
     mc = None if why else MooncakeConfig(host=cfg.host, staging_bytes=room, send_bytes=room, quarantine_s=0.0)
+    crc_s_per_byte = crc32c_s_per_byte()
     senders = [SenderProc() for _ in range(max(p for p, _ in cfg.pairs))]
     runs = []
     try:
@@ -233,7 +254,7 @@ def run_transfer_bench(cfg: TransferBenchConfig = TransferBenchConfig()) -> dict
             receivers = [ReceiverProc(ReceiverConfig(auth, host=cfg.host, limits=limits).for_rank(r, d), mc)
                          for r in range(d)]
             try:
-                runs += [_run_pair(p, d, senders, receivers, g, cfg, sender_cfg, mc)
+                runs += [_run_pair(p, d, senders, receivers, g, cfg, sender_cfg, mc, crc_s_per_byte)
                          for p, dd in cfg.pairs if dd == d]
             finally:
                 for rx in receivers:
@@ -248,6 +269,7 @@ def run_transfer_bench(cfg: TransferBenchConfig = TransferBenchConfig()) -> dict
         "preset": cfg.preset, "tokens": cfg.tokens, "chunk_bytes": cfg.chunk_bytes, "reps": cfg.reps,
         "layerwise": cfg.layerwise, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
         "mooncake": "measured (protocol tcp)" if mc is not None else f"not measured: {why}",
+        "crc32c_s_per_gb": round(crc_s_per_byte * 1e9, 4),
         "kda_bytes": g.kda_layers * g.kda_heads * g.kda_row_bytes,
         "mla_bytes_per_decode_rank": g.mla_layers * g.num_tokens * g.mla_row_bytes,
         "runs": runs,

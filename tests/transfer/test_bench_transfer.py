@@ -13,7 +13,7 @@ from k3serve.transfer.mooncake.plane import mooncake_available
 
 KEYS = {"p", "d", "bytes", "grpc_gbps", "socket_gbps", "ratio", "crc_share", "reshard_share", "framing_share",
         "bare_grpc_gbps", "ours_over_bare_grpc", "mooncake_gbps", "raw_mooncake_gbps", "ours_mooncake_over_raw",
-        "cpu_s_per_gb", "bare_grpc_keep_gbps", "ours_over_bare_grpc_keep"}
+        "cpu_s_per_gb", "bare_grpc_keep_gbps", "ours_over_bare_grpc_keep", "ours_over_bare_grpc_crc_ceiling"}
 
 
 def test_bench_reports_grpc_and_socket_side_by_side():
@@ -27,6 +27,8 @@ def test_bench_reports_grpc_and_socket_side_by_side():
         assert KEYS <= set(r) and r["verified"] and r["grpc_gbps"] > 0 and r["socket_gbps"] > 0
         assert r["ratio"] > 0 and 0 <= r["crc_share"] <= 1 and r["ours_over_bare_grpc"] > 0
         assert r["ours_over_bare_grpc_keep"] > 0 and r["cpu_s_per_gb"]["bare_grpc_keep"] > 0
+        # the CRC32C the guarantees need, over bare gRPC's CPU: a ceiling below 1
+        assert 0 < r["ours_over_bare_grpc_crc_ceiling"] < 1 and out["crc32c_s_per_gb"] > 0
         if mooncake_available():  # the wheel is absent: the report says so and the Mooncake columns are empty
             assert r["mooncake_gbps"] is None and out["mooncake"].startswith("not measured")
         else:
