@@ -19,7 +19,9 @@ state step this cheap, the smaller chunk does ~13% less work per token and measu
 
 (numba code in ``kda_cpu_kernel``, the scratch layout in its docstring). The inner loops are 16-lane vector code
 (``_simd``: register tiles of 8 rows x 16-32 columns, explicit FMAs), because LLVM's auto-vectorised loops
-kept their accumulators in memory (docs/profile.md, fifth pass).
+kept their accumulators in memory (docs/profile.md, fifth pass). On CPUs without AVX-512 the sequential stages
+take 4 x 16 tiles instead (:func:`narrow_tiles`), which fit AVX2's 16 registers: the same FMAs per element in the
+same order, so the same bits.
 
 Numerics (the contract the tests pin, tests/kernels/test_kda_cpu.py):
   * within fp32 rounding of the torch path and the naive oracle, for the bounded K3 gate and the unbounded
@@ -47,6 +49,7 @@ says why and ``chunk_kda`` runs the torch path (``kda.chunk_backend`` reports wh
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -89,6 +92,7 @@ def chunk_kda_cpu(
     output_final_state: bool = False,
     chunk_size: int = CHUNK,
     sub_chunk: int = SUB,
+    narrow: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA forward, fused CPU kernel (module docstring). Not differentiable.
 
@@ -100,6 +104,8 @@ def chunk_kda_cpu(
         output_final_state: also return the final state.
         chunk_size: C, a positive multiple of 16.
         sub_chunk: must be 16 (the kernel's tiles are built for it; the argument mirrors chunk_kda_torch's).
+        narrow: the sequential stages' register tiles, 4 x 16 (True) or 8 x 32 (False); None: this CPU's
+            (:func:`narrow_tiles`). The same bits either way (tests/kernels/test_kda_cpu.py).
     Returns:
         o [B, T, H, V] in v's dtype; final_state [B, H, K, V] fp32 (a new tensor) or None.
     """
@@ -122,7 +128,7 @@ def chunk_kda_cpu(
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, B * H))
     args = (T, H, _rows(q, Ki), _rows(k, Ki), _rows(v, Vi), _rows(g, Ki),
             beta.detach().to(torch.float32).contiguous().view(-1).numpy(), np.float32(scale), final.numpy(),
-            out.view(-1, Vi).numpy(), chunk_size, threads)
+            out.view(-1, Vi).numpy(), chunk_size, threads, narrow_tiles() if narrow is None else bool(narrow))
     torch_threads = torch.get_num_threads()
     with _LOCK if _serialise() else _NO_LOCK:
         numba.set_num_threads(threads)
@@ -138,6 +144,20 @@ def chunk_kda_cpu(
                 torch.set_num_threads(torch_threads)
     o = out if Vi == V else out[..., :V]
     return o.to(v.dtype).contiguous(), (final if output_final_state else None)
+
+
+@functools.lru_cache(maxsize=1)
+def narrow_tiles() -> bool:
+    """Whether this CPU runs the kernel's sequential stages in 4-row x 16-column register tiles: yes without
+    AVX-512. The 8 x 32 tiles hold 16 accumulators of 16 lanes, 16 of AVX-512's 32 vector registers; on AVX2 each
+    takes two of its 16, more than it has before an operand is loaded. Measured on a Zen 3 (AVX2, 2 threads,
+    ``bench kernels``, 3 runs each): K = 64 43-46 -> 67-69 GFLOP/s, K = 128 53-54 -> 80-86 (docs/profile.md,
+    "Ninth pass"); on AVX-512 the wide tiles were measured faster (4-row tiles 3-16% slower, fifth pass)."""
+    try:
+        from llvmlite import binding
+        return not binding.get_host_cpu_features().get("avx512f", False)
+    except (ImportError, RuntimeError):  # no feature map: the tiles that fit any x86-64's 16 registers
+        return True
 
 
 class _NoLock:

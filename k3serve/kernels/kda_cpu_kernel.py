@@ -286,8 +286,84 @@ def _tile_fma(W, i0, j0, di, dj, s, t, acc, neg):
     return a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7
 
 
+@_njit(inline="always")
+def _q_load(M, i, e):
+    """The 4 x 16 tile M[i:i + 4, e:e + 16] as 4 vectors (the narrow tiles, ``narrow`` in _sequences)."""
+    return vload(M, i, e), vload(M, i + 1, e), vload(M, i + 2, e), vload(M, i + 3, e)
+
+
+@_njit(inline="always")
+def _q_store(M, i, e, acc):
+    a0, a1, a2, a3 = acc
+    vstore(M, i, e, a0)
+    vstore(M, i + 1, e, a1)
+    vstore(M, i + 2, e, a2)
+    vstore(M, i + 3, e, a3)
+
+
+@_njit(inline="always")
+def _q_scale(acc, DEC, d):
+    a0, a1, a2, a3 = acc
+    return (vmul(a0, vsplat(DEC[0, d])), vmul(a1, vsplat(DEC[0, d + 1])), vmul(a2, vsplat(DEC[0, d + 2])),
+            vmul(a3, vsplat(DEC[0, d + 3])))
+
+
+@_njit(inline="always")
+def _q_fma(W, i0, j0, di, dj, s, acc, neg):
+    """_tile_fma for a 4 x 16 tile: row r += w_r * s (or -=), w_r = W[i0 + r*di, j0 + r*dj]."""
+    a0, a1, a2, a3 = acc
+    m = np.float32(-1.0) if neg else np.float32(1.0)
+    a0 = vfma(vsplat(W[i0, j0] * m), s, a0)
+    a1 = vfma(vsplat(W[i0 + di, j0 + dj] * m), s, a1)
+    a2 = vfma(vsplat(W[i0 + 2 * di, j0 + 2 * dj] * m), s, a2)
+    a3 = vfma(vsplat(W[i0 + 3 * di, j0 + 3 * dj] * m), s, a3)
+    return a0, a1, a2, a3
+
+
 @_njit
-def solve(L, TI, X):
+def solve_narrow(TI, X):
+    """``solve``'s X <- TI X (TI already formed) in 4 x 16 tiles: the same FMAs per element in the same order
+    (a 4-row tile's rows stop at its own block; TI is zero above its diagonal, so the 8-row tile's extra terms
+    add exact zeros)."""
+    C, W = TI.shape[0], X.shape[1]
+    z = vzero()
+    for i in range(C - 4, -1, -4):   # bottom-up, in place: rows j <= i + 3 still hold the right-hand side
+        for e in range(0, W, 16):
+            acc = (z, z, z, z)
+            for j in range(i + 4):
+                acc = _q_fma(TI, i, j, 1, 0, vload(X, j, e), acc, False)
+            _q_store(X, i, e, acc)
+
+
+@_njit
+def state_step_narrow(S, X, QG, KD, DEC, A, OB):
+    """``state_step`` in 4 x 16 tiles (8 accumulator registers of AVX2's 16), per 16-column block of V: every
+    element's FMAs and their order are ``state_step``'s (A is zero above its diagonal: see solve_narrow)."""
+    C, Kp = QG.shape
+    z = vzero()
+    for e in range(0, S.shape[1], 16):
+        ue = Kp + e
+        for i in range(0, C, 4):
+            acc = _q_load(X, i, ue)
+            for d in range(Kp):
+                acc = _q_fma(X, i, d, 1, 0, vload(S, d, e), acc, True)
+            _q_store(X, i, ue, acc)
+        for i in range(0, C, 4):
+            acc = (z, z, z, z)
+            for d in range(Kp):
+                acc = _q_fma(QG, i, d, 1, 0, vload(S, d, e), acc, False)
+            for j in range(i + 4):
+                acc = _q_fma(A, i, j, 1, 0, vload(X, j, ue), acc, False)
+            _q_store(OB, i, e, acc)
+        for d in range(0, Kp, 4):
+            acc = _q_scale(_q_load(S, d, e), DEC, d)
+            for i in range(C):
+                acc = _q_fma(KD, i, d, 0, 1, vload(X, i, ue), acc, False)
+            _q_store(S, d, e, acc)
+
+
+@_njit
+def solve(L, TI, X, narrow):
     """X <- (I + L)^-1 X.
 
     TI = (I + L)^-1 row by row (forward substitution: TI_i = e_i - sum_{j<i} L_ij TI_j), each row flushed as
@@ -304,6 +380,9 @@ def solve(L, TI, X):
                 acc = vfnma(vsplat(L[i, j]), vload(TI, j, c0), acc)
             vstore(TI, i, c0, vflush(acc, _FTINY, 15))
         TI[i, i] = 1.0
+    if narrow:
+        solve_narrow(TI, X)
+        return
     zero = _tile_zero()
     for i in range(C - 8, -1, -8):   # bottom-up, in place: rows j <= i + 7 still hold the right-hand side
         for e in range(0, W, 32):
@@ -322,7 +401,8 @@ def state_step(S, X, QG, KD, DEC, A, OB):
         S  = Diag(DEC) S + KD^T Vn
 
     Each is an 8-row x 32-column register tile (16 accumulators: enough independent FMAs to hide their
-    latency; 4-row tiles were 3-16% slower) over the reduction, in fixed order.
+    latency; 4-row tiles were 3-16% slower on AVX-512) over the reduction, in fixed order. Without AVX-512 those
+    16 accumulators take 32 registers of 16: ``state_step_narrow`` (4 x 16 tiles) runs instead, same bits.
     """
     C, Kp = QG.shape
     zero = _tile_zero()
@@ -349,7 +429,7 @@ def state_step(S, X, QG, KD, DEC, A, OB):
 
 
 @_njit
-def _sequences(s0, s1, T, H, q, k, v, g, beta, scale, final, out, C):
+def _sequences(s0, s1, T, H, q, k, v, g, beta, scale, final, out, C, narrow):
     """Sequences s0 .. s1 - 1 (bh = b*H + h), chunk by chunk in lockstep: chunk c of each, then chunk c + 1, so
     the rows of a token's adjacent heads are read together (one pass over memory; a head at a time re-read the
     other heads' lines of every row, measured 1.5-2x slower at 2 threads). final: fp32 [B, H, K, V], initial
@@ -376,8 +456,11 @@ def _sequences(s0, s1, T, H, q, k, v, g, beta, scale, final, out, C):
             load_rows(c, b, h, H, T, q, k, v, g, beta, scale, G, QS, KS, X, BETA)
             scores(G, QS, KS, DM, QF, KF, KC, KCT, A, L, BETA)
             gates(G, QS, KS, X, QG, KD, DEC, BETA)
-            solve(L, TI, X)
-            state_step(S[j], X, QG, KD, DEC, A, OB)
+            solve(L, TI, X, narrow)
+            if narrow:
+                state_step_narrow(S[j], X, QG, KD, DEC, A, OB)
+            else:
+                state_step(S[j], X, QG, KD, DEC, A, OB)
             for i in range(min(C, T - c * C)):
                 row = (b * T + c * C + i) * H + h
                 for e in range(0, out.shape[1], 16):
@@ -387,13 +470,14 @@ def _sequences(s0, s1, T, H, q, k, v, g, beta, scale, final, out, C):
 
 
 @_njit(parallel=True)
-def chunk_kda_kernel(T, H, q, k, v, g, beta, scale, final, out, C, tasks):
+def chunk_kda_kernel(T, H, q, k, v, g, beta, scale, final, out, C, tasks, narrow):
     """q, k, g fp32 [B*T*H, Ki], v [B*T*H, Vi], beta [B*T*H] (Ki, Vi multiples of 16, row (b*T + t)*H + h),
     scale fp32, final fp32 [B, H, K, V] (initial state in, final state out), out fp32 [B*T*H, Vi], C the chunk
     size (a multiple of 16). The B*H sequences are cut into ``tasks`` runs of consecutive sequences (one prange
     task each: the caller passes its thread count; reading numba.get_num_threads() here would make the function
-    uncacheable); a sequence's bits do not depend on the run it is in."""
+    uncacheable); a sequence's bits do not depend on the run it is in. narrow: the sequential stages in 4-row x
+    16-column register tiles instead of 8 x 32 (kda_cpu.narrow_tiles: CPUs without AVX-512), the same bits."""
     BH = final.shape[0] * final.shape[1]
     n = max(1, min(tasks, BH))
     for task in numba.prange(n):
-        _sequences(task * BH // n, (task + 1) * BH // n, T, H, q, k, v, g, beta, scale, final, out, C)
+        _sequences(task * BH // n, (task + 1) * BH // n, T, H, q, k, v, g, beta, scale, final, out, C, narrow)

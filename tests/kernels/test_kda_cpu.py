@@ -112,6 +112,23 @@ def test_split_at_multiples_of_64_is_bitwise_one_shot(kda_inputs, gate, chunk_si
     assert torch.equal(state, s_full)
 
 
+@pytest.mark.parametrize("gate", ["k3", "kl"])
+@pytest.mark.parametrize("B,T,H,K,V,chunk_size", [
+    (1, 200, 4, 64, 64, 16), (2, 77, 3, 128, 128, 16), (1, 130, 2, 20, 48, 32), (2, 64, 1, 32, 16, 64),
+])
+def test_narrow_and_wide_register_tiles_give_the_same_bits(kda_inputs, gate, B, T, H, K, V, chunk_size):
+    """The sequential stages' 4 x 16 tiles (CPUs without AVX-512) and 8 x 32 tiles (kda_cpu.narrow_tiles) do the
+    same FMAs per element in the same order: outputs and final states are equal bit for bit, whichever this CPU
+    takes by default."""
+    q, k, v, g, beta = kda_inputs(B, T, H, K, V, gate, seed=T + K)
+    h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(K))
+    got = [chunk_kda_cpu(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=chunk_size,
+                         narrow=narrow) for narrow in (True, False)]
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    default = chunk_kda_cpu(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=chunk_size)
+    assert torch.equal(default[0], got[0][0])
+
+
 def test_one_head_alone_equals_inside_a_batch(kda_inputs):
     """Nor on how many heads, batch rows or threads share the call."""
     B, T, H, K, V = 2, 97, 3, 16, 32
