@@ -122,7 +122,25 @@ def _score_tile(QF, KF, KCT, j0, A, L, r, BETA, last):
 
 
 @_njit
-def scores(G, QS, KS, DM, QF, KF, KC, KCT, A, L, BETA):
+def _score_tile_narrow(QF, KF, KCT, j0, A, L, r, BETA, last):
+    """_score_tile in passes of 2 rows (4 accumulators, 8 ymm registers: its 8-row passes hold 16, 32 on AVX2):
+    the same FMAs per element in the same order, the same bits."""
+    Kp = QF.shape[1]
+    for i0 in range(0, SUB, 2):
+        a0 = a1 = l0 = l1 = vzero()
+        for d in range(Kp):
+            kc = vload(KCT, d, j0)
+            a0, l0 = vfma(vsplat(QF[i0, d]), kc, a0), vfma(vsplat(KF[i0, d]), kc, l0)
+            a1, l1 = vfma(vsplat(QF[i0 + 1, d]), kc, a1), vfma(vsplat(KF[i0 + 1, d]), kc, l1)
+        i, n = r + i0, last + i0
+        vstore(A, i, j0, vflush(a0, _FTINY, n))
+        vstore(L, i, j0, vflush(vmul(l0, vsplat(BETA[i])), _FTINY, n - 1))
+        vstore(A, i + 1, j0, vflush(a1, _FTINY, n + 1))
+        vstore(L, i + 1, j0, vflush(vmul(l1, vsplat(BETA[i + 1])), _FTINY, n))
+
+
+@_njit
+def scores(G, QS, KS, DM, QF, KF, KC, KCT, A, L, BETA, narrow):
     """A (Aqk) and L (beta Akk, strictly lower) of the chunk, with kda_torch's decay factors:
 
     * rows of sub-chunk I >= 1 against columns j of earlier sub-chunks (r = first row of I):
@@ -153,7 +171,10 @@ def scores(G, QS, KS, DM, QF, KF, KC, KCT, A, L, BETA):
         for j0 in range(0, r, SUB):
             for d in range(0, Kp, 16):
                 vtranspose(KC, j0, d, KCT, d, j0)
-            _score_tile(QF, KF, KCT, j0, A, L, r, BETA, SUB)
+            if narrow:
+                _score_tile_narrow(QF, KF, KCT, j0, A, L, r, BETA, SUB)
+            else:
+                _score_tile(QF, KF, KCT, j0, A, L, r, BETA, SUB)
     for r in range(0, C, SUB):
         if centred:
             for ii in range(SUB):
@@ -166,7 +187,10 @@ def scores(G, QS, KS, DM, QF, KF, KC, KCT, A, L, BETA):
                     vstore(KC, r + ii, d, vmul(ks, vexp(vneg(dm), _CENTRED_LO, np.float32(0.0))))
             for d in range(0, Kp, 16):
                 vtranspose(KC, r, d, KCT, d, r)
-            _score_tile(QF, KF, KCT, r, A, L, r, BETA, 0)
+            if narrow:
+                _score_tile_narrow(QF, KF, KCT, r, A, L, r, BETA, 0)
+            else:
+                _score_tile(QF, KF, KCT, r, A, L, r, BETA, 0)
             continue
         for ii in range(SUB):
             i = r + ii
@@ -454,7 +478,7 @@ def _sequences(s0, s1, T, H, q, k, v, g, beta, scale, final, out, C, narrow):
         for j in range(s1 - s0):
             b, h = (s0 + j) // H, (s0 + j) % H
             load_rows(c, b, h, H, T, q, k, v, g, beta, scale, G, QS, KS, X, BETA)
-            scores(G, QS, KS, DM, QF, KF, KC, KCT, A, L, BETA)
+            scores(G, QS, KS, DM, QF, KF, KC, KCT, A, L, BETA, narrow)
             gates(G, QS, KS, X, QG, KD, DEC, BETA)
             solve(L, TI, X, narrow)
             if narrow:
