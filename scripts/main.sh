@@ -5,7 +5,7 @@
 # drill report and exit 0 only if no request failed and no token differed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh >&2  # set-up's progress on stderr: stdout is the drill report, JSON alone
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1 RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 exec .venv/bin/k3serve drill --config configs/local.yaml --kill cluster:c1 --at 4 --sessions 24 --turns 3 \
   --max-tokens 24 --json "$@"
