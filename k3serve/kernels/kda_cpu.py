@@ -20,8 +20,8 @@ state step this cheap, the smaller chunk does ~13% less work per token and measu
 (numba code in ``kda_cpu_kernel``, the scratch layout in its docstring). The inner loops are 16-lane vector code
 (``_simd``: register tiles of 8 rows x 16-32 columns, explicit FMAs), because LLVM's auto-vectorised loops
 kept their accumulators in memory (docs/profile.md, fifth pass). On CPUs without AVX-512 the sequential stages
-take 4 x 16 tiles instead (:func:`narrow_tiles`), which fit AVX2's 16 registers: the same FMAs per element in the
-same order, so the same bits.
+take 4 x 16 tiles and the score tiles 2-row passes instead (:func:`narrow_tiles`), which fit AVX2's 16 registers:
+the same FMAs per element in the same order, so the same bits.
 
 Numerics (the contract the tests pin, tests/kernels/test_kda_cpu.py):
   * within fp32 rounding of the torch path and the naive oracle, for the bounded K3 gate and the unbounded
@@ -104,8 +104,9 @@ def chunk_kda_cpu(
         output_final_state: also return the final state.
         chunk_size: C, a positive multiple of 16.
         sub_chunk: must be 16 (the kernel's tiles are built for it; the argument mirrors chunk_kda_torch's).
-        narrow: the sequential stages' register tiles, 4 x 16 (True) or 8 x 32 (False); None: this CPU's
-            (:func:`narrow_tiles`). The same bits either way (tests/kernels/test_kda_cpu.py).
+        narrow: the narrow register tiles (True: 4 x 16 and 2-row score passes) or the wide ones (False: 8 x 32,
+            8-row passes); None: this CPU's (:func:`narrow_tiles`). The same bits either way
+            (tests/kernels/test_kda_cpu.py).
     Returns:
         o [B, T, H, V] in v's dtype; final_state [B, H, K, V] fp32 (a new tensor) or None.
     """
@@ -148,11 +149,12 @@ def chunk_kda_cpu(
 
 @functools.lru_cache(maxsize=1)
 def narrow_tiles() -> bool:
-    """Whether this CPU runs the kernel's sequential stages in 4-row x 16-column register tiles: yes without
-    AVX-512. The 8 x 32 tiles hold 16 accumulators of 16 lanes, 16 of AVX-512's 32 vector registers; on AVX2 each
-    takes two of its 16, more than it has before an operand is loaded. Measured on a Zen 3 (AVX2, 2 threads,
-    ``bench kernels``, 3 runs each): K = 64 43-46 -> 67-69 GFLOP/s, K = 128 53-54 -> 80-86 (docs/profile.md,
-    "Ninth pass"); on AVX-512 the wide tiles were measured faster (4-row tiles 3-16% slower, fifth pass)."""
+    """Whether this CPU runs the kernel's narrow register tiles (kda_cpu_tiles.py: 4 x 16 in the sequential
+    stages, 2-row passes in the score tiles): yes without AVX-512. The wide tiles hold 16 accumulators of 16 lanes,
+    16 of AVX-512's 32 vector registers; on AVX2 each takes two of its 16, more than it has before an operand is
+    loaded. Measured on a Zen 3 (AVX2, 2 threads, T 4096, H 4, the two alternating, best of 8): K = 64 48 -> 80
+    GFLOP/s, K = 128 55 -> 102 (docs/profile.md, "Ninth pass"); on AVX-512 the wide tiles were measured faster
+    (4-row tiles 3-16% slower, fifth pass)."""
     try:
         from llvmlite import binding
         return not binding.get_host_cpu_features().get("avx512f", False)

@@ -379,8 +379,8 @@ def chunk_kda_kernel(T, H, q, k, v, g, beta, scale, final, out, C, tasks, narrow
     scale fp32, final fp32 [B, H, K, V] (initial state in, final state out), out fp32 [B*T*H, Vi], C the chunk
     size (a multiple of 16). The B*H sequences are cut into ``tasks`` runs of consecutive sequences (one prange
     task each: the caller passes its thread count; reading numba.get_num_threads() here would make the function
-    uncacheable); a sequence's bits do not depend on the run it is in. narrow: the sequential stages in 4-row x
-    16-column register tiles instead of 8 x 32 (kda_cpu.narrow_tiles: CPUs without AVX-512), the same bits."""
+    uncacheable); a sequence's bits do not depend on the run it is in. narrow: the narrow register tiles
+    (kda_cpu_tiles.py; kda_cpu.narrow_tiles: CPUs without AVX-512), the same bits."""
     BH = final.shape[0] * final.shape[1]
     n = max(1, min(tasks, BH))
     for task in numba.prange(n):
