@@ -49,7 +49,8 @@ except ImportError:  # kda_cpu records why
 from .kda_cpu_tiles import _njit
 
 SIMD_SHA256 = "306fd29fb7aa7ff06d1d8e2e9ab30f37b1d5dc668d1709c6e7a049eaa36031e4"
-TILES_SHA256 = "06fef665b498d22306d045bef23d89b94ded2858e8f997797d96d0c9ee8b4a35"  # kda_cpu_tiles.py, inlined here like _simd
+# kda_cpu_tiles.py, inlined here like _simd
+TILES_SHA256 = "06fef665b498d22306d045bef23d89b94ded2858e8f997797d96d0c9ee8b4a35"
 SUB = 16                      # rows per sub-chunk of the decayed scores (kda_torch's sub_chunk)
 PAD = 32                      # K, V padded to a multiple of this inside (the register tiles are 32 columns wide)
 # kda_torch's flush threshold, exp clamp and centred-span bound (same values, pinned by a test)
