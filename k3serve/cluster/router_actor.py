@@ -54,9 +54,11 @@ class RouterActor:
                               breaker=CircuitBreaker(BreakerConfig(cool_down_s=ctl.suspect_cooldown_s)))
         limits = ModelLimits(cfg.vocab_size, cfg.max_position_embeddings, cfg.vocab_size == BYTE_VOCAB_SIZE)
         from k3serve.router.gate import AdmissionGate
+        from k3serve.router.hosts import co_located
 
         gate = AdmissionGate(client, ctl.namespace, admission_classes(d.request_classes), enabled=d.admission,
-                             policy=d.clusters.prefix_policy(), context_ttl_s=ctl.pin_ttl_s)
+                             policy=d.clusters.prefix_policy(), context_ttl_s=ctl.pin_ttl_s,
+                             co_located=co_located(view))
         from k3serve.router.metrics import RouterMetrics, class_stats_source
 
         # the service is built after its metrics: the cluster gauges read it at scrape time

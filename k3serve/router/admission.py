@@ -67,7 +67,7 @@ import operator
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import redis
 
@@ -113,8 +113,13 @@ class Admission(AdmissionRefusals):
         sleep=time.sleep,
         clock=time.monotonic,
         guard: RecoveryGuard | None = None,
+        co_located: Callable[[str], Sequence[str]] | None = None,
     ) -> None:
+        """``co_located(cluster)``: the other clusters on that cluster's host (``router.hosts.co_located``),
+        whose budgets of a class are read with its own for the host-saturated pace (RELEASE, HOLDERS); None: every
+        cluster alone on its host."""
         self._r = client
+        self.co_located = co_located or (lambda cluster: ())
         self.prefix = key_prefix(namespace)
         self.guard = guard
         self._guard_keys = [f"{self.prefix}adm:alive", f"{self.prefix}adm:recover"]
@@ -143,6 +148,14 @@ class Admission(AdmissionRefusals):
         base = f"{self.prefix}adm:{{{cluster}/{cls}}}:"
         return {k: base + k
                 for k in ("lease", "tok", "q", "qlease", "qtok", "seq", "end", *_TICKET_KEYS, "turn", "since")}
+
+    def _host_keys(self, cluster: str, cls: str) -> list[str]:
+        """(lease, q, tix) of ``cls``'s budget on every cluster co-located with ``cluster`` (RELEASE, HOLDERS)."""
+        out = []
+        for other in self.co_located(cluster):
+            k = self.keys(other, cls)
+            out += [k["lease"], k["q"], k["tix"]]
+        return out
 
     def _tkeys(self, cluster: str, cls: str) -> list[str]:
         k = self.keys(cluster, cls)
@@ -354,13 +367,16 @@ class Admission(AdmissionRefusals):
             return False
         return bool(int(self._touch(keys=self._guard_keys, args=self._guard_args()[1])))
 
-    def release(self, reservation: Reservation) -> bool:
+    def release(self, reservation: Reservation, max_concurrent: int = 0) -> bool:
         """Return the tokens to the budget. Idempotent: True if this call released them, False if they were
         already gone (released before, or the lease expired). The reservation as admitted (``admitted_ms`` set)
-        also reports how long it held its room (the budget's mean holding time, RELEASE)."""
+        also reports how long it held its room (the budget's mean holding time, RELEASE); ``max_concurrent``, its
+        class's cap, says when a co-located budget without a line is saturated all the same (0: never)."""
         k = self.keys(reservation.cluster, reservation.cls)
-        keys = [k["lease"], k["tok"], k["end"], k["turn"], k["since"], k["q"], k["tix"]]
-        return bool(int(self._release(keys=keys, args=[reservation.request_id, reservation.admitted_ms])))
+        keys = [k["lease"], k["tok"], k["end"], k["turn"], k["since"], k["q"], k["tix"],
+                *self._host_keys(reservation.cluster, reservation.cls)]
+        return bool(int(self._release(keys=keys, args=[reservation.request_id, reservation.admitted_ms,
+                                                       max(int(max_concurrent), 0)])))
 
     # ---------------------------------------------------------------------------------------- reads
     def stats(self, cluster: str, cls: str, spec: ClassSpec | None = None) -> ClassLoad:

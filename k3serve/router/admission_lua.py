@@ -33,6 +33,19 @@ local function recovering(alive, recover, alive_ms, grace_ms)
   redis.call('SET', alive, '1', 'PX', alive_ms)
   return redis.call('EXISTS', recover) == 1
 end
+-- Whether the host is saturated: every co-located budget of the class given from KEYS[first] on, as (lease, q,
+-- tix) triples, has a line (queue entries or held places) or maxc requests in flight (maxc 0: only a line counts).
+-- True when none is given (a cluster alone on its host). (Rooms taken alone, without a line, was measured too
+-- rare outside a burst's first seconds: the pace it learned was those first holds', 2-3x the burst's.)
+local function host_saturated(first, maxc)
+  for i = first, #KEYS, 3 do
+    if redis.call('ZCARD', KEYS[i + 1]) + redis.call('ZCARD', KEYS[i + 2]) == 0
+        and (maxc <= 0 or redis.call('ZCOUNT', KEYS[i], '(' .. now, '+inf') < maxc) then
+      return false
+    end
+  end
+  return true
+end
 local function inflight(lease, tok)
   local sum = 0
   for _, v in ipairs(redis.call('HVALS', tok)) do sum = sum + tonumber(v) end
@@ -191,21 +204,33 @@ redis.call('HSET', KEYS[3], ARGV[1], now + tonumber(ARGV[4]))
 return {now + tonumber(ARGV[2]), lost}
 """
 
-# KEYS: lease, tok, end, turn, since, q, tix. ARGV: request_id, its admission ms (0: unknown). Returns 1 if this call
-# released the lease. A released lease's holding time (admission to release) feeds the budget's mean holding time
-# (turn.hold) and its spread (turn.hdev, the mean absolute deviation from it, as TCP's RTT variance): what a typical
-# hold is (HOLDERS' censored holders). A hold released while others wait in line (queue entries or held places) also
-# feeds turn.shold, the mean hold of the *saturated* service: the pace at which a budget of max_concurrent rooms
-# frees places for a line (retry hints; HOLDERS adds the holds in progress). Holds released to nobody are left out
-# of it: they are the service at low load (a burst's tail, whose last requests run alone and fast), and a line only
-# forms again under load (measured: paced by every hold, the next burst's first hints were 2-4x early, ending with
-# the previous burst's fast tail; docs/architecture.md, "Saturated pace").
+# KEYS: lease, tok, end, turn, since, q, tix, then (lease, q, tix) of each co-located budget (the same class on the
+# clusters sharing this one's host, router/hosts.py). ARGV: request_id, its admission ms (0: unknown),
+# max_concurrent (0: a co-located budget counts as saturated only with a line). Returns 1 if this call released the
+# lease. A released lease's holding time (admission to release) feeds the budget's mean holding time (turn.hold) and
+# its spread (turn.hdev, the mean absolute deviation from it, as TCP's RTT variance): what a typical hold is
+# (HOLDERS' censored holders). A hold released while others wait in line (queue entries or held places) also feeds
+# turn.shold, the mean hold of the *saturated* service: the pace at which a budget of max_concurrent rooms frees
+# places for a line (retry hints; HOLDERS adds the holds in progress). Holds released to nobody are left out of it:
+# they are the service at low load (a burst's tail, whose last requests run alone and fast), and a line only forms
+# again under load (measured: paced by every hold, the next burst's first hints were 2-4x early, ending with the
+# previous burst's fast tail; docs/architecture.md, "Saturated pace").
+# Clusters that share a host's cores slow each other, so the same holds also feed turn.hshold, the mean hold of a
+# saturated *host*, while every co-located budget is saturated too (host_saturated): the pace HOLDERS uses while
+# the host is saturated. (Measured: the cluster whose warm-up line drained last ran its last holds alone on the
+# host, 0.3 s against the 0.8 s of a burst on all clusters, and its next burst's first hints were 2.7x early;
+# docs/architecture.md, "Host-saturated pace".) With no co-located budget, hshold is shold.
 RELEASE = LUA_COMMON + """
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[5], ARGV[1])
 local since = tonumber(ARGV[2])
+local function ewma(field, x)
+  local m = tonumber(redis.call('HGET', KEYS[4], field) or '-1')
+  m = m < 0 and x or (0.8 * m + 0.2 * x)
+  redis.call('HSET', KEYS[4], field, math.floor(m))
+end
 if removed == 1 and since > 0 and now > since and now - since < 600000 then
   local x = now - since
   local hold = tonumber(redis.call('HGET', KEYS[4], 'hold') or '-1')
@@ -213,9 +238,8 @@ if removed == 1 and since > 0 and now > since and now - since < 600000 then
   if hold < 0 then hold = x else dev, hold = 0.75 * dev + 0.25 * math.abs(x - hold), 0.8 * hold + 0.2 * x end
   redis.call('HSET', KEYS[4], 'hold', math.floor(hold), 'hdev', math.floor(dev))
   if redis.call('ZCARD', KEYS[6]) > 0 or redis.call('ZCARD', KEYS[7]) > 0 then
-    local shold = tonumber(redis.call('HGET', KEYS[4], 'shold') or '-1')
-    shold = shold < 0 and x or (0.8 * shold + 0.2 * x)
-    redis.call('HSET', KEYS[4], 'shold', math.floor(shold))
+    ewma('shold', x)
+    if host_saturated(8, tonumber(ARGV[3])) then ewma('hshold', x) end
   end
   redis.call('PEXPIRE', KEYS[4], 3600000)
 end
@@ -242,11 +266,13 @@ if A.maxc > 0 then mark_free(A, T) end
 return {sum, count, redis.call('ZCARD', KEYS[3]), redis.call('ZCARD', T.tix), redis.call('HLEN', T.lent)}
 """
 
-# KEYS: lease, tok, q, qtok, end, turn, the seven ticket keys, since. ARGV: ticket id ('' = the end of the line),
-# censored factor, typical spread (retry_hint.CENSORED_FACTOR, TYPICAL_SPREAD). Returns {now ms, waiters ahead, their
+# KEYS: lease, tok, q, qtok, end, turn, the seven ticket keys, since, then (lease, q, tix) of each co-located budget
+# (as RELEASE). ARGV: ticket id ('' = the end of the line), censored factor, typical spread
+# (retry_hint.CENSORED_FACTOR, TYPICAL_SPREAD), max_concurrent (as RELEASE). Returns {now ms, waiters ahead, their
 # tokens, turnover ms (-1: not measured), last admission ms (-1: none), mean holding time ms (-1: not measured),
-# tokens_1, end_1, censored_1, tokens_2, ...} over the live leases (end -1: none published; censored 1: the end is
-# the censored estimate below, 0: it is the published one).
+# tokens_1, end_1, censored_1, bound_1, tokens_2, ...} over the live leases (end -1: none published; censored 1: the
+# end is the censored estimate below, 0: it is the published one; bound: the end the hold is expected to reach, the
+# censored estimate or admission + the pace, -1: unknown).
 # Waiters ahead: queue entries and held places before the ticket's place (all of them for ''), counted as the line
 # rule counts them (a held place lent to a borrower in flight while its holder is away is no place: its borrower is
 # among the leases).
@@ -264,8 +290,11 @@ if ARGV[1] ~= '' then place = redis.call('ZSCORE', T.tix, ARGV[1]) end
 local s, c = line_ahead(A, T, place, '', 0)
 local hold = tonumber(redis.call('HGET', KEYS[6], 'hold') or '-1')
 local typical = hold + tonumber(ARGV[3]) * tonumber(redis.call('HGET', KEYS[6], 'hdev') or '0')
--- the pace of places: the saturated service's mean hold (RELEASE), the mean of every hold before a line was seen
-local pace = tonumber(redis.call('HGET', KEYS[6], 'shold') or '-1')
+-- the pace of places: the saturated host's mean hold while the host is saturated, else the saturated service's
+-- (RELEASE); the mean of every hold before a line was seen
+local pace = -1
+if host_saturated(15, tonumber(ARGV[4])) then pace = tonumber(redis.call('HGET', KEYS[6], 'hshold') or '-1') end
+if pace < 0 then pace = tonumber(redis.call('HGET', KEYS[6], 'shold') or '-1') end
 if pace < 0 then pace = hold end
 local out = {now, c, s, tonumber(redis.call('HGET', KEYS[6], 'ewma') or '-1'),
              tonumber(redis.call('HGET', KEYS[6], 'last') or '-1'), pace}
@@ -277,9 +306,13 @@ for _, rid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) d
     local whole = since + math.floor(tonumber(ARGV[2]) * (now - since))
     if whole > e then e, censored = whole, 1 end
   end
+  -- the end its hold is expected to reach: the censored estimate, else admission + the pace (a typical hold)
+  local bound = -1
+  if censored == 1 then bound = e elseif since >= 0 and pace > 0 then bound = since + pace end
   table.insert(out, tonumber(redis.call('HGET', KEYS[2], rid) or '0'))
   table.insert(out, e)
   table.insert(out, censored)
+  table.insert(out, bound)
 end
 return out
 """

@@ -58,24 +58,30 @@ class AdmissionRefusals:
         ahead in line, less the concurrency cap)."""
         k = self.keys(cluster, cls.name)
         raw = [int(x) for x in self._holders(keys=[k["lease"], k["tok"], k["q"], k["qtok"], k["end"], k["turn"],
-                                                   *self._tkeys(cluster, cls.name), k["since"]],
-                                             args=[ticket_id, repr(CENSORED_FACTOR), repr(TYPICAL_SPREAD)])]
+                                                   *self._tkeys(cluster, cls.name), k["since"],
+                                                   *self._host_keys(cluster, cls.name)],
+                                             args=[ticket_id, repr(CENSORED_FACTOR), repr(TYPICAL_SPREAD),
+                                                   cls.max_concurrent])]
         now, queued, queued_tokens, turnover_ms, last_ms, hold_ms = raw[:6]
         queued, queued_tokens = queued + unseen[0], queued_tokens + unseen[1]
         # the pace at which places come free: the budget's mean holding time over its rooms, the service's own
-        # pace when it is kept busy (tickets.py, "Pace"); the measured interval between admissions before any
-        # request has ended
+        # pace when it is kept busy (tickets.py, "Pace"; the host's, while every budget of the class on its host is
+        # saturated: admission_lua.HOLDERS); the measured interval between admissions before any request has ended
         if hold_ms > 0:
             turnover_ms = hold_ms / cls.max_concurrent
         # a holder that published no end (a caller without a duration estimate): assume the old rule of thumb,
         # that the class turns over in about max_wait_s
         unknown = now + int(max(cls.max_wait_s, 0.1) * 1000)
-        holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[6::3], raw[7::3])]
-        censored = [e for e, c in zip(raw[7::3], raw[8::3]) if c]
+        # a holder's room comes free no sooner than its published end (its own expected duration, learned from
+        # streams) nor than the end its hold is expected to reach (HOLDERS: admission + the pace, or the censored
+        # estimate): under a burst the streams' durations miss the time a request holds its room beyond them
+        bounds = raw[9::4]
+        holders = [(t, max(e, b) if e >= 0 else (b if b >= 0 else unknown))
+                   for t, e, b in zip(raw[6::4], raw[7::4], bounds)]
         since_s = (now - last_ms) / 1000.0 if last_ms >= 0 else 0.0
         wait = drain_wait_s(now, holders, queued, queued_tokens, tokens, cls.inflight_token_budget,
                             cls.max_concurrent, round_s, turnover_s=max(turnover_ms, 0) / 1000.0,
-                            since_turn_s=since_s, censored_ends_ms=censored)
+                            since_turn_s=since_s, held_ends_ms=bounds)
         return wait, max(len(holders) + queued + 1 - cls.max_concurrent, 0)
 
     def _rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,

@@ -52,19 +52,23 @@ class _Held:
 class AdmissionGate:
     """Admission for one router process. ``renew_interval_s`` (default min(lease/3, 0.5 s)) is the renewer's beat;
     with ``recovery`` the state-loss guard holds new admissions for three beats after Redis lost its state;
-    ``config`` the waiting, ticket and lending behaviour (``AdmissionConfig``'s defaults when None)."""
+    ``config`` the waiting, ticket and lending behaviour (``AdmissionConfig``'s defaults when None);
+    ``co_located(cluster)`` the other clusters on its host (``router.hosts.co_located``; None: each alone)."""
 
     def __init__(self, client: redis.Redis, namespace: str, classes: Sequence[ClassSpec], *, enabled: bool = True,
                  lease_ttl_s: float = 10.0, policy: PrefixCachePolicy | None = None, context_ttl_s: float = 3600.0,
                  renew_interval_s: float | None = None, recovery: bool = True,
-                 config: AdmissionConfig | None = None) -> None:
+                 config: AdmissionConfig | None = None,
+                 co_located: Callable[[str], Sequence[str]] | None = None) -> None:
         self.client, self.classes, self.enabled = client, list(classes), enabled
         self.policy = policy or PrefixCachePolicy()
         self.lease_ttl_s, self.context_ttl_s = lease_ttl_s, context_ttl_s
         self.renew_interval_s = renew_interval_s or min(lease_ttl_s / 3, 0.5)
         guard = RecoveryGuard(alive_ttl_s=6 * self.renew_interval_s, grace_s=3 * self.renew_interval_s) \
             if recovery else None
-        self.admission = Admission(client, namespace, config or AdmissionConfig(), guard=guard)
+        self.admission = Admission(client, namespace, config or AdmissionConfig(), guard=guard,
+                                   co_located=co_located)
+        self._specs = {c.name: c for c in self.classes}
         self._prefix = key_prefix(namespace)
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
@@ -224,7 +228,8 @@ class AdmissionGate:
 
     def _release_in_redis(self, res: Reservation) -> None:
         try:
-            self.admission.release(res)
+            spec = self._specs.get(res.cls)
+            self.admission.release(res, spec.max_concurrent if spec is not None else 0)
         except (redis.RedisError, OSError) as e:
             log.info("release of %s deferred to its lease (Redis: %s)", res.request_id, type(e).__name__)
 

@@ -26,7 +26,7 @@ TYPICAL_SPREAD = 2.0
 
 def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, queued_tokens: int, tokens: int,
                  budget: int, max_concurrent: int, round_s: float = 0.0, turnover_s: float = 0.0,
-                 since_turn_s: float = 0.0, censored_ends_ms: Sequence[int] = ()) -> float:
+                 since_turn_s: float = 0.0, held_ends_ms: Sequence[int] = ()) -> float:
     """Seconds until a request of ``tokens`` would fit one (cluster, class), if the holders (tokens, expected end
     ms) end when expected and the ``queued`` waiters ahead (``queued_tokens`` in all) get in first.
 
@@ -52,13 +52,15 @@ def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, q
     hints behind a line ran at 0.65 of the real wait, median, 200-stream burst on 2 cores), and unlike the
     interval between admissions they are not set by the hints themselves (tickets.py, "Pace").
 
-    ``censored_ends_ms``: the ends of the holders that have held their rooms longer than the completed holds make
-    typical, taken to hold them ``CENSORED_FACTOR`` x their age (admission_lua.HOLDERS; they are among ``holders``
-    with these ends). Behind a line, the place is then no sooner free than the room of the ``min(n, count)``-th of
-    the holders to end (the others, typical, bound nothing), plus a pace for each place beyond the holders: the
-    completed holds' pace says how fast the places behind turn over, the holds in progress say when the rooms they
-    hold come free. (Measured: the censored estimate as the pace of all the places behind, the mean of the holders'
-    whole holds, made the line move at that pace after the burst's first seconds, 39% busy.)
+    ``held_ends_ms``: per holder, the end its hold is expected to reach (admission_lua.HOLDERS; -1: unknown, it
+    bounds nothing): admission + the pace (a typical hold), or, for a holder that has held its room longer than the
+    completed holds make typical, ``CENSORED_FACTOR`` x its age. Behind a line, the place is then no sooner free
+    than the room of the ``min(n, count)``-th of the holders to end, plus a pace for each place beyond the holders:
+    the completed holds' pace says how fast the places behind turn over, the holds in progress say when the rooms
+    they hold come free. (Measured: the censored estimate as the pace of all the places behind, the mean of the
+    holders' whole holds, made the line move at that pace after the burst's first seconds, 39% busy. Without the
+    typical holders' own ends, the first place behind two holders admitted together, a burst's onset, was hinted
+    half a hold after the last admission where both rooms come free a whole hold after it: 0.2 s for 0.9 s.)
     """
     count = len(holders)
     if (turnover_s > 0 and queued > 0
@@ -67,9 +69,9 @@ def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, q
         if not n:
             return 0.0
         wait = max(n * turnover_s - min(max(since_turn_s, 0.0), turnover_s), 0.0)
-        if censored_ends_ms:
-            ends = sorted([max(e - now_ms, 0) / 1000.0 for e in censored_ends_ms]
-                          + [0.0] * max(count - len(censored_ends_ms), 0))
+        if any(e >= 0 for e in held_ends_ms):
+            ends = sorted([max(e - now_ms, 0) / 1000.0 for e in held_ends_ms if e >= 0]
+                          + [0.0] * max(count - sum(e >= 0 for e in held_ends_ms), 0))
             k = min(n, len(ends))
             wait = max(wait, ends[k - 1] + max(n - len(ends), 0) * turnover_s)
         return wait

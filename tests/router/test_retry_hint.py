@@ -149,13 +149,39 @@ def test_behind_a_line_the_censored_ends_of_slow_holders_bound_the_wait():
     holders = [(10, NOW + 100), (10, NOW + 100)]
     assert abs(drain_wait_s(NOW, holders, 1, 10, 10, 1000, 2, turnover_s=0.1) - 0.2) < 1e-9
     # one holder has outlasted every recent hold and is taken to end 1.5 s from now: the first room is the other
-    # one's (typical, it bounds nothing), the second is the slow one's
+    # one's (typical: admission + the pace, 0.1 s from now), the second is the slow one's
     slow = [(10, NOW + 100), (10, NOW + 1500)]
-    assert abs(drain_wait_s(NOW, slow, 1, 10, 10, 1000, 2, turnover_s=0.1, censored_ends_ms=[NOW + 1500]) - 1.5) < 1e-9
+    ends = [NOW + 100, NOW + 1500]
+    assert abs(drain_wait_s(NOW, slow, 1, 10, 10, 1000, 2, turnover_s=0.1, held_ends_ms=ends) - 1.5) < 1e-9
     # a place further back: the slow holder's room, then one pace for each place beyond the holders
-    assert abs(drain_wait_s(NOW, slow, 3, 30, 10, 1000, 2, turnover_s=0.1, censored_ends_ms=[NOW + 1500]) - 1.7) < 1e-9
+    assert abs(drain_wait_s(NOW, slow, 3, 30, 10, 1000, 2, turnover_s=0.1, held_ends_ms=ends) - 1.7) < 1e-9
+    # a holder whose end is unknown (-1: a lease put back after a state loss) bounds nothing
+    assert abs(drain_wait_s(NOW, slow, 1, 10, 10, 1000, 2, turnover_s=0.1, held_ends_ms=[-1, NOW + 1500]) - 1.5) < 1e-9
     # with no line ahead, the holders' ends: the first room to come free is the typical holder's
     assert abs(drain_wait_s(NOW, slow, 0, 0, 10, 1000, 2, turnover_s=0.1) - 0.1) < 1e-9
+
+
+def test_a_first_place_is_hinted_no_sooner_than_the_holders_typical_holds(rclient, ns):
+    """Two holders admitted together whose published ends are near (their streams' learned durations) but whose
+    budget's holds take 0.6 s: the first place behind them is hinted at admission + the mean hold (HOLDERS' bound),
+    not at the published ends (measured at a burst's onset: a hint of 0.2 s for a wait of 0.9 s)."""
+    import time
+
+    from k3serve.router.admission import Admission, AdmissionRejected, ClassSpec
+
+    cls = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=2, queue_limit=0, max_wait_s=0.0)
+    adm = Admission(rclient, ns)
+    for i in range(3):  # each holds its room 0.6 s
+        a, b = (adm.reserve_or_wait("c0", cls, f"h{i}{j}", 10, 30, expected_s=0.1) for j in "ab")
+        time.sleep(0.6)
+        adm.release(a)
+        adm.release(b)
+    held = [adm.reserve_or_wait("c0", cls, f"x{j}", 10, 30, expected_s=0.1) for j in range(2)]
+    with pytest.raises(AdmissionRejected) as e:
+        adm.reserve_or_wait("c0", cls, "r", 10, 30, expected_s=0.1)
+    assert 0.45 <= e.value.retry_after_s <= 0.8, e.value.retry_after_s  # published ends alone: <= 0.1 s
+    for r in held:
+        adm.release(r)
 
 
 def _hints_of_a_new_line(adm, cls, n: int) -> list[float]:
