@@ -34,9 +34,10 @@ local function recovering(alive, recover, alive_ms, grace_ms)
   return redis.call('EXISTS', recover) == 1
 end
 -- Whether the host is saturated: every co-located budget of the class given from KEYS[first] on, as (lease, q,
--- tix) triples, has a line (queue entries or held places) or maxc requests in flight (maxc 0: only a line counts).
--- True when none is given (a cluster alone on its host). (Rooms taken alone, without a line, was measured too
--- rare outside a burst's first seconds: the pace it learned was those first holds', 2-3x the burst's.)
+-- tix) triples, has a line (queue entries or held places) or all its maxc rooms taken (maxc 0: only a line counts).
+-- True when none is given (a cluster alone on its host). (Measured alternatives, docs/architecture.md
+-- "Host-saturated pace": rooms all taken alone, or some taken and a line, held outside a burst's first seconds too
+-- rarely: the pace then learned was those first holds', 2-3x the next burst's, and the rooms idled.)
 local function host_saturated(first, maxc)
   for i = first, #KEYS, 3 do
     if redis.call('ZCARD', KEYS[i + 1]) + redis.call('ZCARD', KEYS[i + 2]) == 0

@@ -72,7 +72,7 @@ def test_a_line_on_a_saturated_host_is_paced_by_the_holds_of_the_saturated_host(
     assert int(rclient.hget(turn, "shold")) < 250
     alone = _pace_of_a_new_line(adm, "alone")
     assert alone < 0.27, alone
-    # the host saturated again: c1 has a line (a held place; its room is free) -> c0's new line at the host's pace
+    # c1 has a line again (a held place; its room is free): the host is saturated, c0's new line goes at its pace
     place = adm.refuse("c1", CLS, "c1-x", 10, "this router is full").ticket
     assert place is not None
     saturated = _pace_of_a_new_line(adm, "saturated")
