@@ -58,9 +58,10 @@ def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, q
     than the room of the ``min(n, count)``-th of the holders to end, plus a pace for each place beyond the holders:
     the completed holds' pace says how fast the places behind turn over, the holds in progress say when the rooms
     they hold come free. (Measured: the censored estimate as the pace of all the places behind, the mean of the
-    holders' whole holds, made the line move at that pace after the burst's first seconds, 39% busy. Without the
-    typical holders' own ends, the first place behind two holders admitted together, a burst's onset, was hinted
-    half a hold after the last admission where both rooms come free a whole hold after it: 0.2 s for 0.9 s.)
+    holders' whole holds, made the line move at that pace after the burst's first seconds, 39% busy.) With no
+    line ahead, the ends in ``holders`` decide; AdmissionRefusals.line_view gives each holder the later of its
+    published end and this bound (measured at a burst's onset: the published ends alone hinted the first place
+    0.2 s for a wait of 0.9 s).
     """
     count = len(holders)
     if (turnover_s > 0 and queued > 0
