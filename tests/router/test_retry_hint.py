@@ -7,6 +7,17 @@ from k3serve.router.retry_hint import drain_wait_s
 NOW = 1_000_000
 
 
+def _paired_holds(adm, cls, hold_s: float, expected_s: float) -> None:
+    """Three rounds of c0's two rooms taken together and released after ``hold_s``: the budget's completed holds."""
+    import time
+
+    for i in range(3):
+        a, b = (adm.reserve_or_wait("c0", cls, f"h{i}{j}", 10, 30, expected_s=expected_s) for j in "ab")
+        time.sleep(hold_s)
+        adm.release(a)
+        adm.release(b)
+
+
 def test_room_when_the_first_holder_ends():
     # 2 holders of a max_concurrent 2 class, nobody queued: this request fits when the earlier one ends
     assert drain_wait_s(NOW, [(10, NOW + 800), (10, NOW + 300)], 0, 0, 10, 1000, 2) == 0.3
@@ -81,11 +92,7 @@ def test_behind_a_line_places_are_paced_by_the_budgets_mean_holding_time(rclient
 
     cls = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=2, queue_limit=0, max_wait_s=0.0)
     adm = Admission(rclient, ns)
-    for i in range(3):  # each holds its room 0.2 s
-        a, b = (adm.reserve_or_wait("c0", cls, f"h{i}{j}", 10, 30, expected_s=5.0) for j in "ab")
-        time.sleep(0.2)
-        adm.release(a)
-        adm.release(b)
+    _paired_holds(adm, cls, 0.2, expected_s=5.0)  # three holds of both rooms, 0.2 s each
     assert 190 <= int(rclient.hget(adm.keys("c0", "short")["turn"], "hold")) <= 320
     res = adm.reserve_or_wait("c0", cls, "renewed", 10, 30, expected_s=5.0)
     time.sleep(0.05)
@@ -117,11 +124,7 @@ def test_holds_in_progress_past_the_typical_hold_lengthen_the_pace_and_the_ends(
 
     cls = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=2, queue_limit=0, max_wait_s=0.0)
     adm = Admission(rclient, ns)
-    for i in range(3):  # each holds its room 0.2 s: the completed holds' mean
-        a, b = (adm.reserve_or_wait("c0", cls, f"h{i}{j}", 10, 30, expected_s=0.3) for j in "ab")
-        time.sleep(0.2)
-        adm.release(a)
-        adm.release(b)
+    _paired_holds(adm, cls, 0.2, expected_s=0.3)  # three holds of both rooms, 0.2 s each: the completed holds' mean
     assert 190 <= int(rclient.hget(adm.keys("c0", "short")["turn"], "hold")) <= 320
     held = [adm.reserve_or_wait("c0", cls, f"x{j}", 10, 30, expected_s=0.3) for j in range(2)]
     tickets = []
@@ -165,17 +168,11 @@ def test_a_first_place_is_hinted_no_sooner_than_the_holders_typical_holds(rclien
     """Two holders admitted together whose published ends are near (their streams' learned durations) but whose
     budget's holds take 0.6 s: the first place behind them is hinted at admission + the mean hold (HOLDERS' bound),
     not at the published ends (measured at a burst's onset: a hint of 0.2 s for a wait of 0.9 s)."""
-    import time
-
     from k3serve.router.admission import Admission, AdmissionRejected, ClassSpec
 
     cls = ClassSpec("short", None, inflight_token_budget=1000, max_concurrent=2, queue_limit=0, max_wait_s=0.0)
     adm = Admission(rclient, ns)
-    for i in range(3):  # each holds its room 0.6 s
-        a, b = (adm.reserve_or_wait("c0", cls, f"h{i}{j}", 10, 30, expected_s=0.1) for j in "ab")
-        time.sleep(0.6)
-        adm.release(a)
-        adm.release(b)
+    _paired_holds(adm, cls, 0.6, expected_s=0.1)  # three holds of both rooms, 0.6 s each
     held = [adm.reserve_or_wait("c0", cls, f"x{j}", 10, 30, expected_s=0.1) for j in range(2)]
     with pytest.raises(AdmissionRejected) as e:
         adm.reserve_or_wait("c0", cls, "r", 10, 30, expected_s=0.1)
