@@ -31,5 +31,6 @@ def co_located_clusters(snapshot: MembershipSnapshot, cluster_id: str) -> tuple[
 
 def co_located(view: MembershipView) -> Callable[[str], tuple[str, ...]]:
     """``cluster -> the clusters sharing its host`` over the router's cached membership (AdmissionGate's
-    ``co_located``)."""
-    return lambda cluster_id: co_located_clusters(view.snapshot(), cluster_id)
+    ``co_located``; called on every refusal and release, so it never waits on a membership read that the
+    background reader will make anyway)."""
+    return lambda cluster_id: co_located_clusters(view.request_snapshot(), cluster_id)

@@ -379,6 +379,11 @@ class MembershipView:
             snap = self._snap
         return self.refresh() if due else snap
 
+    def request_snapshot(self) -> MembershipSnapshot:
+        """The snapshot for a request's path, kept fresh by a background reader (RouterService's): re-read inline
+        only when that reader fell ten intervals (at least 2 s) behind."""
+        return self.snapshot(max_age_s=max(2.0, 10 * self.refresh_interval_s))
+
     def routable(self, snapshot: MembershipSnapshot | None = None) -> list[str]:
         """Alive clusters whose breaker is not open, sorted by id: the ``healthy`` set for hashing and pins."""
         snap = self.snapshot() if snapshot is None else snapshot

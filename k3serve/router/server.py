@@ -106,13 +106,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _routable(self) -> list[str]:
         # inline refresh only if the background reader fell far behind
-        return self.view.routable(self.view.snapshot(max_age_s=max(2.0, 10 * self.view.refresh_interval_s)))
+        return self.view.routable(self.view.request_snapshot())
 
     def _cluster_alive(self, cluster: str) -> bool:
         """False only when the cluster is registered but its heartbeat expired. A cluster missing from the
         membership may just not have re-registered yet after a Redis restart: its own stream errors (a broken
         front fails its requests, a dead process breaks the connection) are the signal then."""
-        info = self.view.snapshot(max_age_s=max(2.0, 10 * self.view.refresh_interval_s)).get(cluster)
+        info = self.view.request_snapshot().get(cluster)
         return info is None or info.alive
 
     # --------------------------------------------------------------------------------------------- api
