@@ -5,7 +5,7 @@
  ClusterActor c0 ── placement group: prefill rank 0..P-1, decode rank 0..D-1 (RankActor); one node
    │                 (STRICT_PACK), or the nodes clusters.placement names by resources (PACK; placement.py)
    ├ PrefillEngine / DecodeEngine over RayExecutors
-   ├ ClusterFront: internal gRPC (port 0) for routers
+   ├ ClusterFront: internal gRPC (port 0) for routers; one warm-up request runs before it registers
    └ agent thread: register endpoints, heartbeat load into Redis; silent once the cluster is broken
  RouterActor r0..  ── RouterService (public gRPC, port 0) over Redis membership + pins
 ```
@@ -116,6 +116,8 @@ class ClusterActor:
             front.staging = lambda: _staging(client)
         endpoint = front.start(d.bind_host)
         self.front = front
+        # before it registers (the agent): a cold cluster's first requests run 3-4x as long (ClusterFront.warm_up)
+        log.info("cluster %s warmed up in %.2f s", self.cluster_id, front.warm_up())
         return endpoint
 
     def _transfer_hooks(self) -> tuple[object, object]:

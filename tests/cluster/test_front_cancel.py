@@ -83,3 +83,27 @@ def test_same_id_twice_at_once_is_already_exists(front):
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert len([t for m in first for t in m.token_ids]) == 4
     _wait_idle(f)
+
+
+def test_the_warm_up_runs_one_request_through_the_pipeline_and_leaves_nothing(front):
+    """ClusterFront.warm_up (run before a cluster registers): one short request through prefill, transfer and
+    decode; afterwards every pool is as before (nothing cached, nothing held) and no client request is counted."""
+    f, stub = front
+    _wait_idle(f)
+    used = {n: p.used for n, p in f.pools().items()}
+    counted = {k: v for k, v in f.metrics.items() if k in ("requests", "completed", "cancelled", "failed")}
+    assert f.warm_up(timeout_s=60) > 0
+    _wait_idle(f)
+    assert {n: p.used for n, p in f.pools().items()} == used
+    assert {k: v for k, v in f.metrics.items() if k in counted} == counted
+    # the front serves as before
+    assert sum(len(m.token_ids) for m in _call(stub, "after-warm-up", prompt(64, 3), 4)) == 4
+
+
+def test_a_warm_up_past_its_time_is_an_error_and_is_cancelled(front):
+    """A warm-up that does not finish in time means the cluster is not fit to serve: RuntimeError, and its
+    request is cancelled in the engine (nothing left behind)."""
+    f, _ = front
+    with pytest.raises(RuntimeError, match="warm-up request ran past"):
+        f.warm_up(timeout_s=0.0)
+    _wait_idle(f)

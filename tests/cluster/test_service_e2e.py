@@ -115,11 +115,21 @@ def test_health_reflection_and_cluster_status(deployment):
 
 
 def test_state_moves_between_groups_over_grpc_transfer(deployment):
+    """A request's state moves from its prefill group to its decode group over the gRPC transfer (counted beside
+    each cluster's warm-up request, which moved one already)."""
     import ray
 
-    stats = ray.get([h.stats.remote() for h in deployment.clusters.values()])
-    assert sum(s["grpc_transfers"] for s in stats) > 0
-    assert all(not s["broken"] for s in stats)
+    def transfers() -> float:
+        stats = ray.get([h.stats.remote() for h in deployment.clusters.values()])
+        assert all(not s["broken"] for s in stats)
+        return sum(s["grpc_transfers"] for s in stats)
+
+    before = transfers()
+    tokens, _ = _collect(_stub(deployment.router_addresses[0]),
+                         pb.GenerateRequest(prompt_text="moved between groups",
+                                            sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True)))
+    assert len(tokens) == 2
+    assert transfers() == before + 1
 
 
 def test_internal_endpoint_rejects_unauthenticated_peers(deployment):
