@@ -47,6 +47,16 @@ local function host_saturated(first, maxc)
   end
   return true
 end
+-- The rooms of a budget in use now: its live leases.
+local function live(lease)
+  return redis.call('ZCOUNT', lease, '(' .. now, '+inf')
+end
+-- The requests running now on every co-located budget given from KEYS[first] on, as (lease, q, tix) triples.
+local function host_others_now(first)
+  local n = 0
+  for i = first, #KEYS, 3 do n = n + live(KEYS[i]) end
+  return n
+end
 local function inflight(lease, tok)
   local sum = 0
   for _, v in ipairs(redis.call('HVALS', tok)) do sum = sum + tonumber(v) end
@@ -220,16 +230,21 @@ return {now + tonumber(ARGV[2]), lost}
 # saturated *host*, while every co-located budget is saturated too (host_saturated): the pace HOLDERS uses while
 # the host is saturated. (Measured: the cluster whose warm-up line drained last ran its last holds alone on the
 # host, 0.3 s against the 0.8 s of a burst on all clusters, and its next burst's first hints were 2.7x early;
-# docs/architecture.md, "Host-saturated pace".) With no co-located budget, hshold is shold.
+# docs/architecture.md, "Host-saturated pace".) A neighbour's line counts while its holders are away and its rooms
+# idle, so a hold weighs in hshold by the share of the host's rooms in use at its release (all of them: 0.2, as in
+# shold): a host running few requests says little of it saturated. (Measured: the warm-up's last holds, with 1-3
+# of the 6 rooms in use, left hshold at 0.27-0.39 s against 0.52-0.81 s weighed and ~1.1 s at the next burst's
+# onset; stricter rules and per-load means made paces that their own slow lines never corrected, same section.)
+# With no co-located budget and all its rooms in use, hshold is shold.
 RELEASE = LUA_COMMON + """
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[5], ARGV[1])
 local since = tonumber(ARGV[2])
-local function ewma(field, x)
+local function ewma(field, x, w)
   local m = tonumber(redis.call('HGET', KEYS[4], field) or '-1')
-  m = m < 0 and x or (0.8 * m + 0.2 * x)
+  m = m < 0 and x or ((1 - w) * m + w * x)
   redis.call('HSET', KEYS[4], field, math.floor(m))
 end
 if removed == 1 and since > 0 and now > since and now - since < 600000 then
@@ -239,8 +254,14 @@ if removed == 1 and since > 0 and now > since and now - since < 600000 then
   if hold < 0 then hold = x else dev, hold = 0.75 * dev + 0.25 * math.abs(x - hold), 0.8 * hold + 0.2 * x end
   redis.call('HSET', KEYS[4], 'hold', math.floor(hold), 'hdev', math.floor(dev))
   if redis.call('ZCARD', KEYS[6]) > 0 or redis.call('ZCARD', KEYS[7]) > 0 then
-    ewma('shold', x)
-    if host_saturated(8, tonumber(ARGV[3])) then ewma('hshold', x) end
+    ewma('shold', x, 0.2)
+    local maxc = tonumber(ARGV[3])
+    if host_saturated(8, maxc) then
+      -- weighed by the share of the host's rooms in use at the release (all of them: 0.2, as shold)
+      local rooms = maxc * (1 + (#KEYS - 7) / 3)
+      local used = live(KEYS[1]) + 1 + host_others_now(8)
+      ewma('hshold', x, rooms > 0 and 0.2 * math.min(used / rooms, 1) or 0.2)
+    end
   end
   redis.call('PEXPIRE', KEYS[4], 3600000)
 end

@@ -87,3 +87,24 @@ def test_a_cluster_alone_on_its_host_learns_one_saturated_pace(rclient, ns):
     _saturated_holds(adm, "a", 3, 0.1)
     turn = adm.keys("c0", "short")["turn"]
     assert rclient.hget(turn, "hshold") == rclient.hget(turn, "shold")
+
+
+def test_a_hold_weighs_in_the_host_pace_by_the_share_of_the_hosts_rooms_in_use(rclient, ns):
+    """A neighbour's line makes the host saturated even while its holders are away and its rooms idle; a hold
+    released then (one of the host's two rooms in use) moves turn.hshold half as far as one released with both
+    in use (the warm-up's tail, run with most rooms idle, had left the next burst's pace 2-3x fast)."""
+    adm = Admission(rclient, ns, co_located=lambda c: {"c0": ("c1",), "c1": ("c0",)}[c])
+    busy = adm.reserve_or_wait("c1", CLS, "c1-busy", 10, 30, expected_s=5.0)
+    _saturated_holds(adm, "a", 3, 0.4)  # both rooms in use at each release: weight 0.2
+    turn = adm.keys("c0", "short")["turn"]
+    full = int(rclient.hget(turn, "hshold"))
+    assert 380 <= full <= 600, full
+    adm.release(busy, 0)
+    place = adm.refuse("c1", CLS, "c1-x", 10, "this router is full").ticket  # c1: a line, its room idle
+    assert place is not None
+    _saturated_holds(adm, "b", 3, 0.05)
+    # weight 0.1 each: full x 0.9^3 + 50 x (1 - 0.9^3) (at weight 0.2: full x 0.8^3 + ..., ~0.5 x full + 25)
+    half = int(rclient.hget(turn, "hshold"))
+    assert half >= 0.7 * full, (half, full)
+    assert int(rclient.hget(turn, "shold")) < 0.6 * full  # the budget's own pace takes every hold as before
+    adm.drop_ticket(place)
