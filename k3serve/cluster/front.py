@@ -145,9 +145,13 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         try:
             while True:
                 left = started + timeout_s - time.monotonic()
-                try:
-                    item = out.get(timeout=max(left, 0.0))
+                try:  # (in short waits: a front stopped meanwhile ends it at once)
+                    item = out.get(timeout=min(max(left, 0.0), 0.5))
                 except queue.Empty:
+                    if self._stop.is_set():
+                        raise RuntimeError(f"cluster {self.cluster_id}: stopped during its warm-up") from None
+                    if left > 0.5:
+                        continue
                     self._inbox.put(("cancel", engine_id))
                     raise RuntimeError(f"cluster {self.cluster_id}: the warm-up request ran past {timeout_s:.0f} s")
                 if item.error is not None:

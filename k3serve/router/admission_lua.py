@@ -232,9 +232,10 @@ return {now + tonumber(ARGV[2]), lost}
 # host, 0.3 s against the 0.8 s of a burst on all clusters, and its next burst's first hints were 2.7x early;
 # docs/architecture.md, "Host-saturated pace".) A neighbour's line counts while its holders are away and its rooms
 # idle, so a hold weighs in hshold by the share of the host's rooms in use at its release (all of them: 0.2, as in
-# shold): a host running few requests says little of it saturated. (Measured: the warm-up's last holds, with 1-3
-# of the 6 rooms in use, left hshold at 0.27-0.39 s against 0.52-0.81 s weighed and ~1.1 s at the next burst's
-# onset; stricter rules and per-load means made paces that their own slow lines never corrected, same section.)
+# shold): a host running few requests says little of it saturated. (Measured, replayed over recorded holds: the
+# warm-up's last holds, with 1-3 of the 6 rooms in use, left hshold at 0.29-0.41 s against 0.48-0.67 s weighed,
+# the next burst's first holds 0.9-1.9 s; stricter rules and per-load means made paces that their own slow lines
+# never corrected: docs/architecture.md, "Two paces by host load".)
 # With no co-located budget and all its rooms in use, hshold is shold.
 RELEASE = LUA_COMMON + """
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
