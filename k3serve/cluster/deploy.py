@@ -207,6 +207,9 @@ class DeployConfig:
     # frozen contracts.numerics.Numerics that every cluster passes to its workers, prefill engine and front
     numerics: Numerics = DEFAULT_NUMERICS
     router_resources: Resources = ()  # Ray custom resources each router needs (cluster/placement.py)
+    # the routers' OpenAI-compatible HTTP door (docs/http.md): router i listens on http_port + i (0: a free port)
+    http_port: int = 0
+    served_model_name: str = ""  # the model id of /v1/models; empty: the checkpoint directory's or preset's name
 
     def for_cluster(self, cluster_id: str) -> "DeployConfig":
         """What one cluster runs with: its placement entry's `transfer` (if any) in place of clusters.transfer."""
@@ -253,6 +256,8 @@ class DeployConfig:
                 raise DeployError(f"{where}.transfer must be one of {', '.join(TRANSFER_PLANES)}, got {p.transfer!r}")
         if not self.request_classes:
             raise DeployError("request_classes must not be empty")
+        if not 0 <= self.http_port <= 65535 - self.routers + 1:
+            raise DeployError(f"http_port must be 0 or a port with room for {self.routers} routers, got {self.http_port}")
         if not self.drain_timeout_s > 0:
             raise DeployError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         names = [rc.name for rc in self.request_classes]

@@ -62,6 +62,7 @@ class Deployment:
     redis_url: str = ""
     cluster_endpoints: dict[str, str] = field(default_factory=dict)
     router_addresses: list[str] = field(default_factory=list)
+    http_addresses: list[str] = field(default_factory=list)  # the routers' OpenAI-compatible HTTP doors
     clusters: dict[str, object] = field(default_factory=dict)  # cluster id -> ClusterActor handle
     routers: list[object] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)  # cluster id -> ClusterActors started to replace it
@@ -94,8 +95,10 @@ class Deployment:
         self.cluster_endpoints = dict(zip(handles, endpoints))
         router = RouterActor.options(resources=dict(self.deploy.router_resources)) \
             if self.deploy.router_resources else RouterActor
-        self.routers = [router.remote(self.deploy, self.checkpoint, self.redis_url) for _ in range(self.deploy.routers)]
+        self.routers = [router.remote(self.deploy, self.checkpoint, self.redis_url, i)
+                        for i in range(self.deploy.routers)]
         self.router_addresses = ray.get([r.start.remote() for r in self.routers], timeout=timeout_s)
+        self.http_addresses = ray.get([r.http_endpoint.remote() for r in self.routers], timeout=timeout_s)
         self.wait_healthy(len(handles), timeout_s=30.0)
         if self.deploy.clusters.rebuild:
             self._supervisor = threading.Thread(target=self._supervise, name="k3serve-supervisor", daemon=True)

@@ -32,11 +32,18 @@ def admission_classes(classes: Sequence[RequestClassSpec]) -> list[ClassSpec]:
                       c.max_wait_s) for c in classes]
 
 
+def served_model_name(d: DeployConfig) -> str:
+    """The model id the HTTP door serves: the deploy file's, else the checkpoint directory's or preset's name."""
+    from pathlib import Path
+
+    return d.served_model_name or (Path(d.model.checkpoint).name if d.model.checkpoint else d.model.preset)
+
+
 @ray.remote(num_cpus=ACTOR_CPU, max_restarts=0, max_concurrency=4)
 class RouterActor:
-    def __init__(self, deploy: DeployConfig, checkpoint: str, redis_url: str) -> None:
-        self.deploy, self.checkpoint, self.redis_url = deploy, checkpoint, redis_url
-        self.server = None
+    def __init__(self, deploy: DeployConfig, checkpoint: str, redis_url: str, index: int = 0) -> None:
+        self.deploy, self.checkpoint, self.redis_url, self.index = deploy, checkpoint, redis_url, index
+        self.server = self.http = None
 
     def start(self) -> str:
         from k3serve.cluster.redis_server import connect
@@ -69,7 +76,17 @@ class RouterActor:
                                      d.api_keys, gate=gate, metrics=metrics, stall_timeout_s=ctl.stall_timeout_s,
                                      max_streams=router_max_streams(d))
         self.server, addr = start_router_server(self.service, d.bind_host)
+        from k3serve.router.chat_template import ChatTemplate, load_chat_template
+        from k3serve.router.http_server import HttpDoor
+
+        template = ChatTemplate(load_chat_template(self.checkpoint)) if limits.byte_tokenizer else None
+        self.http = HttpDoor(self.service, served_model_name(d), template)
+        self.http_address = self.http.start(d.bind_host, d.http_port + self.index if d.http_port else 0)
         return addr
+
+    def http_endpoint(self) -> str:
+        """The OpenAI-compatible HTTP door's "host:port" (router/http_server.py)."""
+        return self.http_address
 
     def pid(self) -> int:
         import os
@@ -105,6 +122,8 @@ class RouterActor:
         return self.service.inflight if self.server is not None else 0
 
     def stop(self, grace_s: float = 2.0) -> None:
+        if self.http is not None:
+            self.http.stop(grace_s)
         if self.server is not None:
             self.server.stop(grace_s).wait()
             self.service.close()

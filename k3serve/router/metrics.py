@@ -17,6 +17,8 @@ from prometheus_client.core import GaugeMetricFamily
 log = logging.getLogger(__name__)
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
 ACCURACY_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 
 
@@ -122,6 +124,21 @@ class RouterMetrics:
             "(1: exact), per request that came back on its ticket", ["cls"], buckets=ACCURACY_BUCKETS, registry=r)
         self.ttft = Histogram("k3serve_ttft_seconds", "request arrival to first token", buckets=TTFT_BUCKETS,
                               registry=r)
+        # conventional serving metrics (the names vLLM and SGLang export, under k3serve_), both doors alike
+        self.time_to_first_token = Histogram("k3serve_time_to_first_token_seconds", "arrival to first token",
+                                             buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("k3serve_inter_token_latency_seconds", "time between output tokens",
+                                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e_latency = Histogram("k3serve_e2e_request_latency_seconds", "arrival to last token of finished "
+                                     "requests", buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("k3serve_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_prompt_tokens = Counter("k3serve_cached_prompt_tokens", "prompt tokens served from the "
+                                            "prefix cache", registry=r)
+        self.generation_tokens = Counter("k3serve_generation_tokens", "tokens streamed to clients", registry=r)
+        self.finished = Counter("k3serve_request_finished", "requests by finish reason (stop, length; abort: "
+                                "the client left; error)", ["finished_reason"], registry=r)
+        self.refusals = Counter("k3serve_refusals", "requests refused with a retry hint, by who refused "
+                                "(router: stream slots; admission: a class budget)", ["by"], registry=r)
         if class_stats is not None:
             r.register(_ClassCollector(class_stats))
         if cluster_infos is not None:

@@ -19,11 +19,14 @@ cluster (it may be refused: the client has seen nothing); after the first token 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import redis
@@ -54,6 +57,14 @@ from k3serve.tokenizer import ByteTokenizer
 from k3serve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestRecord:
+    """How a request ended, as the metrics count it: the cluster's finish reason, or the door's (a stop string)."""
+
+    finish_reason: str = ""
+    attempts: Attempts | None = None  # what the request received so far, across failovers (usage of a stop)
 
 MAX_MESSAGE_BYTES = 4 << 20
 HEADROOM_THREADS = 16  # gRPC threads beyond max_streams: health, status and quick rejections always answer
@@ -122,30 +133,73 @@ class RouterService(router_pb2_grpc.RouterServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
         api_key = self._check_api_key(context)
         try:
-            req = validate_generate(request, self.limits)
+            req = self.validated(request)
             ticket = self._presented_ticket(context)
         except (InvalidRequest, MalformedTicket) as e:
             self.counters.inc("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        yield from self.serve_request(req, api_key, context, ticket)
+
+    def validated(self, request: router_pb2.GenerateRequest) -> ValidRequest:
+        """The one validation of a public request (both doors); an unset seed becomes a random one, so unseeded
+        sampling is random while the drawn seed still makes a failover resume exactly. Raises InvalidRequest."""
+        req = validate_generate(request, self.limits)
+        if request.HasField("sampling") and request.sampling.HasField("seed"):
+            return req
+        return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(64)))
+
+    def key_allowed(self, key: str) -> bool:
+        return not self.api_keys or key in self.api_keys
+
+    @property
+    def draining(self) -> bool:
+        with self._lock:
+            return self._draining
+
+    def serving(self) -> bool:
+        """Taking requests: not draining and at least one routable cluster (the HTTP door's /health)."""
+        return not self.draining and bool(self._routable())
+
+    def serve_request(self, req: ValidRequest, api_key: str, context, ticket: Ticket | None = None,
+                      record: RequestRecord | None = None) -> Iterator[router_pb2.GenerateResponse]:
+        """The request path both doors call (gRPC Generate, the HTTP door's calls): drain, stream slot, pin,
+        admission, failover, metrics. ``context`` is a grpc.ServicerContext or one that behaves as one
+        (abort raises, add_callback, is_active, time_remaining, set_trailing_metadata). ``record`` lets the door
+        end a request itself (a stop string) with a finish reason the metrics count."""
+        record = record if record is not None else RequestRecord()
         with self._lock:
             if self._draining:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "router is draining (shutting down); use another router")
             self._inflight += 1
         self.counters.inc("requests")
-        started = time.monotonic()
-        first = True
-        outcome = "failed"
+        m = self.metrics
+        started = last = time.monotonic()
+        generated = 0
         try:
-            for msg in self._generate(req, api_key, context, ticket):
-                if first:
-                    self.metrics.ttft.observe(time.monotonic() - started)
-                    first = False
+            for msg in self._generate(req, api_key, context, ticket, record):
+                now = time.monotonic()
+                if msg.token_ids:
+                    if not generated:
+                        m.ttft.observe(now - started)
+                        m.time_to_first_token.observe(now - started)
+                    else:
+                        m.inter_token_latency.observe((now - last) / len(msg.token_ids))
+                    generated += len(msg.token_ids)
+                    last = now
                 if msg.finish_reason:
-                    outcome = "completed"
+                    record.finish_reason = msg.finish_reason
                 yield msg
         finally:
-            self.counters.inc("completed" if outcome == "completed" else "failed")
-            self.metrics.requests.labels(outcome=outcome).inc()
+            if record.finish_reason:
+                m.prompt_tokens.inc(len(req.prompt_ids))
+                m.cached_prompt_tokens.inc(record.attempts.cached if record.attempts is not None else 0)
+                m.e2e_latency.observe(time.monotonic() - started)
+            outcome = "completed" if record.finish_reason else "failed"
+            reason = record.finish_reason or ("abort" if not context.is_active() else "error")
+            self.counters.inc(outcome)
+            m.requests.labels(outcome=outcome).inc()
+            m.finished.labels(finished_reason=reason).inc()
+            m.generation_tokens.inc(generated)
             with self._lock:
                 self._inflight -= 1
                 self._idle.notify_all()
@@ -215,7 +269,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             return ""
         auth = dict(context.invocation_metadata()).get("authorization", "")
         key = auth[len("Bearer "):] if auth.startswith("Bearer ") else ""
-        if key not in self.api_keys:
+        if not self.key_allowed(key):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer ...)")
         return key
 
@@ -248,14 +302,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _reject(self, context, hint_s: float, by: str, message: str, ticket: Ticket | None = None) -> None:
         self.counters.inc("rejected")
+        self.metrics.refusals.labels(by=by.split(":")[0]).inc()
         md = [("retry-after-s", f"{hint_s:.3f}"), ("k3serve-rejected-by", by)]
         if ticket is not None:  # the place held for this request: come back with it (request metadata)
             md.append((TICKET_KEY, str(ticket)))
         context.set_trailing_metadata(tuple(md))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry after {hint_s:.2f}s")
 
-    def _generate(self, req: ValidRequest, api_key: str, context,
-                  ticket: Ticket | None = None) -> Iterator[router_pb2.GenerateResponse]:
+    def _generate(self, req: ValidRequest, api_key: str, context, ticket: Ticket | None = None,
+                  record: RequestRecord | None = None) -> Iterator[router_pb2.GenerateResponse]:
         salt = tenant_salt(self._secret, api_key, req.cache_salt)
         key = cache_identity(req.session_id, req.prompt_ids, salt, self.policy.block_size)
         try:
@@ -289,15 +344,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 hint, held, by = rej.retry_after_s, rej.ticket, f"router:{pin.serving}/{cls.name}"
             self._reject(context, hint, by, message, held)
         try:
-            yield from self._serve(req, key, salt, pin.serving, progress, context, ticket)
+            yield from self._serve(req, key, salt, pin.serving, progress, context, ticket, record)
         finally:
             self.slots.release(progress)
 
     def _serve(self, req: ValidRequest, key: str, salt: str, cluster: str, progress: StreamProgress, context,
-               ticket: Ticket | None = None):
+               ticket: Ticket | None = None, record: RequestRecord | None = None):
         cancelled = threading.Event()
         context.add_callback(cancelled.set)
         st = Attempts()
+        if record is not None:
+            record.attempts = st
         tried: set[str] = set()
         res = self._admit(cluster, req, key, progress, cancelled, context, ticket)
         self.pins.confirm(key)

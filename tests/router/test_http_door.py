@@ -1,0 +1,202 @@
+"""The OpenAI-compatible HTTP door over a real RouterService, redis-server and gRPC fake cluster fronts
+(fake_cluster.py: token i of a request is (offset + i) % 251, a byte, so its text is known exactly)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from k3serve.cluster.redis_server import connect
+from k3serve.router.chat_template import ChatTemplate
+from k3serve.router.gate import AdmissionGate
+from k3serve.router.hosts import co_located
+from k3serve.router.http_server import HttpDoor
+from k3serve.router.membership import BreakerConfig, CircuitBreaker, Membership, MembershipView
+from k3serve.router.pins import PinStore
+from k3serve.router.server import RouterService
+from k3serve.router.validate import ModelLimits
+from k3serve.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
+from k3serve.v1 import router_pb2 as pb
+from tests.router.fake_cluster import SECRET, Behaviour, Rig, default_classes, expected_tokens
+
+MODEL = "tiny-test"
+
+
+@pytest.fixture
+def rig(redis_server, ns):
+    r = Rig(redis_server.url, ns)
+    yield r
+    r.close()
+
+
+def _door(rig: Rig, api_keys=(), max_streams: int = 16):
+    client = connect(rig.url, timeout_s=2.0)
+    view = MembershipView(Membership(client, rig.ns), refresh_interval_s=0.1,
+                          breaker=CircuitBreaker(BreakerConfig(cool_down_s=30.0)))
+    gate = AdmissionGate(client, rig.ns, default_classes(), lease_ttl_s=3.0, renew_interval_s=0.2,
+                         co_located=co_located(view))
+    svc = RouterService(view, PinStore(client, rig.ns), ModelLimits(BYTE_VOCAB_SIZE, 4096, True), SECRET,
+                        api_keys, gate=gate, max_streams=max_streams)
+    door = HttpDoor(svc, MODEL, ChatTemplate())
+    addr = door.start()
+    rig.routers.append((svc, _Stopper(door), addr))
+    return svc, f"http://{addr}"
+
+
+class _Stopper:  # Rig.close stops its routers' servers: here the HTTP door
+    def __init__(self, door: HttpDoor) -> None:
+        self.door = door
+
+    def stop(self, _grace) -> None:
+        self.door.stop()
+
+
+def _text(n: int, offset: int = 0) -> str:
+    return ByteTokenizer().decode(expected_tokens(n, offset))
+
+
+def _wait(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_completions_and_chat_streamed_and_not_with_the_openai_client(rig):
+    rig.add_cluster("c0")
+    svc, url = _door(rig)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=40, temperature=0)
+    assert out.choices[0].text == _text(40) and out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == 6 and out.usage.completion_tokens == 40  # BOS + 5 bytes
+    chunks = list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=30, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == _text(30)
+    assert chunks[-1].usage.completion_tokens == 30 and chunks[-1].usage.prompt_tokens == 3
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=9)
+    assert chat.choices[0].message.content == _text(9) and chat.choices[0].message.role == "assistant"
+    deltas = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=12, stream=True))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == _text(12)
+    assert deltas[-1].choices[0].finish_reason == "length"
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_a_stop_string_across_token_boundaries_ends_the_text_and_the_request_on_its_cluster(rig):
+    fc = rig.add_cluster("c0", Behaviour(delay_s=0.02))
+    svc, url = _door(rig)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    stop = _text(3, 40)  # tokens 40, 41, 42: a match spanning three pieces
+    t0 = time.monotonic()
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=200, stop=["zzz", stop])
+    assert out.choices[0].text == _text(40) and out.choices[0].finish_reason == "stop"
+    assert time.monotonic() - t0 < 200 * 0.02 / 2  # it did not run to max_tokens
+    assert _wait(lambda: not fc.running, 2.0)
+    s = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="x", max_tokens=200, stop=stop, stream=True))
+    assert s == _text(40)
+    assert _wait(lambda: not fc.running and svc.inflight == 0, 2.0)
+
+
+def test_unseeded_requests_draw_distinct_seeds_and_a_given_seed_is_kept(rig):
+    rig.add_cluster("c0")
+    svc, _ = _door(rig)
+    unseeded = pb.GenerateRequest(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_tokens=2, temperature=1))
+    seeds = {svc.validated(unseeded).sampling.seed for _ in range(8)}
+    assert len(seeds) == 8
+    seeded = pb.GenerateRequest(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_tokens=2, seed=0))
+    assert svc.validated(seeded).sampling.seed == 0
+
+
+def test_closing_the_connection_mid_stream_cancels_the_request_everywhere(rig):
+    fc = rig.add_cluster("c0", Behaviour(delay_s=0.05))
+    svc, url = _door(rig)
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", f"{url}/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 400,
+                                                              "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data:")
+            assert fc.running
+    assert _wait(lambda: not fc.running and svc.inflight == 0 and svc.slots.active() == 0, 5.0)
+
+
+BAD = [  # (body or raw bytes, status, param)
+    (b"{not json", 400, "body"),
+    (b'{"model": "tiny-test", "prompt": "\xff\xfe"}', 400, "body"),
+    ([1, 2], 400, "body"),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": 7}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1] * 5000}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 1000}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [100000]}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "x", "cache_salt": "s" * 300}, 400, "cache_salt"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "bogus"),
+    ({"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_bad_input_is_an_openai_error_naming_the_parameter(rig, body, status, param):
+    rig.add_cluster("c0")
+    _, url = _door(rig)
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url + path, content=raw, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200  # the service keeps serving
+
+
+def test_keys_health_metrics_and_a_full_router_is_429_with_retry_after(rig):
+    rig.add_cluster("c0", Behaviour(delay_s=0.05))
+    svc, url = _door(rig, api_keys=("k1",), max_streams=1)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3}
+    assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+    assert httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k2"}).status_code == 401
+    auth = {"Authorization": "Bearer k1"}
+    assert httpx.post(url + "/v1/completions", json=body, headers=auth).status_code == 200
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", f"{url}/v1/completions", headers=auth,
+                      json={**body, "max_tokens": 100, "stream": True}) as r:
+            lines = r.iter_lines()  # held: a closed iterator would close the stream
+            assert next(lines).startswith("data:")
+            full = httpx.post(url + "/v1/completions", json=body, headers=auth)
+    assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+    assert full.json()["error"]["type"] == "rate_limit_error"
+    assert httpx.get(url + "/health").status_code == 200
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    ttft = next(s.value for s in fams["k3serve_time_to_first_token_seconds"].samples if s.name.endswith("_count"))
+    assert ttft >= 2
+    refused = {s.labels["by"]: s.value for s in fams["k3serve_refusals"].samples if s.name.endswith("_total")}
+    assert refused["router"] >= 1
+    svc.drain(0.0)
+    assert httpx.get(url + "/health").status_code == 503
+    assert httpx.post(url + "/v1/completions", json=body, headers=auth).status_code == 503
