@@ -200,3 +200,46 @@ def test_keys_health_metrics_and_a_full_router_is_429_with_retry_after(rig):
     svc.drain(0.0)
     assert httpx.get(url + "/health").status_code == 503
     assert httpx.post(url + "/v1/completions", json=body, headers=auth).status_code == 503
+
+
+def test_a_stream_that_fails_over_stays_one_stream_without_repeated_text(rig):
+    once = Behaviour(fail_after=7)  # shared: whichever cluster serves first fails once, the other takes over
+    rig.add_cluster("c0", once)
+    rig.add_cluster("c1", once)
+    svc, url = _door(rig)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=30, stream=True,
+                                            extra_body={"return_token_ids": True}))
+    assert "".join(c.choices[0].text for c in chunks) == _text(30)
+    assert [t for c in chunks for t in (c.choices[0].model_extra.get("token_ids") or [])] == expected_tokens(30)
+    assert svc.counters["failovers"] == 1
+
+
+def test_stop_matcher_holds_back_a_possible_stop_and_finds_the_earliest():
+    from k3serve.router.stop_strings import StopMatcher
+
+    m = StopMatcher(["END", "ab"])
+    assert m.feed("xxE") == ("xx", False)
+    assert m.feed("N") == ("", False)
+    assert m.feed("Dzz") == ("", True)
+    m = StopMatcher(["END", "ab"])
+    assert m.feed("qE") == ("q", False)
+    assert m.feed("x") == ("Ex", False)
+    assert m.feed("a") == ("", False) and m.flush() == "a"
+    assert StopMatcher(["ab", "cab"]).feed("zcabz") == ("z", True)
+
+
+def test_n_choices_get_consecutive_seeds_and_the_chat_template_comes_from_the_checkpoint(tmp_path):
+    from k3serve.router.chat_template import DEFAULT_CHAT_TEMPLATE, load_chat_template
+    from k3serve.router.openai_requests import parse
+
+    plan = parse({"model": MODEL, "prompt": ["a", [1, 2]], "n": 3, "seed": 7}, False, MODEL, None)
+    assert [r.sampling.seed for r in plan.requests] == [7, 8, 9] * 2
+    assert [r.prompt_text for r in plan.requests[:3]] == ["a"] * 3 and list(plan.requests[3].prompt_token_ids) == [1, 2]
+    unseeded = parse({"model": MODEL, "prompt": "a", "n": 2}, False, MODEL, None)
+    assert not any(r.sampling.HasField("seed") for r in unseeded.requests)
+    assert load_chat_template(tmp_path) == DEFAULT_CHAT_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "default", "template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"}]}))
+    tpl = ChatTemplate(load_chat_template(tmp_path))
+    assert tpl.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]) == "[hi][yo]"
