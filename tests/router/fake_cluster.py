@@ -47,6 +47,7 @@ class Seen:
     cache_salt: str
     prompt_len: int
     offset: int
+    seed: int = 0
 
 
 class FakeCluster(cluster_pb2_grpc.ClusterServicer):
@@ -65,7 +66,7 @@ class FakeCluster(cluster_pb2_grpc.ClusterServicer):
         req, b = request.request, self.behaviour
         with self._lock:
             self.seen.append(Seen(req.request_id, req.session_id, request.cache_salt, len(req.prompt_token_ids),
-                                  request.absolute_offset))
+                                  request.absolute_offset, req.sampling.seed))
             if req.request_id in self.running:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running")
             self.running.add(req.request_id)

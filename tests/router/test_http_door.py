@@ -108,8 +108,15 @@ def test_a_stop_string_across_token_boundaries_ends_the_text_and_the_request_on_
 
 
 def test_unseeded_requests_draw_distinct_seeds_and_a_given_seed_is_kept(rig):
-    rig.add_cluster("c0")
+    fc = rig.add_cluster("c0")
     svc, _ = _door(rig)
+    _, stub = rig.add_router()
+    sampled = pb.SamplingParams(max_tokens=2, temperature=1.0)
+    for _ in range(3):  # gRPC, unseeded: proto3 used to send seed 0 for all
+        list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], sampling=sampled), timeout=30))
+    list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(
+        max_tokens=2, temperature=1.0, seed=0)), timeout=30))
+    assert len({s.seed for s in fc.seen[:3]}) == 3 and fc.seen[3].seed == 0
     unseeded = pb.GenerateRequest(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_tokens=2, temperature=1))
     seeds = {svc.validated(unseeded).sampling.seed for _ in range(8)}
     assert len(seeds) == 8
