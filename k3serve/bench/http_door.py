@@ -8,7 +8,6 @@ not counted) comes first.
 
 from __future__ import annotations
 
-import json
 import statistics
 import threading
 import time
@@ -56,25 +55,20 @@ def _grpc_stream(addr: str, ids: list[int], setup: HttpBenchSetup, salt: str, ou
 
 
 def _http_stream(addr: str, ids: list[int], setup: HttpBenchSetup, salt: str, model: str, out: _Result, go) -> None:
-    import httpx2 as httpx
+    from k3serve.router.sse_client import HttpCallError, stream_completion
 
     body = {"model": model, "prompt": ids, "max_tokens": setup.max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "cache_salt": salt, "return_token_ids": True}
-    with httpx.Client(timeout=300) as client:
-        go.wait()
-        t0 = time.monotonic()
-        with client.stream("POST", f"http://{addr}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                out.error = f"HTTP {r.status_code}: {r.read()[:200]!r}"
-                return
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                n = sum(len(c.get("token_ids", ())) for c in chunk.get("choices", ()))
-                if n and not out.tokens:
-                    out.ttft_s = time.monotonic() - t0
-                out.tokens += n
+            "cache_salt": salt, "return_token_ids": True}
+    go.wait()
+    t0 = time.monotonic()
+    try:
+        for chunk in stream_completion(addr, body):
+            n = sum(len(c.get("token_ids", ())) for c in chunk["choices"])
+            if n and not out.tokens:
+                out.ttft_s = time.monotonic() - t0
+            out.tokens += n
+    except (HttpCallError, ConnectionError) as e:
+        out.error = str(e)
 
 
 def _round(door: str, addrs: list[str], prompts: list[list[int]], setup: HttpBenchSetup, salt: str,

@@ -7,7 +7,8 @@ Afterwards every completed request is checked against the single-process referen
 prompt and sampling parameters (the fault-free run), and the report says how the killed cluster's sessions
 spread over the survivors.
 
-Clients retry on another router replica when theirs fails, resuming with prompt + tokens already received
+Every 4th session speaks OpenAI HTTP to the routers' HTTP door, the others gRPC. Clients retry on another
+router replica when theirs fails, resuming with prompt + tokens already received
 and the remaining max_tokens (randomness is keyed by position, so the continuation is exact).
 """
 
@@ -65,42 +66,92 @@ class RequestRecord:
     error: str = ""
     start_s: float = 0.0
     end_s: float = 0.0
+    door: str = "grpc"  # or "http": the routers' OpenAI-compatible door
+
+
+HTTP_EVERY = 4  # every 4th session (i % 4 == 3) speaks through the routers' OpenAI-compatible HTTP door
+
+
+class _Retry(Exception):
+    """An attempt that failed; ``final``: the client's own error (no other router would answer otherwise)."""
+
+    def __init__(self, reason: str, final: bool) -> None:
+        super().__init__(reason)
+        self.final = final
 
 
 class DrillClient:
-    """One session's client: sends a request to a router and resumes on another one if its router dies."""
+    """One session's client: sends a request to a router (gRPC, or the HTTP door) and resumes on another one if
+    its router dies."""
 
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(self, addresses: list[str], http_addresses: list[str] = (), model: str = "") -> None:
         self.stubs = [router_pb2_grpc.RouterStub(grpc.insecure_channel(a)) for a in addresses]
+        self.http_addresses, self.model = list(http_addresses), model
 
-    def generate(self, rec: RequestRecord, first_router: int, timeout_s: float = 120.0) -> None:
+    def uses_http(self, session_index: int) -> bool:
+        return bool(self.http_addresses) and session_index % HTTP_EVERY == HTTP_EVERY - 1
+
+    def generate(self, rec: RequestRecord, first_router: int, timeout_s: float = 120.0, http: bool = False) -> None:
         attempts = 0
         router = first_router
+        rec.door = "http" if http else "grpc"
         while True:
-            remaining = rec.params.max_tokens - len(rec.tokens)
-            params = router_pb2.SamplingParams()
-            params.CopyFrom(rec.params)
-            params.max_tokens = remaining
-            req = router_pb2.GenerateRequest(request_id=f"{rec.session}-t{rec.turn}-a{attempts}", session_id=rec.session,
-                                             prompt_token_ids=rec.prompt + rec.tokens, sampling=params)
             try:
-                for resp in self.stubs[router].Generate(req, timeout=timeout_s):
-                    rec.tokens += resp.token_ids
-                    if resp.finish_reason:
-                        rec.cluster_id = resp.usage.cluster_id
-                        rec.failovers += resp.usage.failovers
-                        return
-                raise grpc.RpcError("stream ended early")
-            except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else None
+                attempt = self._http_attempt if http else self._grpc_attempt
+                attempt(rec, router, f"{rec.session}-t{rec.turn}-a{attempts}", timeout_s)
+                return
+            except _Retry as e:
                 attempts += 1
-                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) or attempts > 4:
-                    rec.error = f"{code}: {e.details() if hasattr(e, 'details') else e}"
+                if e.final or attempts > 4:
+                    rec.error = str(e)
                     return
                 rec.router_retries += 1
-                rec.retry_reasons.append(f"{code}: {e.details() if hasattr(e, 'details') else e}"[:200])
+                rec.retry_reasons.append(str(e)[:200])
                 router = (router + 1) % len(self.stubs)
                 time.sleep(0.2)
+
+    def _grpc_attempt(self, rec: RequestRecord, router: int, request_id: str, timeout_s: float) -> None:
+        params = router_pb2.SamplingParams()
+        params.CopyFrom(rec.params)
+        params.max_tokens = rec.params.max_tokens - len(rec.tokens)
+        req = router_pb2.GenerateRequest(request_id=request_id, session_id=rec.session,
+                                         prompt_token_ids=rec.prompt + rec.tokens, sampling=params)
+        try:
+            for resp in self.stubs[router].Generate(req, timeout=timeout_s):
+                rec.tokens += resp.token_ids
+                if resp.finish_reason:
+                    rec.cluster_id = resp.usage.cluster_id
+                    rec.failovers += resp.usage.failovers
+                    return
+            raise _Retry("stream ended early", False)
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            raise _Retry(f"{code}: {e.details() if hasattr(e, 'details') else e}", code in (
+                grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)) from None
+
+    def _http_attempt(self, rec: RequestRecord, router: int, request_id: str, timeout_s: float) -> None:
+        from k3serve.router.sse_client import HttpCallError, stream_completion
+
+        p = rec.params
+        body = {"model": self.model, "prompt": rec.prompt + rec.tokens, "max_tokens": p.max_tokens - len(rec.tokens),
+                "temperature": p.temperature, "top_p": p.top_p or 1.0, "top_k": p.top_k, "ignore_eos": p.ignore_eos,
+                "return_token_ids": True}
+        if p.HasField("seed"):
+            body["seed"] = p.seed
+        try:
+            for chunk in stream_completion(self.http_addresses[router], body, {"X-Session-Id": rec.session},
+                                           timeout_s):
+                for ch in chunk["choices"]:
+                    rec.tokens += ch.get("token_ids", ())
+                    if ch.get("finish_reason"):
+                        rec.cluster_id = ch.get("cluster_id", "")
+                        rec.failovers += ch.get("failovers", 0)
+                        return
+            raise _Retry("HTTP stream ended early", False)
+        except HttpCallError as e:
+            raise _Retry(f"http {request_id}: {e}", e.status in (400, 429)) from None
+        except ConnectionError as e:
+            raise _Retry(f"http {request_id}: {e}", False) from None
 
 
 def session_names(sessions: int, seed: int) -> list[str]:
@@ -127,7 +178,9 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
     system = [rng.randrange(256) for _ in range(200)]
     records: list[RequestRecord] = []
     lock = threading.Lock()
-    client = DrillClient(dep.router_addresses)
+    from k3serve.cluster.router_actor import served_model_name
+
+    client = DrillClient(dep.router_addresses, dep.http_addresses, served_model_name(dep.deploy))
     t0 = time.monotonic()
     fault_at = [float("nan")]
 
@@ -138,7 +191,7 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
             history += [srng.randrange(256) for _ in range(srng.randint(8, 40))]
             rec = RequestRecord(names[i], turn, list(history), _session_params(i, max_tokens),
                                 start_s=time.monotonic())
-            client.generate(rec, first_router=i % len(client.stubs))
+            client.generate(rec, first_router=i % len(client.stubs), http=client.uses_http(i))
             rec.end_s = time.monotonic()
             with lock:
                 records.append(rec)
@@ -219,7 +272,8 @@ def report(dep: Deployment, records: list[RequestRecord], fault: Fault | None, f
            mismatches: int, lost: tuple[str, ...] = ()) -> dict:
     """The drill's report; `lost`: the clusters a node fault took down (the node's clusters)."""
     clusters = list(dep.deploy.clusters.cluster_ids)
-    out = {"requests": len(records), "completed": sum(not r.error for r in records),
+    out = {"requests": len(records), "http_requests": sum(r.door == "http" for r in records),
+           "completed": sum(not r.error for r in records),
            "failed": sum(bool(r.error) for r in records), "failed_over": sum(r.failovers > 0 for r in records),
            "router_retries": sum(r.router_retries for r in records), "mismatches": mismatches,
            "fault": f"{fault.kind}:{fault.target}" if fault else None, "fault_at_s": fault_s,

@@ -85,6 +85,8 @@ class Piece:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cluster_id: str = ""  # the cluster that finished it ("" when a stop string ended it)
+    failovers: int = 0
 
 
 @dataclass
@@ -119,15 +121,15 @@ def drive(service: RouterService, call: Call, api_key: str, ticket: Ticket | Non
             if hit:
                 record.finish_reason = "stop"
                 call.ctx.cancel()  # ends it on its cluster now; the path then sees a client that left
-                cached = record.attempts.cached if record.attempts is not None else 0
+                st = record.attempts
                 emit(Piece(call.index, text, tuple(msg.token_ids), "stop", len(call.req.prompt_ids), streamed,
-                           cached))
+                           st.cached if st else 0, "", st.failovers if st else 0))
                 return
             if msg.finish_reason and matcher:
                 text += matcher.flush()
             u = msg.usage
             emit(Piece(call.index, text, tuple(msg.token_ids), msg.finish_reason, u.prompt_tokens,
-                       u.completion_tokens, u.cached_tokens))
+                       u.completion_tokens, u.cached_tokens, u.cluster_id, u.failovers))
     except CallAborted as e:
         emit(Failed(call.index, e))
     except Exception as e:  # a router bug must reach the client as an error, not a hung stream

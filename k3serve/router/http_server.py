@@ -49,6 +49,11 @@ class ClientGone(Exception):
     pass
 
 
+def _served(end: Piece) -> dict:
+    """Where a choice ran (with return_token_ids, as gRPC's usage reports it): drills and exactness checks."""
+    return {"cluster_id": end.cluster_id, "failovers": end.failovers}
+
+
 class HttpDoor:
     """``model``: the id /v1/models reports and requests must name; ``template``: None when the model has no
     tokenizer (chat refused, completions take token ids, texts are empty)."""
@@ -265,7 +270,7 @@ class HttpDoor:
             else:
                 ch["text"] = text
             if plan.return_token_ids:
-                ch["token_ids"] = ids[c.index]
+                ch.update(token_ids=ids[c.index], **_served(last[c.index]))
             choices.append(ch)
         return web.json_response({
             "id": f"{'chatcmpl' if plan.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
@@ -289,7 +294,7 @@ class HttpDoor:
             except ConnectionError:
                 raise ClientGone from None
 
-        def choice(i: int, text: str | None, finish: str | None, ids=None) -> dict:
+        def choice(i: int, text: str | None, finish: str | None, ids=None, end: Piece | None = None) -> dict:
             if plan.chat:
                 ch = {"index": i, "delta": {} if text is None else {"content": text}}
             else:
@@ -297,6 +302,8 @@ class HttpDoor:
             ch.update(finish_reason=finish, logprobs=None)
             if plan.return_token_ids and ids is not None:
                 ch["token_ids"] = list(ids)
+            if plan.return_token_ids and end is not None:
+                ch.update(_served(end))
             return {**head, "choices": [ch]}
 
         done, ev = 0, first
@@ -320,7 +327,7 @@ class HttpDoor:
                     await send(choice(ev.index, ev.text, None, ev.token_ids))
                 if ev.finish_reason:
                     last[ev.index] = ev
-                    await send(choice(ev.index, None if plan.chat else "", ev.finish_reason))
+                    await send(choice(ev.index, None if plan.chat else "", ev.finish_reason, end=ev))
             ev = await self._next(request, queue)
         if plan.include_usage and len(last) == len(calls):
             await send({**head, "choices": [], "usage": self._usage(plan, last)})

@@ -217,6 +217,34 @@ def test_metrics_parse_and_count_time_to_first_token(dep, model):
     assert ttft_count() - before == 3
 
 
+def test_the_docs_examples_run_copy_pasted(dep, tmp_path):
+    """docs/http.md's curl and openai examples, against this deployment's endpoints file."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    endpoints = tmp_path / "k3serve.json"
+    endpoints.write_text(json.dumps({"routers": dep.router_addresses, "http": dep.http_addresses}))
+    doc = Path("docs/http.md").read_text().split("## Examples", 1)[1]
+    bash, py = (re.search(rf"```{lang}\n(.*?)```", doc, re.S).group(1).replace("/tmp/k3serve.json", str(endpoints))
+                for lang in ("bash", "python"))
+    out = subprocess.run(["bash", "-c", bash], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert json.loads(out)["choices"][0]["finish_reason"] == "length"
+    out = subprocess.run([sys.executable, "-c", py], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out
+
+def test_bench_http_runs_the_same_streams_through_both_doors(dep):
+    from k3serve.bench.http_door import HttpBenchSetup, run_http_bench_on
+
+    setup = HttpBenchSetup(streams=4, rounds=1, prompt_tokens=16, max_tokens=6)
+    out = run_http_bench_on(dep, setup)
+    for door in ("grpc", "http"):
+        assert out[door]["errors"] == 0 and out[door]["tokens"] == 4 * 6, out[door]
+        assert 0 < out[door]["ttft_p50_s"] <= out[door]["ttft_p99_s"]
+    assert out["http_over_grpc_ttft_p50"] > 0
+
+
 def test_streams_through_a_failover_drill_keep_the_reference_tokens(dep, model, refs):
     """The serving cluster is killed mid-stream: every stream completes with the reference tokens, no repeat."""
     prompts = [f"Session {i}: tell me" for i in range(4)]
@@ -256,3 +284,4 @@ def test_health_is_503_while_draining(dep, model):
     assert httpx.get(base + "/health", timeout=30).status_code == 503
     r = httpx.post(base + "/v1/completions", json={"model": model, "prompt": "x"}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+

@@ -220,6 +220,9 @@ def test_a_stream_that_fails_over_stays_one_stream_without_repeated_text(rig):
     assert "".join(c.choices[0].text for c in chunks) == _text(30)
     assert [t for c in chunks for t in (c.choices[0].model_extra.get("token_ids") or [])] == expected_tokens(30)
     assert svc.counters["failovers"] == 1
+    end = chunks[-1].choices[0]
+    assert end.finish_reason == "length" and end.model_extra["failovers"] == 1
+    assert end.model_extra["cluster_id"] in ("c0", "c1")
 
 
 def test_stop_matcher_holds_back_a_possible_stop_and_finds_the_earliest():
