@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 from k3serve.router.chat_template import ROLES, ChatTemplate, ChatTemplateError
-from k3serve.router.http_errors import bad
+from k3serve.router.http_errors import ApiError, bad
 from k3serve.v1 import router_pb2
 
 MAX_N = 16  # completions per prompt (each is a request of its own)
@@ -159,8 +159,6 @@ def _messages(v) -> list[dict]:
 
 def parse(body, chat: bool, model: str, template: ChatTemplate | None, session_id: str = "") -> Plan:
     """An HTTP body (decoded JSON) -> the Plan; raises ApiError (400 naming the parameter, 404 unknown model)."""
-    from k3serve.router.http_errors import ApiError
-
     if not isinstance(body, dict):
         raise bad("body", "the request body must be a JSON object")
     _check_names(body, _CHAT if chat else _COMPLETION)
