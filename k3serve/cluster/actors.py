@@ -65,7 +65,7 @@ class ClusterActor:
         from ray.util.placement_group import placement_group
 
         from k3serve.decode.engine import DecodeConfig, DecodeEngine
-        from k3serve.engine.block_hash import model_fingerprint
+        from k3serve.engine.block_hash import model_fingerprint, prefix_key
         from k3serve.model.checkpoint import load_config
         from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 
@@ -108,7 +108,7 @@ class ClusterActor:
                                               long_step_tokens=c.long_step_tokens or None, numerics=d.numerics,
                                               draft_capture=decode.draft_capture,  # the drafter's warm start
                                               layerwise_export=c.layerwise_export),
-                                model_fingerprint(cfg.to_hf_dict()), channel)
+                                prefix_key(model_fingerprint(cfg.to_hf_dict()), d.secret), channel)
         front = ClusterFront(self.cluster_id, DisaggLoop(prefill, decode), d.secret, c.prefill_tp, c.decode_tp,
                              d.numerics)
         client = getattr(channel, "client", None)  # the gRPC channel's receivers report their staging
