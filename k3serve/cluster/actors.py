@@ -191,7 +191,7 @@ class ClusterActor:
 
         ctl = self.deploy.control
         c = self.deploy.clusters
-        members = Membership(connect(self.redis_url), ctl.namespace)
+        members = Membership(connect(self.redis_url), ctl.namespace, self.deploy.secret)
         registered = False
         while not self._stop.wait(ctl.heartbeat_interval_s if registered else 0.0):
             front = self.front
@@ -263,7 +263,8 @@ class ClusterActor:
             from k3serve.cluster.redis_server import connect
             from k3serve.router.membership import Membership
 
-            Membership(connect(self.redis_url), self.deploy.control.namespace).deregister(self.cluster_id)
+            Membership(connect(self.redis_url), self.deploy.control.namespace,
+                       self.deploy.secret).deregister(self.cluster_id)
         except (RedisError, OSError) as e:  # best effort: the heartbeat TTL removes it anyway
             log.warning("deregistering cluster %s at stop failed (TTL removes it): %s", self.cluster_id, e)
         self._teardown()

@@ -175,7 +175,7 @@ class RequestClassSpec:
 
 @dataclass(frozen=True)
 class ControlSpec:
-    redis_url: str = ""  # empty: REDIS_URL, else a private redis-server started by `serve`
+    redis_url: str = field(default="", repr=False)  # empty: REDIS_URL, else a private redis-server; may hold a password
     namespace: str = "k3serve"
     heartbeat_ttl_s: float = 3.0
     heartbeat_interval_s: float = 0.5

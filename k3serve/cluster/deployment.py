@@ -59,7 +59,7 @@ class Deployment:
     deploy: DeployConfig
     workdir: str = ""
     checkpoint: str = ""
-    redis_url: str = ""
+    redis_url: str = field(default="", repr=False)  # holds the private server's password
     cluster_endpoints: dict[str, str] = field(default_factory=dict)
     router_addresses: list[str] = field(default_factory=list)
     clusters: dict[str, object] = field(default_factory=dict)  # cluster id -> ClusterActor handle
@@ -246,7 +246,7 @@ class Deployment:
         from k3serve.cluster.redis_server import connect
         from k3serve.router.membership import Membership
 
-        members = Membership(connect(self.redis_url), self.deploy.control.namespace)
+        members = Membership(connect(self.redis_url), self.deploy.control.namespace, self.deploy.secret)
         deadline = time.monotonic() + timeout_s
         while len(members.healthy_clusters()) < n:
             if time.monotonic() > deadline:
