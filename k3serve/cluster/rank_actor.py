@@ -2,8 +2,8 @@
 
 A TP group's actors are created first (cheap), then ``setup`` on every rank joins one torch.distributed group
 (gloo on CPU, nccl on CUDA) at a rendezvous rank 0 picked (a file when the whole group runs on one node, else a
-TCP address on rank 0's node), and loads that rank's slice of the checkpoint. Actors reserve a sliver of CPU so placement groups can pack them; the real threads are
-capped by ``torch_threads``.
+TCP address on rank 0's node), and loads that rank's slice of the checkpoint. Actors reserve a sliver of CPU so
+placement groups can pack them; the real threads are capped by ``torch_threads``.
 """
 
 from __future__ import annotations
