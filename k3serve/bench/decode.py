@@ -35,7 +35,7 @@ from k3serve.bench.decode_floor import gemv_floor
 from k3serve.bench.numerics_compare import add_default_at_bench_threads, mode_threads, numerics_side_by_side
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
-from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
 from k3serve.contracts.requests import PrefillRequest
@@ -103,7 +103,7 @@ def decoding_engine(ckpt: str, cfg: ModelConfig, batch: int, context: int, max_t
     pools = PoolConfig(kda_slots=batch + 2, mla_pages=batch * (-(-(context + max_tokens + 4) // 64)) + 8)
     prefill = PrefillEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools, device=device, numerics=numerics)),
                             PrefillConfig(pools, enable_prefix_cache=False, numerics=numerics),
-                            model_fingerprint(cfg.to_hf_dict()))
+                            prefix_key(model_fingerprint(cfg.to_hf_dict()), ""))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):

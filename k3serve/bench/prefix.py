@@ -27,7 +27,7 @@ import time
 from k3serve.bench.prefix_floor import hit_floor, peak_gflops
 from k3serve.bench.numerics_compare import add_default_at_bench_threads, mode_threads, numerics_side_by_side
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
-from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
 from k3serve.engine.prefix_cache import PrefixCachePolicy
@@ -72,7 +72,7 @@ def _engine(ckpt: str, cfg: ModelConfig, policy: PrefixCachePolicy, pages: int,
     pools = PoolConfig(kda_slots=64, mla_pages=pages, page_size=policy.page_size)
     ex = LocalExecutor(WorkerSpec(ckpt, 1, pools, numerics=numerics))
     return PrefillEngine(cfg, ex, PrefillConfig(pools, policy, step_token_budget=4096, numerics=numerics),
-                         model_fingerprint(cfg.to_hf_dict()))
+                         prefix_key(model_fingerprint(cfg.to_hf_dict()), ""))
 
 
 def _held_bytes(engine: PrefillEngine, cfg: ModelConfig) -> dict:

@@ -151,7 +151,7 @@ def start_router(deployment, ns: str, classes: list[ClassSpec], max_streams: int
     d = deployment.deploy
     cfg = load_config(deployment.checkpoint)
     client = connect(deployment.redis_url)
-    view = MembershipView(Membership(client, d.control.namespace), refresh_interval_s=0.2)
+    view = MembershipView(Membership(client, d.control.namespace, d.secret), refresh_interval_s=0.2)
     gate = AdmissionGate(client, ns, classes, policy=d.clusters.prefix_policy(), config=config,
                          co_located=co_located(view))
     svc = RouterService(view, PinStore(client, ns), ModelLimits(cfg.vocab_size, cfg.max_position_embeddings,

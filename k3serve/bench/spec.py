@@ -29,7 +29,7 @@ import torch
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
-from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
 from k3serve.engine.spec.config import SpecConfig, make_drafter
@@ -98,7 +98,7 @@ def _prefill(cfg, ckpt, pools, prompts: dict[str, str], params: SamplingParams, 
     tok = ByteTokenizer()
     prefill = PrefillEngine(cfg, LocalExecutor(WorkerSpec(ckpt, 1, pools)),
                             PrefillConfig(pools, enable_prefix_cache=False, draft_capture=capture),
-                            model_fingerprint(cfg.to_hf_dict()))
+                            prefix_key(model_fingerprint(cfg.to_hf_dict()), ""))
     try:
         for rid, text in prompts.items():
             prefill.add_request(PrefillRequest(rid, tuple(tok.encode(text)), params))

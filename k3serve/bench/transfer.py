@@ -245,7 +245,8 @@ def run_transfer_bench(cfg: TransferBenchConfig = TransferBenchConfig()) -> dict
     why = mooncake_available() if cfg.mooncake else "not asked for (--no-mooncake)"
     # regions: one transfer's staging on a receiver (+ slack for alignment), one rank's state on a sender
     room = -(-(g.rank_bytes(1) + (1 << 20)) // 4096) * 4096
-    mc = None if why else MooncakeConfig(host=cfg.host, staging_bytes=room, send_bytes=room, quarantine_s=0.0)
+    mc = None if why else MooncakeConfig(host=cfg.host, staging_bytes=room, send_bytes=room, quarantine_s=0.0,
+                                                 listen_any=True)  # an operator's bench
     crc_s_per_byte = crc32c_s_per_byte()
     senders = [SenderProc() for _ in range(max(p for p, _ in cfg.pairs))]
     runs = []

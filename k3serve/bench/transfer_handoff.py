@@ -33,7 +33,7 @@ from k3serve.auth import AuthConfig
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
-from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import PoolConfig
 from k3serve.model.checkpoint import load_config
@@ -68,7 +68,7 @@ def _one(cfg, pre, channel, decode: DecodeEngine, pools: PoolConfig, prompt: tup
     """One request through prefill (two chunks) and its first decode step: (times, the first decode token)."""
     engine = PrefillEngine(cfg, pre, PrefillConfig(pools, step_token_budget=budget, enable_prefix_cache=False,
                                                    layerwise_export=layerwise),
-                           model_fingerprint(cfg.to_hf_dict()), channel)
+                           prefix_key(model_fingerprint(cfg.to_hf_dict()), ""), channel)
     engine.add_request(PrefillRequest(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True)))
     handoff = None
     while handoff is None:

@@ -46,7 +46,10 @@ def serve(config: str = typer.Option("configs/local.yaml", "--config", help="dep
     dep = Deployment(deploy, on_ray_ready=install_handlers)
     try:
         dep.start()
-        info = {"routers": dep.router_addresses, "http": dep.http_addresses, "clusters": dep.cluster_endpoints, "redis": dep.redis_url,
+        from k3serve.cluster.redis_server import redact_url
+
+        info = {"routers": dep.router_addresses, "http": dep.http_addresses, "clusters": dep.cluster_endpoints,
+                "redis": redact_url(dep.redis_url),
                 "checkpoint": dep.checkpoint}
         typer.echo(f"k3serve: router listening on {', '.join(dep.router_addresses)}")
         typer.echo(f"k3serve: OpenAI-compatible HTTP on {', '.join(f'http://{a}' for a in dep.http_addresses)}")

@@ -24,7 +24,8 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
     if endpoints_file:
         info = json.loads(Path(endpoints_file).read_text())
         router = router or info["routers"][0]
-        redis_url = redis_url or info.get("redis", "")
+        written = info.get("redis", "")  # its password redacted: then the router's own pin count is shown
+        redis_url = redis_url or ("" if ":***@" in written else written)
     if not router:
         typer.echo("error: give --router or --endpoints-file", err=True)
         raise typer.Exit(2)

@@ -65,7 +65,7 @@ class ClusterActor:
         from ray.util.placement_group import placement_group
 
         from k3serve.decode.engine import DecodeConfig, DecodeEngine
-        from k3serve.engine.block_hash import model_fingerprint
+        from k3serve.engine.block_hash import model_fingerprint, prefix_key
         from k3serve.model.checkpoint import load_config
         from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 
@@ -108,7 +108,7 @@ class ClusterActor:
                                               long_step_tokens=c.long_step_tokens or None, numerics=d.numerics,
                                               draft_capture=decode.draft_capture,  # the drafter's warm start
                                               layerwise_export=c.layerwise_export),
-                                model_fingerprint(cfg.to_hf_dict()), channel)
+                                prefix_key(model_fingerprint(cfg.to_hf_dict()), d.secret), channel)
         front = ClusterFront(self.cluster_id, DisaggLoop(prefill, decode), d.secret, c.prefill_tp, c.decode_tp,
                              d.numerics)
         client = getattr(channel, "client", None)  # the gRPC channel's receivers report their staging
@@ -191,7 +191,7 @@ class ClusterActor:
 
         ctl = self.deploy.control
         c = self.deploy.clusters
-        members = Membership(connect(self.redis_url), ctl.namespace)
+        members = Membership(connect(self.redis_url), ctl.namespace, self.deploy.secret)
         registered = False
         while not self._stop.wait(ctl.heartbeat_interval_s if registered else 0.0):
             front = self.front
@@ -263,7 +263,8 @@ class ClusterActor:
             from k3serve.cluster.redis_server import connect
             from k3serve.router.membership import Membership
 
-            Membership(connect(self.redis_url), self.deploy.control.namespace).deregister(self.cluster_id)
+            Membership(connect(self.redis_url), self.deploy.control.namespace,
+                       self.deploy.secret).deregister(self.cluster_id)
         except (RedisError, OSError) as e:  # best effort: the heartbeat TTL removes it anyway
             log.warning("deregistering cluster %s at stop failed (TTL removes it): %s", self.cluster_id, e)
         self._teardown()

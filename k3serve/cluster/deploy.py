@@ -112,13 +112,14 @@ class MooncakeSpec:
     host: str = ""  # the address peers reach a rank's engine at ("": the bind host, else this node's address)
     staging_mib: int = 512  # registered staging region per decode rank
     send_mib: int = 256  # registered send region per prefill rank
+    listen_any: bool = False  # required: the engine listens on every interface (transfer/mooncake/plane.py)
 
     def config(self):
         from k3serve.transfer.mooncake.plane import MooncakeConfig
 
         try:
             return MooncakeConfig(self.protocol, self.metadata, self.device, self.host, self.staging_mib << 20,
-                                  self.send_mib << 20)
+                                  self.send_mib << 20, listen_any=self.listen_any)
         except ValueError as e:
             raise DeployError(f"clusters.{e}") from None
 
@@ -175,7 +176,7 @@ class RequestClassSpec:
 
 @dataclass(frozen=True)
 class ControlSpec:
-    redis_url: str = ""  # empty: REDIS_URL, else a private redis-server started by `serve`
+    redis_url: str = field(default="", repr=False)  # empty: REDIS_URL, else a private redis-server; may hold a password
     namespace: str = "k3serve"
     heartbeat_ttl_s: float = 3.0
     heartbeat_interval_s: float = 0.5
@@ -240,6 +241,11 @@ class DeployConfig:
         if c.transfer not in TRANSFER_PLANES:
             raise DeployError(f"clusters.transfer must be one of {', '.join(TRANSFER_PLANES)}, got {c.transfer!r}")
         c.mooncake.config()  # raises DeployError naming the field
+        if (c.transfer == "mooncake" or any(p.transfer == "mooncake" for p in c.placement)) \
+                and c.mooncake.listen_any is not True:
+            from k3serve.transfer.mooncake.plane import LISTEN_ANY_REFUSAL
+
+            raise DeployError(f"clusters.{LISTEN_ANY_REFUSAL}")
         seen: set[str] = set()
         for i, p in enumerate(c.placement):
             where = f"clusters.placement[{i}]"

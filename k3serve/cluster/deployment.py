@@ -40,18 +40,48 @@ _GCS_PORT_TIMEOUT = ("Timed out waiting for file", "gcs_server_port")
 LEFTOVER_STOP_S = 10.0
 
 
+# Ray turns a node address of 127.0.0.1 into this machine's outbound address (services.resolve_ip_for_localhost)
+# and then listens on every interface, unless "clusters" are off: then its node address, every gRPC server and
+# its agents stay on loopback (Ray 2.60). Its processes read the variable at import; this one read it already.
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 @contextlib.contextmanager
-def _gcs_port_wait():
-    """``GCS_PORT_WAIT_ENV`` = ``GCS_PORT_WAIT_S`` in this process's environment while the block runs, unless the
-    operator set it (then untouched); removed again afterwards."""
-    if GCS_PORT_WAIT_ENV in os.environ:
+def _ray_on_loopback(on: bool):
+    """While the block runs: Ray's processes started with ``RAY_LOOPBACK_ENV=0``, and this process's already
+    imported copy of the flag off (unless the operator set the variable)."""
+    from ray._private import ray_constants
+
+    if not on or RAY_LOOPBACK_ENV in os.environ:
         yield
         return
-    os.environ[GCS_PORT_WAIT_ENV] = str(GCS_PORT_WAIT_S)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        with _env(RAY_LOOPBACK_ENV, "0"):
+            yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """``name`` = ``value`` in this process's environment while the block runs, unless the operator set it (then
+    untouched) or value is None; removed again afterwards."""
+    if value is None or name in os.environ:
+        yield
+        return
+    os.environ[name] = value
     try:
         yield
     finally:
-        os.environ.pop(GCS_PORT_WAIT_ENV, None)
+        os.environ.pop(name, None)
+
+
+def _gcs_port_wait():
+    """``GCS_PORT_WAIT_ENV`` = ``GCS_PORT_WAIT_S`` while the block runs, unless the operator set it."""
+    return _env(GCS_PORT_WAIT_ENV, str(GCS_PORT_WAIT_S))
 
 
 @dataclass
@@ -59,7 +89,7 @@ class Deployment:
     deploy: DeployConfig
     workdir: str = ""
     checkpoint: str = ""
-    redis_url: str = ""
+    redis_url: str = field(default="", repr=False)  # holds the private server's password
     cluster_endpoints: dict[str, str] = field(default_factory=dict)
     router_addresses: list[str] = field(default_factory=list)
     http_addresses: list[str] = field(default_factory=list)  # the routers' OpenAI-compatible HTTP doors
@@ -213,7 +243,7 @@ class Deployment:
         for attempt in range(1, attempts + 1):
             before = _children()
             try:
-                with _gcs_port_wait():
+                with _gcs_port_wait(), _ray_on_loopback(self.deploy.bind_host in _LOOPBACK_HOSTS):
                     ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False,
                              runtime_env=env, _node_ip_address="127.0.0.1")
                 return
@@ -249,7 +279,7 @@ class Deployment:
         from k3serve.cluster.redis_server import connect
         from k3serve.router.membership import Membership
 
-        members = Membership(connect(self.redis_url), self.deploy.control.namespace)
+        members = Membership(connect(self.redis_url), self.deploy.control.namespace, self.deploy.secret)
         deadline = time.monotonic() + timeout_s
         while len(members.healthy_clusters()) < n:
             if time.monotonic() > deadline:

@@ -318,7 +318,7 @@ def wait_rejoined(dep: Deployment, fault: Fault, before: int, fault_abs: float, 
     from k3serve.cluster.redis_server import connect
     from k3serve.router.membership import Membership
 
-    members = Membership(connect(dep.redis_url), dep.deploy.control.namespace)
+    members = Membership(connect(dep.redis_url), dep.deploy.control.namespace, dep.deploy.secret)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

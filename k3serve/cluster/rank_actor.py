@@ -1,15 +1,18 @@
 """Ray hosting of engine workers: one actor per TP rank, and an executor that fans ops out to them.
 
 A TP group's actors are created first (cheap), then ``setup`` on every rank joins one torch.distributed group
-(gloo on CPU, nccl on CUDA) at a TCP address that rank 0 picked on its own node, and loads that rank's slice
-of the checkpoint. Actors reserve a sliver of CPU so placement groups can pack them; the real threads are
-capped by ``torch_threads``.
+(gloo on CPU, nccl on CUDA) at a rendezvous rank 0 picked (a file when the whole group runs on one node, else a
+TCP address on rank 0's node), and loads that rank's slice of the checkpoint. Actors reserve a sliver of CPU so
+placement groups can pack them; the real threads are capped by ``torch_threads``.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 import threading
+import uuid
 from datetime import timedelta
 from dataclasses import replace
 
@@ -30,8 +33,14 @@ class RankActor:
         self.worker: ModelWorker | None = None
         torch.set_num_threads(spec.torch_threads)
 
-    def free_address(self) -> str:
-        """A TCP rendezvous address on this actor's node (rank 0 only)."""
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def free_address(self, same_node: bool) -> str:
+        """A rendezvous for this actor's TP group (rank 0 only): a file on this node when every rank runs here
+        (torch's TCP store listens on every interface), else a TCP address on this node."""
+        if same_node:
+            return f"file://{os.path.join(tempfile.gettempdir(), f'k3s-rdzv-{uuid.uuid4().hex}')}"
         ip = ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind((ip, 0))
@@ -95,7 +104,10 @@ class RayExecutor:
                 opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group,
                                                                                  bundle_offset + rank)}
             self.actors.append(RankActor.options(**opts).remote(spec, rank))
-        init = ray.get(self.actors[0].free_address.remote()) if spec.tp > 1 else None
+        init = None
+        if spec.tp > 1:
+            same_node = len(set(ray.get([a.node_id.remote() for a in self.actors]))) == 1
+            init = ray.get(self.actors[0].free_address.remote(same_node))
         try:
             ray.get([a.setup.remote(init) for a in self.actors])
         except Exception as e:

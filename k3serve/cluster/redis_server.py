@@ -1,12 +1,15 @@
 """A private redis-server for tests and for ``k3serve serve`` when no ``REDIS_URL`` is given (DESIGN.md §8).
 
 The server is ephemeral by construction: no RDB snapshots, no AOF, its files live in a directory we own, and it
-listens on 127.0.0.1 (a port the OS picked, or ``port=``) or on a unix socket only. Losing its contents is
+listens on 127.0.0.1 (a port the OS picked, or ``port=``) or on a unix socket only (mode 700). It requires a
+password generated at start (``requirepass``): Redis is the trust root of routing, so another local process
+must not write membership or budgets. The password travels inside the URL; ``redact_url`` hides it wherever a
+URL is printed, logged or written. Losing its contents is
 survivable by design: heartbeats re-register clusters, reservations are leases, and sessions without a pin go
 where HRW sends them (usually where they already were).
 
     server = RedisServer()
-    url = server.start(tmpdir)        # "redis://127.0.0.1:PORT/0" or "unix:///.../redis.sock?db=0"
+    url = server.start(tmpdir)        # "redis://:PASSWORD@127.0.0.1:PORT/0" or "unix://:PASSWORD@/.../redis.sock?db=0"
     client = connect(url)             # bounded timeouts and retries, see connect()
     ...
     server.pause(); server.resume()   # fault drills: kill it, later start an empty one at the same URL
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -34,7 +39,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-__all__ = ["RedisServer", "RedisServerError", "RedisServerNotFound", "connect"]
+__all__ = ["RedisServer", "RedisServerError", "RedisServerNotFound", "connect", "redact_url"]
 
 _INSTALL_HINT = (
     "install it with `apt-get install -y redis-server` (the project's setup script does this), "
@@ -72,6 +77,15 @@ def connect(url: str, *, timeout_s: float = 1.0, retries: int = 1, **kwargs) -> 
         retry=Retry(ExponentialBackoff(cap=min(0.2, timeout_s), base=0.01), retries),
         **kwargs,
     )
+
+
+_USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^:@/]*):[^@/]*@")
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password (``scheme://user:PASSWORD@``, ``?password=``) replaced by ``***``."""
+    return _QUERY_PASSWORD.sub(r"\1***", _USERINFO.sub(r"\1:***@", url))
 
 
 def _free_port(host: str) -> int:
@@ -141,7 +155,9 @@ class RedisServer:
         binary: str = "redis-server",
         startup_timeout_s: float = 10.0,
         extra_args: tuple[str, ...] = (),
+        password: str | None = None,
     ) -> None:
+        """password: required of every client; None generates one (use "" only for tests of an open server)."""
         self._tmpdir = None if tmpdir is None else Path(tmpdir)
         self._unix_socket = unix_socket
         self._host = host
@@ -149,6 +165,9 @@ class RedisServer:
         self._binary = binary
         self._startup_timeout_s = startup_timeout_s
         self._extra_args = tuple(extra_args)
+        self._password = secrets.token_hex(24) if password is None else password
+        if any(c in self._password for c in ":@/?#& \n"):
+            raise ValueError("password: use letters and digits only (it is carried inside the URL)")
         self._proc: subprocess.Popen | None = None
         self._url: str | None = None
         self._owned_dirs: list[str] = []
@@ -161,7 +180,7 @@ class RedisServer:
     def start(self, tmpdir: str | os.PathLike | None = None) -> str:
         """Start the server (its dir, log and socket go under ``tmpdir``) and return its URL once it answers PING."""
         if self._proc is not None or self._paused_url is not None:
-            raise RedisServerError(f"already started at {self._url}")
+            raise RedisServerError(f"already started at {redact_url(self._url or '')}")
         exe = shutil.which(self._binary)
         if exe is None:
             raise RedisServerNotFound(f"{self._binary!r} not found on PATH; {_INSTALL_HINT}")
@@ -186,8 +205,10 @@ class RedisServer:
     def _start_once(self, exe: str, port: int | None, sock_path: str | None = None) -> str:
         assert self._tmpdir is not None
         log = self._tmpdir / "redis.log"
+        auth = f":{self._password}@" if self._password else ""
         args = [
             exe,
+            "-",  # read the config (the password) from stdin first
             "--save", "",
             "--appendonly", "no",
             "--dir", str(self._tmpdir),
@@ -207,13 +228,15 @@ class RedisServer:
                 sock = Path(short) / "redis.sock"
             args += ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
             self.unix_socket_path, self.port = str(sock), None
-            url = f"unix://{sock}?db=0"
+            url = f"unix://{auth}{sock}?db=0"
         else:
             port = _free_port(self._host) if port is None else port
             args += ["--port", str(port), "--bind", self._host]
             self.port, self.unix_socket_path = port, None
-            url = f"redis://{self._host}:{port}/0"
+            url = f"redis://{auth}{self._host}:{port}/0"
         args += list(self._extra_args)
+        # the password goes to the server on stdin (a config file of one line), never on its command line (ps)
+        config = f"requirepass {self._password}\n" if self._password else ""
 
         # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only tie the server to the main thread, or a
         # server (re)started from a worker thread (a drill restoring Redis) would die with that thread
@@ -223,8 +246,10 @@ class RedisServer:
         # there (before --logfile takes effect).
         errfile = self._tmpdir / "redis.stderr"
         with open(errfile, "wb") as err_out:
-            proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=err_out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=err_out, stderr=subprocess.STDOUT,
                                     preexec_fn=preexec)  # fmt: skip
+            proc.stdin.write(config.encode())
+            proc.stdin.close()
         deadline = time.monotonic() + self._startup_timeout_s
         client = connect(url, timeout_s=0.5, retries=0)
         try:
@@ -232,7 +257,7 @@ class RedisServer:
                 if proc.poll() is not None:
                     err = errfile.read_text(errors="replace")
                     raise RedisServerError(
-                        f"redis-server exited with {proc.returncode} while starting on {url}: "
+                        f"redis-server exited with {proc.returncode} while starting on {redact_url(url)}: "
                         f"{err.strip()} {_tail(log)}".strip()
                     )
                 try:
@@ -244,7 +269,8 @@ class RedisServer:
                 if time.monotonic() > deadline:
                     _terminate(proc, [])
                     raise RedisServerError(
-                        f"redis-server did not answer PING on {url} within {self._startup_timeout_s}s: {_tail(log)}"
+                        f"redis-server did not answer PING on {redact_url(url)} within {self._startup_timeout_s}s: "
+                        f"{_tail(log)}"
                     )
                 time.sleep(0.02)
         finally:
@@ -280,7 +306,7 @@ class RedisServer:
             raise
         if url != prev:
             self.stop()
-            raise RedisServerError(f"resumed at {url}, not at the previous {prev}")
+            raise RedisServerError(f"resumed at {redact_url(url)}, not at the previous {redact_url(prev)}")
         return url
 
     def restart(self) -> str:
@@ -329,7 +355,7 @@ class RedisServer:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"RedisServer(url={self._url!r}, running={self.running()})"
+        return f"RedisServer(url={redact_url(self._url) if self._url else None!r}, running={self.running()})"
 
 
 def _tail(path: Path, n: int = 10) -> str:

@@ -57,7 +57,7 @@ class RouterActor:
         d, ctl = self.deploy, self.deploy.control
         cfg = load_config(self.checkpoint)
         client = connect(self.redis_url)
-        view = MembershipView(Membership(client, ctl.namespace), refresh_interval_s=0.2,
+        view = MembershipView(Membership(client, ctl.namespace, d.secret), refresh_interval_s=0.2,
                               breaker=CircuitBreaker(BreakerConfig(cool_down_s=ctl.suspect_cooldown_s)))
         limits = ModelLimits(cfg.vocab_size, cfg.max_position_embeddings, cfg.vocab_size == BYTE_VOCAB_SIZE)
         from k3serve.router.gate import AdmissionGate

@@ -13,7 +13,7 @@ from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.contracts.requests import PrefillRequest, RequestFailure, StreamEvent
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.disagg.loop import DisaggLoop
-from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import PoolConfig
 from k3serve.engine.spec.config import SpecConfig
@@ -63,8 +63,9 @@ class LocalPipeline:
         self.decode = DecodeEngine(self.cfg, self._decode_exec, decode, channel, drafter)
         if prefill.draft_capture is None and self.decode.draft_capture is not None:
             prefill = replace(prefill, draft_capture=self.decode.draft_capture)  # the drafter's warm start
-        self.prefill = PrefillEngine(self.cfg, self._prefill_exec, prefill, model_fingerprint(self.cfg.to_hf_dict()),
-                                     channel)
+        # one process, one tenant: an unkeyed block-hash key (a deployment keys it with its secret)
+        key = prefix_key(model_fingerprint(self.cfg.to_hf_dict()), "")
+        self.prefill = PrefillEngine(self.cfg, self._prefill_exec, prefill, key, channel)
         self.loop = DisaggLoop(self.prefill, self.decode)
 
     def generate(self, requests: list[PrefillRequest]) -> dict[str, RequestOutput]:

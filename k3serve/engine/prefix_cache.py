@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
-from k3serve.engine.block_hash import block_hashes, salted_seed
+from k3serve.engine.block_hash import block_hashes
 from k3serve.engine.prefix_policy import CheckpointInfo, PrefixCachePolicy, PrefixHit, checkpoint_scores
 
 __all__ = ["CheckpointInfo", "HybridPrefixCache", "PrefixCachePolicy", "PrefixHit"]
@@ -52,11 +52,14 @@ class _Block:
 class HybridPrefixCache:
     """Index of cached hash blocks (MLA pages) and sparse KDA checkpoints, bounded per session."""
 
-    def __init__(self, policy: PrefixCachePolicy, pages: PageAllocator, slots: SlotAllocator, seed: int) -> None:
+    def __init__(self, policy: PrefixCachePolicy, pages: PageAllocator, slots: SlotAllocator, key: bytes) -> None:
+        """key: the block-hash key (block_hash.prefix_key)."""
         self.policy = policy
         self._pages = pages
         self._slots = slots
-        self._seed = seed
+        if not isinstance(key, bytes) or not key:
+            raise ValueError("key must be the block-hash key (block_hash.prefix_key), not a seed")
+        self._key = key
         self._blocks: dict[int, _Block] = {}
         self._ckpts: dict[int, _Checkpoint] = {}  # by slot
         self._sessions: dict[str, set[int]] = {}  # session id -> checkpoint slots it registered
@@ -71,13 +74,13 @@ class HybridPrefixCache:
     def lookup(self, tokens: Sequence[int], salt: str = "") -> PrefixHit:
         """Longest cached prefix of ``tokens`` that ends at a KDA checkpoint and leaves >= 1 token to compute.
 
-        Only prefixes registered under the same tenant ``salt`` match (block_hash.salted_seed).
+        Only prefixes registered under the same tenant ``salt`` match (engine/block_hash.py).
 
         The returned pages are increfed for the caller; the checkpoint stays the cache's, pinned until
         ``release(hit)``. Marks the matched blocks and the used checkpoint as recently used.
         """
         bs = self.policy.block_size
-        hashes = block_hashes(tokens, bs, salted_seed(self._seed, salt))
+        hashes = block_hashes(tokens, bs, self._key, salt)
         self._clock += 1
         matched = 0
         for h in hashes:
@@ -134,7 +137,7 @@ class HybridPrefixCache:
         anything: ValueError leaves the cache as it was.
         """
         bs, ppb = self.policy.block_size, self.policy.pages_per_block
-        hashes = block_hashes(tokens, bs, salted_seed(self._seed, salt))
+        hashes = block_hashes(tokens, bs, self._key, salt)
         new = [i for i, h in enumerate(hashes) if h not in self._blocks]
         self._validate_register(len(hashes), new, pages, checkpoints)
         self._clock += 1

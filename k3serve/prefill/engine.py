@@ -76,10 +76,11 @@ class _Running:
 
 
 class PrefillEngine:
-    def __init__(self, cfg: ModelConfig, executor: Executor, config: PrefillConfig, seed: int,
+    def __init__(self, cfg: ModelConfig, executor: Executor, config: PrefillConfig, hash_key: bytes,
                  channel: StateChannel | None = None) -> None:
-        """channel: how finished prefills hand their state to the decode group (default in-process: the
-        tensors travel in the Handoff; `transfer.handoff_send.GrpcChannel` streams them over gRPC)."""
+        """hash_key: the prefix cache's block-hash key (engine/block_hash.prefix_key). channel: how finished
+        prefills hand their state to the decode group (default in-process: the tensors travel in the Handoff;
+        `transfer.handoff_send.GrpcChannel` streams them over gRPC)."""
         self.channel: StateChannel = channel or InProcessChannel()
         if config.pools.page_size != config.cache.page_size:
             raise ValueError("pool page_size must equal the prefix cache policy's page_size")
@@ -90,7 +91,7 @@ class PrefillEngine:
         self.cfg, self.executor, self.config = cfg, executor, config
         self.slots = SlotAllocator(config.pools.kda_slots)
         self.pages = PageAllocator(config.pools.mla_pages)
-        self.cache = HybridPrefixCache(config.cache, self.pages, self.slots, seed)
+        self.cache = HybridPrefixCache(config.cache, self.pages, self.slots, hash_key)
         self.waiting: deque[PrefillRequest] = deque()
         self.running: list[_Running] = []
         self.failures: list[RequestFailure] = []

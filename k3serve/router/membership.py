@@ -4,14 +4,19 @@ Cluster agents write; routers read. Keys (``ns`` = deployment namespace, so test
 Redis never collide):
 
     k3s:{ns}:clusters        SET   ids of registered clusters (pruned lazily once a registration expired)
-    k3s:{ns}:reg:{cluster}   HASH  endpoints (JSON), ttl_ms, registered_ms, last_ms   -- PX ttl_ms, renewed by
-                                   every heartbeat; gone => the cluster is forgotten
+    k3s:{ns}:reg:{cluster}   HASH  endpoints (JSON), sig, ttl_ms, registered_ms, last_ms   -- PX ttl_ms, renewed
+                                   by every heartbeat; gone => the cluster is forgotten
     k3s:{ns}:hb:{cluster}    HASH  load (JSON), ts_ms                                 -- PX heartbeat ttl;
                                    present => the cluster is alive, expired => dead
 
 Timestamps come from Redis ``TIME`` inside the scripts, so ages are comparable without synchronised clocks.
 The scripts are atomic but build key names from set members, so they assume one Redis instance (or one
 Sentinel-managed primary), not Redis Cluster.
+
+Signed: ``sig`` is HMAC-SHA256(deployment secret, namespace, cluster id, endpoints JSON). Readers drop an entry
+whose signature does not verify (counted in ``Membership.forged``), so a process that can write Redis but does
+not hold the secret cannot register a cluster that routers would send prompts to. Loads are not signed: a
+forged load can skew balancing, not redirect a request.
 
 Router side: ``MembershipView`` caches the last successful read so that routing continues on the last known
 membership while Redis is unreachable (``stale=True``), and a ``CircuitBreaker`` removes a cluster at its first
@@ -21,7 +26,10 @@ gRPC failure, long before its heartbeat key would expire.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import json
+import logging
 import re
 import threading
 import time
@@ -43,6 +51,7 @@ __all__ = [
     "ClusterState",
 ]
 
+log = logging.getLogger(__name__)
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
@@ -70,12 +79,13 @@ def ttl_ms(ttl_s: float) -> int:
     return ms
 
 
-# KEYS: reg, hb, clusters set. ARGV: id, endpoints json, reg ttl ms, hb ttl ms.
+# KEYS: reg, hb, clusters set. ARGV: id, endpoints json, reg ttl ms, hb ttl ms, signature.
 _REGISTER = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'endpoints', ARGV[2], 'ttl_ms', ARGV[3], 'registered_ms', now, 'last_ms', now)
+redis.call('HSET', KEYS[1], 'endpoints', ARGV[2], 'sig', ARGV[5], 'ttl_ms', ARGV[3], 'registered_ms', now,
+           'last_ms', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'load', '{}', 'ts_ms', now)
@@ -98,7 +108,7 @@ redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return 1
 """
 
-# KEYS: clusters set. ARGV: key prefix. Returns {now_ms, id, endpoints, last_ms, alive(0/1), load|'', ...}.
+# KEYS: clusters set. ARGV: key prefix. Returns {now_ms, id, endpoints, last_ms, alive(0/1), load|'', sig|'', ...}.
 # One atomic snapshot; ids whose registration expired are removed from the set here, inside the script, so a
 # concurrent re-register (SADD after its HSET) can never be undone by a router's cleanup.
 _SCAN = """
@@ -106,7 +116,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {now}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local reg = redis.call('HMGET', ARGV[1] .. 'reg:' .. id, 'endpoints', 'last_ms')
+  local reg = redis.call('HMGET', ARGV[1] .. 'reg:' .. id, 'endpoints', 'last_ms', 'sig')
   if not reg[1] then
     redis.call('SREM', KEYS[1], id)
   else
@@ -115,7 +125,7 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     local load = ''
     if hb[1] then alive = 1; load = hb[1] end
     table.insert(out, id); table.insert(out, reg[1]); table.insert(out, reg[2] or '0')
-    table.insert(out, alive); table.insert(out, load)
+    table.insert(out, alive); table.insert(out, load); table.insert(out, reg[3] or '')
   end
 end
 return out
@@ -158,13 +168,24 @@ class MembershipSnapshot:
         return next((c for c in self.clusters if c.id == cluster_id), None)
 
 
-class Membership:
-    """Registry operations against one Redis, under one deployment namespace."""
+def _sign(secret: str, namespace: str, cluster_id: str, endpoints_json: str) -> str:
+    msg = "\n".join(("k3serve-member-v1", namespace, cluster_id, endpoints_json)).encode()
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
 
-    def __init__(self, client: redis.Redis, namespace: str) -> None:
+
+class Membership:
+    """Registry operations against one Redis, under one deployment namespace; entries are signed with the
+    deployment ``secret`` and unsigned or forged ones are ignored."""
+
+    def __init__(self, client: redis.Redis, namespace: str, secret: str) -> None:
+        if not isinstance(secret, str) or len(secret) < 16:
+            raise ValueError("secret must be the deployment secret (a string of at least 16 characters)")
         self._r = client
         self.namespace = namespace
         self.prefix = key_prefix(namespace)
+        self._secret = secret
+        self.forged = 0  # entries dropped because their signature did not verify
+        self._forged_ids: set[str] = set()
         self._register = client.register_script(_REGISTER)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._scan = client.register_script(_SCAN)
@@ -183,11 +204,11 @@ class Membership:
         ``heartbeat_ttl_s`` (default ``ttl_s``). Re-registering replaces the endpoints.
         """
         reg, hb = self._keys(cluster_id)
-        eps = {str(k): str(v) for k, v in endpoints.items()}
+        eps = json.dumps({str(k): str(v) for k, v in endpoints.items()}, sort_keys=True)
         hb_ms = ttl_ms(ttl_s if heartbeat_ttl_s is None else heartbeat_ttl_s)
         self._register(
             keys=[reg, hb, f"{self.prefix}clusters"],
-            args=[cluster_id, json.dumps(eps, sort_keys=True), ttl_ms(ttl_s), hb_ms],
+            args=[cluster_id, eps, ttl_ms(ttl_s), hb_ms, _sign(self._secret, self.namespace, cluster_id, eps)],
         )
 
     def heartbeat(self, cluster_id: str, load: Mapping[str, float], ttl_s: float) -> bool:
@@ -209,13 +230,21 @@ class Membership:
 
     # ----------------------------------------------------------------- router side
     def read(self) -> tuple[float, list[ClusterInfo]]:
-        """(Redis server time in s, every registered cluster, alive or not), sorted by id. Raises RedisError."""
+        """(Redis server time in s, every registered cluster whose entry is signed by this deployment, alive or
+        not), sorted by id. Raises RedisError."""
         raw = self._scan(keys=[f"{self.prefix}clusters"], args=[self.prefix])
         now = int(raw[0]) / 1000.0
         out = []
-        for i in range(1, len(raw), 5):
-            cid, eps, last_ms, alive, load = raw[i : i + 5]
-            cid, eps, load = _text(cid), _text(eps), _text(load)
+        for i in range(1, len(raw), 6):
+            cid, eps, last_ms, alive, load, sig = raw[i : i + 6]
+            cid, eps, load, sig = _text(cid), _text(eps), _text(load), _text(sig)
+            if not hmac.compare_digest(_sign(self._secret, self.namespace, cid, eps), sig):
+                self.forged += 1
+                if cid not in self._forged_ids:  # once per id: a reader runs every 0.2 s
+                    self._forged_ids.add(cid)
+                    log.warning("membership: ignoring cluster %r: its entry is not signed with this deployment's "
+                                "secret", cid)
+                continue
             out.append(
                 ClusterInfo(
                     id=cid,

@@ -83,10 +83,10 @@ def stream_attempt(target: Target, req: ValidRequest, st: Attempts, progress: St
         if target.stub is None:
             raise ConnectionError(f"cluster {cluster} has no endpoint")
         remaining = context.time_remaining()
+        creq = cluster_pb2.ClusterGenerateRequest(request=inner, absolute_offset=len(st.streamed),
+                                                  cache_salt=target.salt)
         call = target.stub.Generate(
-            cluster_pb2.ClusterGenerateRequest(request=inner, absolute_offset=len(st.streamed),
-                                               cache_salt=target.salt),
-            metadata=sign(auth, CLUSTER_GENERATE, req.request_id),
+            creq, metadata=sign(auth, CLUSTER_GENERATE, req.request_id, creq),
             timeout=remaining if remaining is not None and remaining < _NO_DEADLINE_S else None)
         context.add_callback(call.cancel)
         watch = watchdog.watch(cluster, call, progress)

@@ -2,7 +2,7 @@
 
 * Salt. With API keys configured the tenant is its key: ``HMAC(deployment secret, key)``; a request may add
   ``cache_salt`` to split its tenant further (e.g. per end user). The cluster mixes the salt into the block-hash
-  seed (engine/block_hash.salted_seed), so prefixes are shared, and ``usage.cached_tokens`` can be non-zero,
+  chain (engine/block_hash.block_hashes), so prefixes are shared, and ``usage.cached_tokens`` can be non-zero,
   only between requests of one (tenant, cache_salt): no tenant can probe another's prompts by their hits or
   timing. Without API keys and without ``cache_salt`` the salt is empty: one shared cache (the old behaviour).
 * Cache identity. The cluster budgets KDA checkpoints per session id. A request without a session id gets its

@@ -44,8 +44,8 @@ class ReceiverClient:
         out = []
         for ep, call in zip(self.endpoints, self._status):
             try:
-                r = call(pb.StatusRequest(transfer_id=transfer_id), timeout=self._timeout,
-                         metadata=sign(self._auth, STATUS, transfer_id))
+                q = pb.StatusRequest(transfer_id=transfer_id)
+                r = call(q, timeout=self._timeout, metadata=sign(self._auth, STATUS, transfer_id, q))
                 out.append(ReceiverStatus(ep, STATE_NAMES.get(r.state, "unknown"), r.staged_transfers,
                                           r.staged_bytes))
             except grpc.RpcError:
@@ -57,8 +57,8 @@ class ReceiverClient:
         out: list[bool | None] = []
         for call in self._cancel:
             try:
-                out.append(call(pb.CancelRequest(transfer_id=transfer_id), timeout=self._timeout,
-                                metadata=sign(self._auth, CANCEL, transfer_id)).freed)
+                q = pb.CancelRequest(transfer_id=transfer_id)
+                out.append(call(q, timeout=self._timeout, metadata=sign(self._auth, CANCEL, transfer_id, q)).freed)
             except grpc.RpcError:
                 out.append(None)
         return out

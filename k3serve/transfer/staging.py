@@ -7,12 +7,14 @@
  take(tid)         VERIFIED only: hands the buffers to InstallStaged and forgets them (tombstone INSTALLED)
  cancel / expire   drop the buffers (tombstone CANCELLED / EXPIRED: later streams of that id are refused)
  recycle(state)    after InstallStaged copied them: buffers go back to where they came from (buffers.py)
- land(chunk)       data planes (Mooncake): the payload was already written at chunk.dst_byte by the sender;
-                   header == plan[src][seq] and the CRC32C over the *landed* bytes ok  ->  chunk present
+ land(chunk)       data planes (Mooncake): the payload was already written at chunk.dst_byte of the transfer's
+                   landing range in the registered region; header == plan[src][seq]; copied out into the
+                   private buffers with CRC32C in one pass, CRC ok -> chunk present; the landing bytes wiped
 ```
-Buffers come from `buffers.py`: the heap with a bounded pool of warm buffers (gRPC plane: a fresh buffer
-costs ~4x a reused one to fill), or one registered region (data planes: the sender writes into it directly,
-so the region is registered once and transfers get ranges of it). A buffer is reused at once only when no
+Buffers come from `buffers.py`: the heap with a bounded pool of warm buffers (a fresh buffer costs ~4x a
+reused one to fill). Data planes also get landing ranges of one registered region (the sender writes there
+directly, so the region is registered once); the Mooncake engine lets any peer read and write registered
+memory, so what is installed is the private copy, checked when it was made. A buffer is reused at once only when no
 stream can still be writing into it; the pool is not "staged" state (occupancy counts live transfers only).
 Idempotent by transfer id: a stream for a VERIFIED or INSTALLED transfer is acknowledged as a duplicate and
 nothing is applied. Nothing here trusts the sender's description of a chunk: the receiver derives the whole
@@ -34,7 +36,7 @@ from k3serve.transfer.buffers import HeapBuffers, RegionBuffers
 from k3serve.transfer.chunks import KDA, ChunkRef, stream_plan
 from k3serve.transfer.copy_crc import copy_crc32c
 from k3serve.transfer.spec import DTYPES, TransferSpec
-from k3serve.transfer.wire import PB_TO_KIND, crc32c, digest_crcs
+from k3serve.transfer.wire import PB_TO_KIND, digest_crcs
 
 RECEIVING, VERIFIED, INSTALLED, CANCELLED, EXPIRED, UNKNOWN = (
     "receiving", "verified", "installed", "cancelled", "expired", "unknown")
@@ -100,6 +102,9 @@ class _Transfer:
     done: set[int] = field(default_factory=set)
     verified: bool = False
     writers: int = 0  # streams copying into the buffers right now
+    # a data plane's landing ranges in the registered region (kda, mla); the state is copied out of them into
+    # kda/mla (private memory, no engine reaches it) as each chunk is checked
+    landing: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -112,10 +117,11 @@ class StagingStore:
     def __init__(self, rank: int, tp: int, limits: StagingLimits = StagingLimits(),
                  expect_geometry: tuple | None = None, clock: Callable[[], float] = time.monotonic,
                  region: RegionBuffers | None = None) -> None:
-        """region: stage into this registered region (a data plane writes there) instead of the heap."""
+        """region: a data plane lands chunks in this registered region; each is copied out into private staging
+        as it is checked (any peer of the engine can write the region, so only the copy is installed)."""
         self.rank, self.tp, self.limits = rank, tp, limits
         self.region = region
-        self._buffers: HeapBuffers | RegionBuffers = region if region is not None else HeapBuffers(limits.pool_bytes)
+        self._buffers = HeapBuffers(limits.pool_bytes)
         self.expect_geometry = expect_geometry  # StateGeometry.without_tokens() of the decode model, if known
         self.counters = StagingCounters()
         self._clock = clock
@@ -163,15 +169,21 @@ class StagingStore:
                 raise self._reject("RESOURCE_EXHAUSTED", f"staging full: {held} + {need} bytes > "
                                    f"{self.limits.max_staging_bytes}")
             g = spec.geometry
+            landing = None
+            if self.region is not None:
+                lk = self.region.alloc(g.kda_shape(self.tp), torch.float32)
+                lm = self.region.alloc(g.mla_shape(), DTYPES[g.mla_dtype]) if lk is not None else None
+                if lm is None:
+                    if lk is not None:
+                        self.region.release(lk, False)
+                    raise self._reject("RESOURCE_EXHAUSTED", f"staging region full: no free range for {need} bytes")
+                landing = (lk, lm)
             kda = self._buffers.alloc(g.kda_shape(self.tp), torch.float32)
-            mla = self._buffers.alloc(g.mla_shape(), DTYPES[g.mla_dtype]) if kda is not None else None
-            if mla is None:  # only a region runs out; the heap raises MemoryError instead
-                if kda is not None:
-                    self._buffers.release(kda, False)
-                raise self._reject("RESOURCE_EXHAUSTED", f"staging region full: no free range for {need} bytes")
+            mla = self._buffers.alloc(g.mla_shape(), DTYPES[g.mla_dtype])
             plans = {s: stream_plan(spec, s, self.rank) for s in range(spec.prefill_tp)}
             self._live[spec.transfer_id] = _Transfer(spec, kda, mla, plans,
-                                                     {s: [None] * len(p) for s, p in plans.items()}, self._clock())
+                                                     {s: [None] * len(p) for s, p in plans.items()}, self._clock(),
+                                                     landing=landing)
             return RECEIVING
 
     def write(self, spec: TransferSpec, src: int, h: pb.ChunkHeader, payload: memoryview | None) -> bool:
@@ -226,8 +238,10 @@ class StagingStore:
         return t, plan[h.seq]
 
     def land(self, spec: TransferSpec, src: int, h: pb.ChunkHeader) -> bool:
-        """A chunk a data plane already wrote at its planned offset: check its header against the plan and its
-        CRC32C over the bytes that landed in staging; False if the transfer is already verified."""
+        """A chunk a data plane already wrote at its planned offset: check its header against the plan, copy the
+        landed bytes out of the registered region into private staging and check their CRC32C there, then wipe
+        the landing range; False if the transfer is already verified. A write into the region after this
+        (any engine peer can write it) never reaches what is installed."""
         if h.length > self.limits.max_chunk_bytes:
             raise self._reject("INVALID_ARGUMENT", f"chunk.length: {h.length} bytes exceeds max_chunk_bytes "
                                f"{self.limits.max_chunk_bytes}")
@@ -235,9 +249,14 @@ class StagingStore:
         if found is None:
             return False
         t, c = found
+        if t.landing is None:
+            raise self._reject("FAILED_PRECONDITION", "a landed chunk needs a data plane's staging region")
         t0 = time.thread_time()
-        dst = t.kda if c.kind == KDA else t.mla
-        got = crc32c(dst.reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length])
+        k = 0 if c.kind == KDA else 1
+        src_np = t.landing[k].reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length]
+        dst_np = (t.kda, t.mla)[k].reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length]
+        got = copy_crc32c(dst_np, src_np)
+        src_np[...] = 0  # the state leaves the region: a reader of registered memory sees it only until now
         t1 = time.thread_time()
         with self._lock:
             self.counters.crc_s += t1 - t0
@@ -254,10 +273,12 @@ class StagingStore:
         return True
 
     def addresses(self, transfer_id: str) -> tuple[int, int]:
-        """(kda, mla) staging addresses of a live transfer (data planes write there)."""
+        """(kda, mla) landing addresses of a live transfer in the registered region (data planes write there)."""
         with self._lock:
             t = self._live_transfer(transfer_id)
-            return t.kda.data_ptr(), t.mla.data_ptr()
+            if t.landing is None:
+                raise self._reject("FAILED_PRECONDITION", "this receiver has no data plane region")
+            return t.landing[0].data_ptr(), t.landing[1].data_ptr()
 
     def finish(self, spec: TransferSpec, src: int, m: pb.Manifest) -> str:
         """A sender's manifest: its stream is done if every chunk is present and the summary matches."""
@@ -305,6 +326,7 @@ class StagingStore:
             del self._live[transfer_id]
             self._tomb(transfer_id, INSTALLED)
             self.counters.installed += 1
+            self._release_landing(t, quarantine=False)  # verified: its senders write nothing more
         return StagedState(transfer_id, t.spec.request_id, t.kda, t.mla, recyclable=t.writers == 0)
 
     def recycle(self, state: StagedState) -> None:
@@ -344,15 +366,22 @@ class StagingStore:
 
     @property
     def pooled_bytes(self) -> int:
-        return self._buffers.pooled if isinstance(self._buffers, HeapBuffers) else 0
+        return self._buffers.pooled
 
     # ------------------------------------------------------------------------------------------ helpers
     def _drop(self, t: _Transfer) -> None:
         """A cancelled or expired transfer left the live set. Its buffers may still be written: by a stream
         copying right now, or (region) by a remote sender that has not heard of the cancel yet."""
-        maybe_written = t.writers > 0 or self.region is not None
-        self._buffers.release(t.kda, maybe_written)
-        self._buffers.release(t.mla, maybe_written)
+        self._buffers.release(t.kda, t.writers > 0)
+        self._buffers.release(t.mla, t.writers > 0)
+        self._release_landing(t)
+
+    def _release_landing(self, t: _Transfer, quarantine: bool = True) -> None:
+        """Give a transfer's landing ranges back to the region; quarantined when a sender may still write."""
+        if t.landing is not None and self.region is not None:
+            for x in t.landing:
+                self.region.release(x, quarantine)
+            t.landing = None
 
     def _live_transfer(self, transfer_id: str) -> _Transfer:
         t = self._live.get(transfer_id)

@@ -70,6 +70,19 @@ def test_transfer_planes_and_the_mooncake_section(tmp_path):
         load_deploy(_write(tmp_path, "clusters: {transfer: mooncake, mooncake: {protocol: udp}}\n"))
     with pytest.raises(DeployError, match=r"unknown key deploy\.clusters\.mooncake\.region"):
         load_deploy(_write(tmp_path, "clusters: {mooncake: {region: 5}}\n"))
+    assert mc.listen_any is True  # the example config opts in, saying why
+
+
+@pytest.mark.parametrize("clusters", ["{transfer: mooncake}", "{transfer: mooncake, mooncake: {listen_any: false}}",
+                                      "{placement: [{clusters: [c0], decode: {b: 1}, transfer: mooncake}]}"])
+def test_the_mooncake_plane_needs_the_operators_word_on_its_wildcard_listeners(tmp_path, clusters):
+    """The engine binds 0.0.0.0 and :: whatever bind_host says: a deploy file must opt in, naming the key."""
+    with pytest.raises(DeployError, match=r"clusters\.mooncake\.listen_any: .*every interface"):
+        load_deploy(_write(tmp_path, f"clusters: {clusters}\n"))
+    from k3serve.transfer.mooncake.plane import DataPlane, DataPlaneError, MooncakeConfig
+
+    with pytest.raises(DataPlaneError, match="listen_any"):  # also where a plane is built without a deploy file
+        DataPlane(MooncakeConfig())
 
 
 def test_numerics_key(tmp_path):
@@ -101,6 +114,7 @@ clusters:
   count: 2
   prefill_tp: 2
   decode_tp: 1
+  mooncake: {listen_any: true}
   placement:
     - {clusters: [c0], front: {k3_node_a: 1}, prefill: {k3_node_a: 1}, decode: {k3_node_b: 0.5}, transfer: mooncake}
 router_resources: {k3_node_a: 1}

@@ -43,7 +43,8 @@ def _busiest(dep, names: list[str]) -> str:
     from k3serve.router.hashing import rank_clusters, session_key
     from k3serve.router.membership import Membership
 
-    alive = [c.id for c in Membership(connect(dep.redis_url), dep.deploy.control.namespace).healthy_clusters()]
+    members = Membership(connect(dep.redis_url), dep.deploy.control.namespace, dep.deploy.secret)
+    alive = [c.id for c in members.healthy_clusters()]
     return Counter(rank_clusters(session_key(n, []), alive)[0] for n in names).most_common(1)[0][0]
 
 
@@ -62,7 +63,8 @@ def _healthy(dep) -> list[str]:
     from k3serve.cluster.redis_server import connect
     from k3serve.router.membership import Membership
 
-    return [c.id for c in Membership(connect(dep.redis_url), dep.deploy.control.namespace).healthy_clusters()]
+    members = Membership(connect(dep.redis_url), dep.deploy.control.namespace, dep.deploy.secret)
+    return [c.id for c in members.healthy_clusters()]
 
 
 def _primary_session(prefix: str, target: str, alive: list[str]) -> str:

@@ -34,7 +34,7 @@ def front(tiny_ckpt):
 def _call(stub, rid: str, ids: list[int], max_tokens: int, timeout: float | None = None):
     req = cluster_pb2.ClusterGenerateRequest(request=pb.GenerateRequest(
         request_id=rid, prompt_token_ids=ids, sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
-    return stub.Generate(req, metadata=sign(AuthConfig(SECRET, peer="router"), METHOD, rid), timeout=timeout)
+    return stub.Generate(req, metadata=sign(AuthConfig(SECRET, peer="router"), METHOD, rid, req), timeout=timeout)
 
 
 def _wait_idle(f: ClusterFront, timeout_s: float = 60) -> None:

@@ -218,3 +218,22 @@ def test_the_gcs_port_wait_is_lengthened_for_the_start_unless_the_operator_set_i
     monkeypatch.setenv(deployment.GCS_PORT_WAIT_ENV, "45")
     _deployment()._start_ray()
     assert seen[-1] == "45" and os.environ[deployment.GCS_PORT_WAIT_ENV] == "45"
+
+
+def test_a_loopback_deployment_keeps_the_local_ray_on_loopback(fake_ray, monkeypatch):
+    """Ray resolves a node address of 127.0.0.1 to the machine's outbound address and listens on every interface
+    unless its multi-machine mode is off while it starts (tests/cluster/test_bind_hosts.py checks the sockets)."""
+    import dataclasses
+
+    from k3serve.cluster import deployment
+
+    fake = fake_ray([])
+    seen = []
+    init = fake.init
+    monkeypatch.setattr(ray, "init", lambda **kw: (seen.append(os.environ.get(deployment.RAY_LOOPBACK_ENV)),
+                                                   init(**kw)))
+    monkeypatch.delenv(deployment.RAY_LOOPBACK_ENV, raising=False)
+    _deployment()._start_ray()  # the default bind_host is 127.0.0.1
+    wide = Deployment(dataclasses.replace(load_deploy(None), bind_host="0.0.0.0"))
+    wide._start_ray()
+    assert seen == ["0", None] and deployment.RAY_LOOPBACK_ENV not in os.environ

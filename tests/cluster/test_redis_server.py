@@ -31,7 +31,7 @@ def _gone(pid: int) -> bool:
 def test_tcp_server_start_stop(tmp_path):
     server = RedisServer()
     url = server.start(tmp_path)
-    assert url == f"redis://127.0.0.1:{server.port}/0" == server.url
+    assert url == f"redis://:{server._password}@127.0.0.1:{server.port}/0" == server.url
     client = connect(url)
     assert client.ping()
     client.set("k", "v")
@@ -157,3 +157,12 @@ def test_fixed_port(tmp_path):
         assert server.port == port and server.client().ping()
         with pytest.raises(RedisServerError):  # taken: a fixed port is not retried elsewhere
             RedisServer(tmp_path / "other", port=port, startup_timeout_s=2).start()
+
+
+def test_a_redis_password_stays_out_of_the_configs_and_deployments_reprs():
+    from k3serve.cluster.deploy import ControlSpec, DeployConfig
+    from k3serve.cluster.deployment import Deployment
+
+    url = "redis://:s3cr3t-p4ss@10.0.0.5:6379/0"
+    assert "s3cr3t" not in repr(ControlSpec(redis_url=url))
+    assert "s3cr3t" not in repr(Deployment(DeployConfig(), redis_url=url))

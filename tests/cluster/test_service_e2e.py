@@ -146,11 +146,11 @@ def test_internal_endpoint_rejects_unauthenticated_peers(deployment):
     method = "/k3serve.internal.v1.Cluster/Generate"
     wrong = AuthConfig("x" * 32, peer="intruder")  # signed, but not with this deployment's secret
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(req, metadata=sign(wrong, method, "intruder"), timeout=10))
+        list(stub.Generate(req, metadata=sign(wrong, method, "intruder", req), timeout=10))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     right = AuthConfig(deployment.deploy.secret, peer="router")  # the right secret, another request's signature
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(req, metadata=sign(right, method, "someone-else"), timeout=10))
+        list(stub.Generate(req, metadata=sign(right, method, "someone-else", req), timeout=10))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 

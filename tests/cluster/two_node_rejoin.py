@@ -39,7 +39,7 @@ def main() -> int:
         try:
             lost = dep.kill_node(nodes.worker_resource)
             print(f"lost node {lost.node_id[:8]} (dead after {lost.dead_after_s:.1f} s): {lost.clusters}")
-            members = Membership(connect(dep.redis_url), dep.deploy.control.namespace)
+            members = Membership(connect(dep.redis_url), dep.deploy.control.namespace, dep.deploy.secret)
             while set(lost.clusters) & {c.id for c in members.healthy_clusters()}:
                 time.sleep(0.2)
             t0 = time.monotonic()

@@ -1,12 +1,14 @@
 """SlotAllocator / PageAllocator semantics, and chained block hashes."""
 
+import hashlib
+import hmac
 import struct
 
 import pytest
 import xxhash
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
-from k3serve.engine.block_hash import block_hashes, model_fingerprint
+from k3serve.engine.block_hash import block_hashes, model_fingerprint, prefix_key
 
 
 # ------------------------------------------------------------------------------------------------- slots
@@ -99,63 +101,78 @@ def test_pages_freed_page_is_reallocated():
 
 
 # ------------------------------------------------------------------------------------------------ hashes
-def _ref_hash(prev: int, block: list[int]) -> int:
-    return xxhash.xxh64_intdigest(prev.to_bytes(8, "little") + struct.pack(f"<{len(block)}I", *block))
+K0, K1 = prefix_key(7, "deployment-secret-one"), prefix_key(7, "deployment-secret-two")
+
+
+def _ref_hash(key: bytes, data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key, person=b"k3s-prefix-v1").digest(), "little")
 
 
 def test_block_hashes_match_the_documented_formula():
     toks = list(range(100, 124))
-    h = block_hashes(toks, 8, seed=42)
+    key = prefix_key(42, "s" * 32)
+    assert key == hmac.new(b"s" * 32, b"k3serve-prefix-v1" + (42).to_bytes(8, "little"), hashlib.sha256).digest()
+    h = block_hashes(toks, 8, key, "tenant")
     assert len(h) == 3
-    assert h[0] == _ref_hash(42, toks[:8])
-    assert h[1] == _ref_hash(h[0], toks[8:16])
-    assert h[2] == _ref_hash(h[1], toks[16:24])
+    h0 = _ref_hash(key, b"salt" + b"tenant")
+    assert h[0] == _ref_hash(key, h0.to_bytes(8, "little") + struct.pack("<8I", *toks[:8]))
+    assert h[1] == _ref_hash(key, h[0].to_bytes(8, "little") + struct.pack("<8I", *toks[8:16]))
+    assert h[2] == _ref_hash(key, h[1].to_bytes(8, "little") + struct.pack("<8I", *toks[16:24]))
 
 
 def test_partial_final_block_not_hashed():
     toks = list(range(20))
-    assert block_hashes(toks, 8, 0) == block_hashes(toks[:16], 8, 0)
-    assert len(block_hashes(toks, 8, 0)) == 2
-    assert block_hashes(toks[:7], 8, 0) == []
-    assert block_hashes([], 8, 0) == []
+    assert block_hashes(toks, 8, K0) == block_hashes(toks[:16], 8, K0)
+    assert len(block_hashes(toks, 8, K0)) == 2
+    assert block_hashes(toks[:7], 8, K0) == []
+    assert block_hashes([], 8, K0) == []
 
 
 def test_earlier_block_change_changes_every_later_hash():
     toks = list(range(40))
-    base = block_hashes(toks, 8, 0)
+    base = block_hashes(toks, 8, K0)
     changed = list(toks)
     changed[3] = 999  # inside block 0
-    after = block_hashes(changed, 8, 0)
+    after = block_hashes(changed, 8, K0)
     assert all(a != b for a, b in zip(base, after))
     changed = list(toks)
     changed[17] = 999  # inside block 2
-    after = block_hashes(changed, 8, 0)
+    after = block_hashes(changed, 8, K0)
     assert after[:2] == base[:2] and all(a != b for a, b in zip(base[2:], after[2:]))
 
 
 def test_same_block_at_different_positions_hashes_differently():
     block = list(range(8))
-    h = block_hashes(block * 3, 8, 0)
+    h = block_hashes(block * 3, 8, K0)
     assert len(set(h)) == 3
 
 
-def test_seed_changes_all_hashes():
+def test_the_deployment_secret_model_and_salt_each_change_every_hash():
+    """Keyed: without the deployment's secret nobody computes (or aims a collision at) a cached block's hash."""
     toks = list(range(32))
-    a, b = block_hashes(toks, 8, 1), block_hashes(toks, 8, 2)
-    assert all(x != y for x, y in zip(a, b))
+    base = block_hashes(toks, 8, K0)
+    for other in (block_hashes(toks, 8, K1), block_hashes(toks, 8, prefix_key(8, "deployment-secret-one")),
+                  block_hashes(toks, 8, K0, "a-tenant")):
+        assert all(x != y for x, y in zip(base, other))
+    prev = 0  # the unkeyed xxh64 chain seeded with the fingerprint (what hashes were before keying) differs too
+    for i in range(4):
+        prev = xxhash.xxh64_intdigest(prev.to_bytes(8, "little") + struct.pack("<8I", *toks[8 * i: 8 * i + 8]))
+        assert base[i] != prev
 
 
 def test_block_hash_input_validation():
     with pytest.raises(ValueError):
-        block_hashes([1, 2], 0, 0)
-    with pytest.raises(ValueError):
-        block_hashes([1, 2], 2, -1)
-    with pytest.raises(ValueError):
-        block_hashes([1, 2], 2, 1 << 64)
+        block_hashes([1, 2], 0, K0)
+    with pytest.raises(ValueError, match="key"):
+        block_hashes([1, 2], 2, 0)  # a bare seed is not a key
+    with pytest.raises(ValueError, match="key"):
+        block_hashes([1, 2], 2, b"")
+    with pytest.raises(ValueError, match="fingerprint"):
+        prefix_key(1 << 64, "x")
     with pytest.raises(ValueError, match="token"):
-        block_hashes([1, 1 << 32], 2, 0)
+        block_hashes([1, 1 << 32], 2, K0)
     with pytest.raises(ValueError, match="token"):
-        block_hashes([-1, 0], 2, 0)
+        block_hashes([-1, 0], 2, K0)
 
 
 def test_model_fingerprint_canonical_and_distinct():
@@ -165,4 +182,4 @@ def test_model_fingerprint_canonical_and_distinct():
     assert a == b != c
     assert 0 <= a < 1 << 64
     toks = list(range(16))
-    assert block_hashes(toks, 8, a) != block_hashes(toks, 8, c)
+    assert block_hashes(toks, 8, prefix_key(a, "s")) != block_hashes(toks, 8, prefix_key(c, "s"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig, PrefillChunk
 from k3serve.contracts.requests import PrefillRequest
@@ -44,7 +44,7 @@ def test_short_handoff_is_yielded_before_the_long_share_runs(tiny_ckpt, tiny_ref
     try:
         engine = PrefillEngine(cfg, ex, PrefillConfig(pools, step_token_budget=256, long_threshold=300,
                                                       long_step_tokens=64, enable_prefix_cache=False),
-                               model_fingerprint(cfg.to_hf_dict()))
+                               prefix_key(model_fingerprint(cfg.to_hf_dict()), ""))
         long_prompt, short_prompt = _tokens(1000, 1), _tokens(100, 2)
         engine.add_request(PrefillRequest("long", tuple(long_prompt), PARAMS))
         for _ in range(2):  # long-only steps: 64 tokens each, not the 256-token budget
@@ -73,7 +73,7 @@ def test_short_request_starts_around_a_long_one_waiting_for_pages(tiny_ckpt):
     try:
         engine = PrefillEngine(cfg, ex, PrefillConfig(pools, step_token_budget=256, long_threshold=300,
                                                       long_step_tokens=64, enable_prefix_cache=False),
-                               model_fingerprint(cfg.to_hf_dict()))
+                               prefix_key(model_fingerprint(cfg.to_hf_dict()), ""))
         engine.add_request(PrefillRequest("long-a", tuple(_tokens(900, 3)), PARAMS))  # 15 pages
         engine.add_request(PrefillRequest("long-b", tuple(_tokens(600, 4)), PARAMS))  # 10 pages: must wait
         engine.add_request(PrefillRequest("long-c", tuple(_tokens(400, 6)), PARAMS))  # 7 pages: waits behind b

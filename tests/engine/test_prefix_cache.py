@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 
+from k3serve.engine.block_hash import prefix_key
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy, PrefixHit
 from k3serve.engine.prefix_policy import checkpoint_scores
@@ -30,7 +31,7 @@ class Sim:
         self.policy = policy or make_policy()
         self.pages = PageAllocator(num_pages)
         self.slots = SlotAllocator(num_slots)
-        self.cache = HybridPrefixCache(self.policy, self.pages, self.slots, seed)
+        self.cache = HybridPrefixCache(self.policy, self.pages, self.slots, prefix_key(seed, "test-secret"))
         self.page_prefix: dict[int, tuple] = {}
         self.slot_prefix: dict[int, tuple] = {}
         self.running: dict[object, tuple[list[int], int]] = {}
@@ -147,7 +148,7 @@ def test_checkpoint_boundaries_k3():
     # More candidates than the session budget (4): only the deepest are worth a snapshot.
     assert p.checkpoint_boundaries(40000, 0) == [28672, 32768, 36864, 39936]
     assert PrefixCachePolicy(checkpoint_every_blocks=3).checkpoint_boundaries(5000, 0) == [1536, 3072, 4608]
-    cache = HybridPrefixCache(p, PageAllocator(1), SlotAllocator(1), 0)
+    cache = HybridPrefixCache(p, PageAllocator(1), SlotAllocator(1), prefix_key(0, ""))
     assert cache.checkpoint_boundaries(10000, 0) == [4096, 8192, 9728]
 
 
@@ -498,9 +499,6 @@ def test_randomised_sessions_keep_invariants(seed, scheme):
 
 # ---- issue 19 #10: tenant isolation ----------------------------------------------------------------------
 def test_prefixes_are_shared_only_under_the_same_tenant_salt():
-    from k3serve.engine.block_hash import salted_seed
-
-    assert salted_seed(7, "") == 7  # the unsalted cache is the old one
     sim = Sim()
     system = toks(2 * BS, 1000)
     sim.prefill(system + toks(5, 1), "a", salt="tenant-a")
@@ -509,3 +507,9 @@ def test_prefixes_are_shared_only_under_the_same_tenant_salt():
     same, _ = sim.prefill(system + toks(8, 70), "d", salt="tenant-a")
     assert other.num_tokens == 0 and unsalted.num_tokens == 0  # another tenant's prefix is never a hit
     assert same.num_tokens == 2 * BS  # within a tenant it is
+
+
+def test_a_cache_is_keyed_not_seeded():
+    """A bare integer seed (the unkeyed xxh64 chain's) is refused: every cache hashes under a prefix_key."""
+    with pytest.raises(ValueError, match="key"):
+        HybridPrefixCache(make_policy(), PageAllocator(4), SlotAllocator(2), 7)

@@ -108,7 +108,7 @@ class Rig:
 
     def add_cluster(self, cluster_id: str, behaviour: Behaviour | None = None) -> FakeCluster:
         fc = FakeCluster(cluster_id, behaviour)
-        Membership(connect(self.url), self.ns).register(cluster_id, {"cluster": fc.endpoint}, ttl_s=60,
+        Membership(connect(self.url), self.ns, SECRET).register(cluster_id, {"cluster": fc.endpoint}, ttl_s=60,
                                                        heartbeat_ttl_s=30)
         self.clusters[cluster_id] = fc
         return fc
@@ -116,7 +116,7 @@ class Rig:
     def add_router(self, classes: list[ClassSpec] | None = None, *, admission: bool = True, **service_kw
                    ) -> tuple[RouterService, router_pb2_grpc.RouterStub]:
         client = connect(self.url, timeout_s=2.0)
-        view = MembershipView(Membership(client, self.ns), refresh_interval_s=0.1,
+        view = MembershipView(Membership(client, self.ns, SECRET), refresh_interval_s=0.1,
                               breaker=CircuitBreaker(BreakerConfig(cool_down_s=30.0)))
         gate = None
         if admission:

@@ -18,6 +18,9 @@ from k3serve.router.membership import (
 )
 
 
+SECRET = "membership-secret-0123456789"
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.t = 1000.0
@@ -27,7 +30,7 @@ class FakeClock:
 
 
 def test_register_heartbeat_and_read(rclient, ns):
-    m = Membership(rclient, ns)
+    m = Membership(rclient, ns, SECRET)
     m.register("c0", {"router": "10.0.0.1:5000"}, ttl_s=30)
     m.register("c1", {"router": "10.0.0.2:5000"}, ttl_s=30)
     assert m.heartbeat("c0", {"tokens": 1234, "queued": 2}, ttl_s=30)
@@ -46,7 +49,7 @@ def test_register_heartbeat_and_read(rclient, ns):
 
 
 def test_heartbeat_expiry_makes_a_cluster_dead_and_a_heartbeat_revives_it(rclient, ns):
-    m = Membership(rclient, ns)
+    m = Membership(rclient, ns, SECRET)
     m.register("c0", {"router": "a"}, ttl_s=30, heartbeat_ttl_s=0.15)
     m.register("c1", {"router": "b"}, ttl_s=30)
     time.sleep(0.25)
@@ -58,7 +61,7 @@ def test_heartbeat_expiry_makes_a_cluster_dead_and_a_heartbeat_revives_it(rclien
 
 
 def test_expired_registration_needs_register_again(rclient, ns):
-    m = Membership(rclient, ns)
+    m = Membership(rclient, ns, SECRET)
     m.register("c0", {"router": "a"}, ttl_s=0.15)
     assert m.heartbeat("c0", {}, ttl_s=0.15)
     time.sleep(0.25)
@@ -70,7 +73,7 @@ def test_expired_registration_needs_register_again(rclient, ns):
 
 
 def test_heartbeat_renews_registration(rclient, ns):
-    m = Membership(rclient, ns)
+    m = Membership(rclient, ns, SECRET)
     m.register("c0", {"router": "a"}, ttl_s=0.3)
     for _ in range(4):  # 0.4 s in total, past the registration TTL, kept alive by heartbeats
         time.sleep(0.1)
@@ -79,7 +82,7 @@ def test_heartbeat_renews_registration(rclient, ns):
 
 
 def test_deregister_and_namespaces_are_isolated(rclient, ns):
-    a, b = Membership(rclient, ns), Membership(rclient, ns + "b")
+    a, b = Membership(rclient, ns, SECRET), Membership(rclient, ns + "b", SECRET)
     a.register("c0", {"router": "a"}, ttl_s=30)
     b.register("c9", {"router": "b"}, ttl_s=30)
     assert [c.id for c in a.healthy_clusters()] == ["c0"]
@@ -90,19 +93,19 @@ def test_deregister_and_namespaces_are_isolated(rclient, ns):
 
 
 def test_ids_are_validated(rclient, ns):
-    m = Membership(rclient, ns)
+    m = Membership(rclient, ns, SECRET)
     for bad in ("", "a:b", "a{b}", "x" * 65, "sp ace"):
         with pytest.raises(ValueError):
             m.register(bad, {}, ttl_s=1)
     with pytest.raises(ValueError):
-        Membership(rclient, "bad:ns")
+        Membership(rclient, "bad:ns", SECRET)
     with pytest.raises(ValueError):
         m.register("c0", {}, ttl_s=0)
     assert check_id("cluster id", "c-0_a.b") == "c-0_a.b"
 
 
 def test_view_caches_reads_for_the_refresh_interval(rclient, ns):
-    m = Membership(rclient, ns)
+    m = Membership(rclient, ns, SECRET)
     clock = FakeClock()
     view = MembershipView(m, refresh_interval_s=0.5, clock=clock)
     m.register("c0", {"router": "a"}, ttl_s=30)
@@ -120,7 +123,7 @@ def test_view_keeps_last_membership_when_redis_is_down(tmp_path, ns):
     server.start(tmp_path)
     client = connect(server.url, timeout_s=0.2, retries=0)
     try:
-        m = Membership(client, ns)
+        m = Membership(client, ns, SECRET)
         m.register("c0", {"router": "a"}, ttl_s=30)
         m.register("c1", {"router": "b"}, ttl_s=30)
         clock = FakeClock()
@@ -148,7 +151,7 @@ def test_view_keeps_last_membership_when_redis_is_down(tmp_path, ns):
 
 def test_view_with_redis_never_reachable_is_empty_and_stale(tmp_path, ns):
     client = connect(f"unix://{tmp_path}/nothing.sock", timeout_s=0.2, retries=0)
-    view = MembershipView(Membership(client, ns))
+    view = MembershipView(Membership(client, ns, SECRET))
     snap = view.snapshot()
     assert snap.stale and snap.clusters == () and view.routable(snap) == []
 
@@ -176,7 +179,7 @@ def test_breaker_cool_down_half_open_and_backoff():
 
 
 def test_view_states_combine_heartbeat_and_breaker(rclient, ns):
-    m = Membership(rclient, ns)
+    m = Membership(rclient, ns, SECRET)
     clock = FakeClock()
     view = MembershipView(m, refresh_interval_s=0.0, breaker=CircuitBreaker(BreakerConfig(cool_down_s=5), clock))
     m.register("c0", {"router": "a"}, ttl_s=30)
@@ -205,7 +208,7 @@ def test_redis_restart_agents_reregister_and_view_recovers(tmp_path, ns):
     server.start()
     client = connect(server.url, timeout_s=0.3, retries=0)
     try:
-        m = Membership(client, ns)
+        m = Membership(client, ns, SECRET)
         m.register("c0", {"router": "a"}, ttl_s=30)
         clock = FakeClock()
         view = MembershipView(m, refresh_interval_s=0.5, clock=clock)
@@ -229,7 +232,7 @@ def test_redis_restart_agents_reregister_and_view_recovers(tmp_path, ns):
 
 
 def test_empty_membership_is_trusted_after_the_grace_period(rclient, ns):
-    m = Membership(rclient, ns)
+    m = Membership(rclient, ns, SECRET)
     clock = FakeClock()
     view = MembershipView(m, refresh_interval_s=0.0, empty_grace_s=5.0, clock=clock)
     m.register("c0", {"router": "a"}, ttl_s=30)
@@ -252,7 +255,7 @@ def test_empty_membership_is_trusted_after_the_grace_period(rclient, ns):
 
 def test_a_cluster_back_with_a_new_endpoint_is_routable_at_once(rclient, ns):
     """Rebuilt or replaced clusters register a new endpoint: the old incarnation's failures no longer count."""
-    m = Membership(rclient, ns)
+    m = Membership(rclient, ns, SECRET)
     clock = FakeClock()
     view = MembershipView(m, refresh_interval_s=0.0, breaker=CircuitBreaker(BreakerConfig(cool_down_s=60), clock))
     m.register("c0", {"cluster": "127.0.0.1:1001"}, ttl_s=30)
@@ -265,3 +268,54 @@ def test_a_cluster_back_with_a_new_endpoint_is_routable_at_once(rclient, ns):
     snap = view.refresh()
     assert view.routable(snap) == ["c0"]
     assert view.state("c1", snap) is ClusterState.SUSPECT
+
+
+def test_an_unsigned_or_forged_cluster_is_ignored(rclient, ns):
+    """Anyone who can write Redis could register a cluster; routers take only entries signed with the
+    deployment secret (a forger's own secret, or a copied signature on other endpoints, does not verify)."""
+    m = Membership(rclient, ns, SECRET)
+    m.register("c0", {"cluster": "127.0.0.1:5000"}, ttl_s=30)
+    Membership(rclient, ns, "another-deployments-secret").register("evil", {"cluster": "10.6.6.6:1"}, ttl_s=30)
+    prefix = key_prefix(ns)
+    # by hand, as a process with Redis access but no secret would: no signature, then c0's on other endpoints
+    rclient.hset(f"{prefix}reg:bare", mapping={"endpoints": '{"cluster": "10.6.6.6:2"}', "ttl_ms": 30000,
+                                                "last_ms": 1})
+    rclient.hset(f"{prefix}hb:bare", mapping={"load": "{}", "ts_ms": 1})
+    rclient.sadd(f"{prefix}clusters", "bare")
+    rclient.hset(f"{prefix}reg:c0", "endpoints", '{"cluster": "10.6.6.6:3"}')
+    rclient.hset(f"{prefix}reg:c1", mapping={"endpoints": '{"cluster": "10.6.6.6:3"}', "last_ms": 1,
+                                              "sig": rclient.hget(f"{prefix}reg:c0", "sig")})
+    rclient.hset(f"{prefix}hb:c1", mapping={"load": "{}", "ts_ms": 1})
+    rclient.sadd(f"{prefix}clusters", "c1")
+    view = MembershipView(Membership(rclient, ns, SECRET))
+    assert view.refresh().clusters == () and view.routable() == []
+    assert view.membership.forged == 4  # evil, bare, c0 re-pointed, c1 with c0's signature
+    m.register("c0", {"cluster": "127.0.0.1:5000"}, ttl_s=30)  # the real agent's next registration
+    assert [(c.id, dict(c.endpoints)) for c in view.refresh().clusters] == [("c0", {"cluster": "127.0.0.1:5000"})]
+    with pytest.raises(ValueError, match="secret"):
+        Membership(rclient, ns, "short")
+
+
+@pytest.mark.parametrize("unix_socket", [False, True])
+def test_the_private_redis_needs_its_generated_password_and_never_shows_it(tmp_path, unix_socket):
+    import redis as redis_py
+
+    from k3serve.cluster.redis_server import redact_url
+
+    server = RedisServer(unix_socket=unix_socket)
+    url = server.start(tmp_path)
+    try:
+        password = server._password
+        assert len(password) >= 32 and password in url
+        assert connect(url).ping()
+        for wrong in (url.replace(f":{password}@", ""), url.replace(password, "guess")):
+            with pytest.raises((redis_py.AuthenticationError, redis_py.ResponseError)):  # NOAUTH / WRONGPASS
+                connect(wrong).ping()
+        assert password not in repr(server) and ":***@" in repr(server)
+        assert redact_url(url) == url.replace(password, "***")
+        cmdline = open(f"/proc/{server.pid}/cmdline", "rb").read()
+        assert password.encode() not in cmdline  # given on stdin, not visible in ps
+    finally:
+        server.stop()
+    assert redact_url("redis://h:1/0?password=p4ss&db=2") == "redis://h:1/0?password=***&db=2"
+    assert redact_url("redis://user:p4ss@h:1/0") == "redis://user:***@h:1/0"

@@ -14,7 +14,7 @@ from k3serve.cluster.redis_server import RedisServer, connect
 from k3serve.router.admission import ClassSpec
 from k3serve.router.membership import ClusterState
 from k3serve.v1 import router_pb2 as pb
-from tests.router.fake_cluster import Behaviour, Rig, expected_tokens
+from tests.router.fake_cluster import SECRET, Behaviour, Rig, expected_tokens
 
 
 @pytest.fixture
@@ -344,7 +344,7 @@ def test_a_cluster_whose_heartbeat_expires_mid_stream_is_failed_over(rig):
     time.sleep(0.6)
     serving = next(c for c, fc in rig.clusters.items() if fc.running)
     # its heartbeat key expires (registration kept): the cluster is wedged, though its stream still flows here
-    Membership(connect(rig.url), rig.ns).heartbeat(serving, {}, ttl_s=0.001)
+    Membership(connect(rig.url), rig.ns, SECRET).heartbeat(serving, {}, ttl_s=0.001)
     t.join(20)
     tokens, last = out["r"]
     assert tokens == expected_tokens(60) and last.usage.failovers == 1 and last.usage.cluster_id != serving

@@ -13,7 +13,7 @@ import torch
 
 from transfer_helpers import make_spec, random_state, send_all
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
-from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
 from k3serve.contracts.handoff import StagedState
@@ -131,7 +131,7 @@ def test_retried_transfer_installs_and_decodes_like_the_reference(tiny_ckpt, tin
     prefill_ex = LocalExecutor(WorkerSpec(tiny_ckpt, 1, pools))
     # the decode rank is built with its receiver (hooks at construction), as a cluster's decode ranks are
     decode_ex = LocalExecutor(WorkerSpec(tiny_ckpt, 1, pools, hooks=ReceiverHooks(ReceiverConfig(auth))))
-    prefill = PrefillEngine(cfg, prefill_ex, PrefillConfig(pools), model_fingerprint(cfg.to_hf_dict()))
+    prefill = PrefillEngine(cfg, prefill_ex, PrefillConfig(pools), prefix_key(model_fingerprint(cfg.to_hf_dict()), ""))
     prefill.add_request(PrefillRequest("r-install", tuple(prompt), params))
     (h,) = prefill.run_to_completion()
     (endpoint,), store = decode_ex.ready, decode_ex.worker.hooks.staging

@@ -15,7 +15,7 @@ from k3serve.contracts.handoff import StagedState
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
-from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import ExportState, PoolConfig
 from k3serve.model.checkpoint import load_config
@@ -47,7 +47,7 @@ def _prefill(groups, request_id: str, layerwise: bool, params: SamplingParams = 
     # 128-token chunks: the last chunk (tokens 256..299) is the one that streams
     engine = PrefillEngine(cfg, pre, PrefillConfig(POOLS, step_token_budget=128, enable_prefix_cache=False,
                                                    layerwise_export=layerwise),
-                           model_fingerprint(cfg.to_hf_dict()), channel)
+                           prefix_key(model_fingerprint(cfg.to_hf_dict()), ""), channel)
     engine.add_request(PrefillRequest(request_id, tuple(PROMPT), params))
     out = engine.run_to_completion()
     assert not engine.take_failures() and engine.slots.num_used == 0 and engine.pages.num_used == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
-from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import ExportState, PoolConfig
 from k3serve.contracts.handoff import StagedState
@@ -43,7 +43,7 @@ def handoffs(tiny_ckpt):
     for p in sorted({p for p, _ in PAIRS}):
         ex = make_executor(WorkerSpec(tiny_ckpt, p, POOLS))
         try:
-            eng = PrefillEngine(cfg, ex, PrefillConfig(POOLS), model_fingerprint(cfg.to_hf_dict()))
+            eng = PrefillEngine(cfg, ex, PrefillConfig(POOLS), prefix_key(model_fingerprint(cfg.to_hf_dict()), ""))
             eng.add_request(PrefillRequest(f"req-p{p}", tuple(PROMPT), PARAMS))
             (out[p],) = eng.run_to_completion()
         finally:

@@ -24,7 +24,8 @@ from k3serve.transfer.staging import StagingLimits
 pytestmark = pytest.mark.skipif(bool(mooncake_available()), reason=mooncake_available() or "available")
 
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4), (4, 2), (4, 1)]
-MC = MooncakeConfig(staging_bytes=8 << 20, send_bytes=8 << 20, quarantine_s=0.2, batch_bytes=64 << 10)
+MC = MooncakeConfig(staging_bytes=8 << 20, send_bytes=8 << 20, quarantine_s=0.2, batch_bytes=64 << 10,
+                     listen_any=True)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_state_over_mooncake_is_byte_identical_to_the_inprocess_reshard(p, d, gr
             assert torch.equal(st.kda, want[rank]) and torch.equal(st.mla, mla)
             rx.store.recycle(st)
     assert all(rx.store.counters.landed == rx.store.counters.chunks for rx in rxs)  # no payload went over gRPC
-    assert all(rx.store.counters.place_s == 0.0 for rx in rxs)  # and the receiver copied nothing
+    assert all(rx.store.counters.place_s == 0.0 for rx in rxs)  # nothing placed from gRPC messages
     _assert_nothing_held(rxs, sender_plane)
     assert sender_plane[0].registrations == 1  # the send region: once, for every transfer of this module
 
@@ -179,3 +180,36 @@ def test_a_full_region_is_resource_exhausted_and_holds_nothing(auth, fast_sender
         rx.stop(0)
         plane.close()
     assert plane.registered_bytes == 0 and plane.registrations == 1
+
+
+def test_a_foreign_engine_cannot_change_or_read_staged_state_after_it_landed(groups, fast_sender, sender_plane):
+    """The engine authenticates no peer: any engine that reaches a receiver's port can write and read its
+    registered region at the addresses an Open reply names (a second engine here does both, as in the issue's
+    reproduction). Each chunk is copied out of the region as it is checked, then its landing bytes are wiped:
+    the foreign write lands but never reaches what is installed, and a foreign read finds zeros."""
+    (rx,) = groups(1)
+    parts, mla = random_state(1, seed=11, tokens=200)
+    spec = make_spec("mc-foreign", parts, mla, 1)
+    assert all(isinstance(r, SendResult) for r in _send_all([rx], spec, parts, mla, fast_sender, sender_plane))
+    kda_addr, mla_addr = rx.store.addresses(spec.transfer_id)  # verified, not yet installed
+    n_kda, n_mla = parts[0].numel() * 4, mla.numel() * mla.element_size()
+    foreign, scratch = DataPlane(MC), RegionBuffers(1 << 20, quarantine_s=0.0)
+    try:
+        foreign.register(scratch)
+        buf = scratch.alloc((max(n_kda, n_mla),), torch.uint8)
+        engine = foreign._engine
+        for addr, n in ((kda_addr, n_kda), (mla_addr, n_mla)):
+            buf.fill_(0x5A)
+            assert engine.transfer_sync_read(rx.segment, buf.data_ptr(), addr, n) == 0  # reads are not refused
+            assert int(buf[:n].count_nonzero()) == 0  # but the state already left the region
+            buf.fill_(0xAB)
+            assert engine.transfer_sync_write(rx.segment, buf.data_ptr(), addr, n) == 0  # nor are writes
+            buf.zero_()
+            assert engine.transfer_sync_read(rx.segment, buf.data_ptr(), addr, n) == 0
+            assert bool((buf[:n] == 0xAB).all())  # the foreign bytes are in the region
+        st = rx.store.take(spec.transfer_id)
+        assert torch.equal(st.kda, parts[0]) and torch.equal(st.mla, mla)  # and not in what installs
+        rx.store.recycle(st)
+    finally:
+        foreign.close()
+    _assert_nothing_held([rx], sender_plane)

@@ -15,7 +15,7 @@ from k3serve.contracts.handoff import StagedState
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
-from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import ExportState, PoolConfig
 from k3serve.model.checkpoint import load_config
@@ -26,7 +26,8 @@ from tests.exactness import compare
 
 pytestmark = pytest.mark.skipif(bool(mooncake_available()), reason=mooncake_available() or "available")
 
-MC = MooncakeConfig(staging_bytes=8 << 20, send_bytes=8 << 20, quarantine_s=0.5, batch_bytes=64 << 10)
+MC = MooncakeConfig(staging_bytes=8 << 20, send_bytes=8 << 20, quarantine_s=0.5, batch_bytes=64 << 10,
+                     listen_any=True)
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
 PROMPT = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(23)).tolist()
 POOLS = PoolConfig(kda_slots=4, mla_pages=32)
@@ -47,7 +48,7 @@ def test_mooncake_layerwise_state_is_the_exported_state_and_decodes_like_the_ref
             # 128-token chunks: the last chunk (tokens 256..299) is the one that streams
             engine = PrefillEngine(cfg, pre, PrefillConfig(POOLS, step_token_budget=128, enable_prefix_cache=False,
                                                            layerwise_export=layerwise),
-                                   model_fingerprint(cfg.to_hf_dict()), channel)
+                                   prefix_key(model_fingerprint(cfg.to_hf_dict()), ""), channel)
             engine.add_request(PrefillRequest(f"mclw-{name}", tuple(PROMPT), PARAMS))
             (handoffs[name],) = engine.run_to_completion()
             assert not engine.take_failures() and engine.slots.num_used == 0

@@ -18,7 +18,7 @@ from k3serve.contracts.handoff import StagedState
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
-from k3serve.engine.block_hash import model_fingerprint
+from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import ExportState, PoolConfig
 from k3serve.model.checkpoint import load_config
@@ -34,7 +34,8 @@ from k3serve.transfer.wire import byte_view, crc32c
 
 pytestmark = pytest.mark.skipif(bool(mooncake_available()), reason=mooncake_available() or "available")
 
-MC = MooncakeConfig(staging_bytes=8 << 20, send_bytes=8 << 20, quarantine_s=0.5, batch_bytes=64 << 10)
+MC = MooncakeConfig(staging_bytes=8 << 20, send_bytes=8 << 20, quarantine_s=0.5, batch_bytes=64 << 10,
+                     listen_any=True)
 POOLS = PoolConfig(kda_slots=4, mla_pages=32)
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
 PROMPT = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(11)).tolist()
@@ -66,7 +67,8 @@ def test_engines_over_mooncake_install_the_reshard_and_decode_like_the_reference
     try:
         endpoints = tuple(decode_ex.ready)
         channel = _capturing_channel()("mc", cfg, endpoints, auth.secret, p, d, POOLS.page_size, chunk_bytes=8192)
-        prefill = PrefillEngine(cfg, prefill_ex, PrefillConfig(POOLS), model_fingerprint(cfg.to_hf_dict()), channel)
+        key = prefix_key(model_fingerprint(cfg.to_hf_dict()), "")
+        prefill = PrefillEngine(cfg, prefill_ex, PrefillConfig(POOLS), key, channel)
         decode = DecodeEngine(cfg, decode_ex, DecodeConfig(POOLS), channel)
         prefill.add_request(PrefillRequest("r-mc", tuple(PROMPT), PARAMS))
         (h,) = prefill.run_to_completion()

@@ -46,7 +46,7 @@ def test_unknown_secret_stale_signature_and_unknown_peer_are_unauthenticated(set
         "bad signature": sign(stranger, PUSH, spec.transfer_id),
         "freshness window": sign(auth, PUSH, spec.transfer_id, now=time.time() - 10 * auth.window_s),
         "missing": (),
-        "signed for another method": sign(auth, STATUS, spec.transfer_id),
+        "signed for another method": sign(auth, STATUS, spec.transfer_id, pb.StatusRequest()),
     }
     for why, md in cases.items():
         with pytest.raises(grpc.RpcError) as e:
@@ -67,16 +67,16 @@ def test_allowed_peers_rejects_unknown_peer(auth):
         with open_channel(rx.endpoint) as ch:
             status = ch.unary_unary(STATUS, pb.StatusRequest.SerializeToString, pb.StatusReply.FromString)
             with pytest.raises(grpc.RpcError) as e:
-                status(pb.StatusRequest(), timeout=5, metadata=sign(auth, STATUS, ""))
+                status(pb.StatusRequest(), timeout=5, metadata=sign(auth, STATUS, "", pb.StatusRequest()))
             assert _code(e) == grpc.StatusCode.UNAUTHENTICATED and "unknown peer" in e.value.details()
             ok = status(pb.StatusRequest(), timeout=5,
-                        metadata=sign(dataclasses.replace(auth, peer="prefill-0"), STATUS, ""))
+                        metadata=sign(dataclasses.replace(auth, peer="prefill-0"), STATUS, "", pb.StatusRequest()))
             assert ok.decode_tp == 1
 
 
 def test_verify_window_and_tampering(auth):
     md = dict(sign(auth, PUSH, "t-1", now=1000.0))
-    assert verify(auth, PUSH, md, now=1000.0 + auth.window_s - 1) == "t-1"
+    assert verify(auth, PUSH, md, now=1000.0 + auth.window_s - 1).subject == "t-1"
     with pytest.raises(AuthError, match="freshness"):
         verify(auth, PUSH, md, now=1000.0 + auth.window_s + 1)
     with pytest.raises(AuthError, match="signature"):
@@ -119,7 +119,6 @@ def test_malformed_and_oversized_chunks_are_invalid_argument(setup, auth, name, 
 
 def test_malformed_streams_are_invalid_argument(setup, auth):
     rx, spec, kda, mla = setup
-    md = sign(auth, PUSH, spec.transfer_id)
     bad_spec = spec_to_pb(spec)
     bad_spec.decode_tp = 3  # 8 heads over 3 ranks
     cases = {
@@ -133,10 +132,10 @@ def test_malformed_streams_are_invalid_argument(setup, auth):
     }
     for field, msgs in cases.items():
         with pytest.raises(grpc.RpcError) as e:
-            _push(rx.endpoint, msgs, md)
+            _push(rx.endpoint, msgs, sign(auth, PUSH, spec.transfer_id))
         assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), (field, e.value)
     with pytest.raises(grpc.RpcError) as e:  # clean end of stream without a manifest
-        _push(rx.endpoint, [_open(spec)], md)
+        _push(rx.endpoint, [_open(spec)], sign(auth, PUSH, spec.transfer_id))
     assert _code(e) == grpc.StatusCode.ABORTED
     rx.store.cancel(spec.transfer_id)
     assert rx.store.occupancy() == (0, 0)
@@ -147,3 +146,50 @@ def test_receivers_bind_the_configured_interface_on_free_ports(auth):
         assert a.endpoint.startswith("127.0.0.1:") and a.port > 0 and a.port != b.port
     with pytest.raises(ValueError):
         TransferReceiver(ReceiverConfig(auth, rank=2, tp=2))
+
+
+def test_a_nan_timestamp_never_verifies(auth):
+    md = dict(sign(auth, PUSH, "t-nan", now=float("nan")))
+    assert md["x-k3serve-ts"] == "nan"  # correctly MAC'd: only the freshness rule can refuse it
+    with pytest.raises(AuthError, match="finite"):
+        verify(auth, PUSH, md)
+    with pytest.raises(AuthError, match="finite"):
+        verify(auth, PUSH, {**md, "x-k3serve-ts": "inf"})
+
+
+def test_a_captured_call_cannot_be_replayed_or_carry_another_body(auth):
+    """The MAC covers the request's bytes and a single-use nonce: the same metadata twice is refused, and so is
+    a signature for one request sent with another (same method, same subject)."""
+    from k3serve.transfer.receiver import CANCEL, OPEN
+
+    with TransferReceiver(ReceiverConfig(auth)) as rx, open_channel(rx.endpoint) as ch:
+        cancel = ch.unary_unary(CANCEL, pb.CancelRequest.SerializeToString, pb.CancelAck.FromString)
+        req = pb.CancelRequest(transfer_id="t-replay")
+        md = sign(auth, CANCEL, "t-replay", req)
+        assert cancel(req, timeout=5, metadata=md).transfer_id == "t-replay"
+        with pytest.raises(grpc.RpcError) as e:
+            cancel(req, timeout=5, metadata=md)
+        assert _code(e) == grpc.StatusCode.UNAUTHENTICATED and "replayed" in e.value.details()
+
+        opener = ch.unary_unary(OPEN, pb.StreamOpen.SerializeToString, pb.OpenReply.FromString)
+        parts, mla = random_state(1, seed=2, tokens=40)
+        spec = spec_to_pb(make_spec("t-body", parts, mla, 1))
+        signed, sent = pb.StreamOpen(spec=spec, attempt=0), pb.StreamOpen(spec=spec, attempt=7)
+        with pytest.raises(grpc.RpcError) as e:
+            opener(sent, timeout=5, metadata=sign(auth, OPEN, "t-body", signed))
+        assert _code(e) == grpc.StatusCode.UNAUTHENTICATED and "body" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # the signed body itself passes auth (this receiver has no plane)
+            opener(signed, timeout=5, metadata=sign(auth, OPEN, "t-body", signed))
+        assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as e:  # a unary call signed as a stream
+            opener(signed, timeout=5, metadata=sign(auth, OPEN, "t-body"))
+        assert _code(e) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_nonce_log_forgets_only_after_the_window():
+    from k3serve.auth import NonceLog
+
+    log = NonceLog(window_s=10.0)
+    assert log.accept("a" * 32, ts=100.0, now=100.0)
+    assert not log.accept("a" * 32, ts=100.0, now=105.0)
+    assert log.accept("b" * 32, ts=100.0, now=111.0) and len(log) == 1  # "a" expired: its ts fails the window

@@ -11,9 +11,14 @@ The engine (the `mooncake-transfer-engine-non-cuda` wheel here, a CUDA build on 
 Dynamo move KV with it) needs `libibverbs1 librdmacm1 libnuma1` even for TCP: `pip install k3serve[mooncake]`,
 or `K3SERVE_MOONCAKE=1 bash scripts/setup.sh`, installs both.
 
-Its TCP transport refuses writes outside the target's registered buffers, so a sender can only land bytes in
-staging; it does not authenticate peers, so the engine's port belongs on a private network (the gRPC control
-stream is HMAC-signed, and every landed byte is CRC-checked before it is installable).
+Its TCP transport refuses writes outside the target's registered buffers, but it does not authenticate peers:
+any process that reaches an engine's port can read and write its registered memory. And it listens on every
+interface whatever host it is given: the handshake socket on 0.0.0.0 and the data socket on :: (Mooncake's
+SocketHandShakePlugin binds INADDR_ANY, its TcpContext a v6 wildcard; MC_TCP_BIND_ADDRESS only names the
+address it advertises). So a plane starts only with ``listen_any`` (`clusters.mooncake.listen_any: true`), the
+operator's word that those ports are firewalled to the deployment's nodes; the receiver copies each landed
+chunk out of the region into private memory as it checks it (staging.py), so a write after landing never
+reaches what is installed; the prefill side's send region holds a request's state while it is sent.
 """
 
 from __future__ import annotations
@@ -27,6 +32,13 @@ from k3serve.transfer.buffers import RegionBuffers
 
 PROTOCOLS = ("tcp", "rdma")
 INSTALL_HINT = "pip install 'k3serve[mooncake]' (and apt-get install libibverbs1 librdmacm1 libnuma1)"
+
+
+LISTEN_ANY_REFUSAL = (
+    "mooncake.listen_any: the Mooncake Transfer Engine listens on every interface (0.0.0.0 and ::) whatever "
+    "host or bind_host says, and lets any peer that reaches it read and write registered memory; set "
+    "clusters.mooncake.listen_any: true once its ports are firewalled to the deployment's nodes, or use "
+    "transfer: grpc")
 
 
 class DataPlaneError(RuntimeError):
@@ -45,6 +57,7 @@ class MooncakeConfig:
     send_bytes: int = 256 << 20  # a prefill rank's registered send region (its exported state is copied in)
     quarantine_s: float = 120.0  # a cancelled transfer's range is reused only after this (late remote writes)
     batch_bytes: int = 4 << 20  # payload per engine batch: the receiver CRCs one batch while the next lands
+    listen_any: bool = False  # the operator accepts the engine's listeners on every interface (see above)
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -73,6 +86,8 @@ class DataPlane:
     """One TransferEngine for this process. Thread-safe: writes from several streams run concurrently."""
 
     def __init__(self, config: MooncakeConfig) -> None:
+        if not config.listen_any:
+            raise DataPlaneError(LISTEN_ANY_REFUSAL)
         why = mooncake_available()
         if why:
             raise DataPlaneError(why)

@@ -136,7 +136,7 @@ class LandingSession(SendSession):
         sender, tid = self.sender, self.spec.transfer_id
         msg = pb.StreamOpen(spec=self._spec_pb, src_rank=sender.rank, dst_rank=dst, attempt=attempt, landed=True)
         reply = sender._open[dst](msg, timeout=sender.config.rpc_timeout_s,
-                                  metadata=sign(sender.config.auth, OPEN, tid))
+                                  metadata=sign(sender.config.auth, OPEN, tid, msg))
         if reply.state in _DUPLICATE:  # verified or installed already: write nothing
             return pb.PushAck(transfer_id=tid, src_rank=sender.rank, dst_rank=dst, state=reply.state,
                               duplicate=True)
