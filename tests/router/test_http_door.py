@@ -37,7 +37,7 @@ def rig(redis_server, ns):
 
 def _door(rig: Rig, api_keys=(), max_streams: int = 16):
     client = connect(rig.url, timeout_s=2.0)
-    view = MembershipView(Membership(client, rig.ns), refresh_interval_s=0.1,
+    view = MembershipView(Membership(client, rig.ns, SECRET), refresh_interval_s=0.1,
                           breaker=CircuitBreaker(BreakerConfig(cool_down_s=30.0)))
     gate = AdmissionGate(client, rig.ns, default_classes(), lease_ttl_s=3.0, renew_interval_s=0.2,
                          co_located=co_located(view))
