@@ -34,7 +34,7 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
     except grpc.RpcError as e:
         typer.echo(f"error: router {router}: {e.code().name}: {e.details()}", err=True)
         raise typer.Exit(1)
-    rows = [{"cluster": c.cluster_id, "healthy": c.healthy, "suspect": c.suspect, "endpoint": c.endpoint,
+    rows = [{"cluster": c.cluster_id, "healthy": c.healthy, "suspect": c.suspect,
              "running": c.running_requests, "inflight_tokens": c.inflight_tokens,
              "pinned_sessions": c.pinned_sessions, "prefill_tp": c.prefill_tp, "decode_tp": c.decode_tp,
              "pools": {p.name: {"used": p.used, "capacity": p.capacity} for p in c.pools}}
@@ -58,11 +58,11 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
     from rich.table import Table
 
     table = Table(title=f"k3serve @ {router}" + (" (membership stale: Redis unreachable)" if resp.membership_stale else ""))
-    for col in ("cluster", "health", "endpoint", "running", "in-flight tokens", "pinned", "TP (P/D)"):
+    for col in ("cluster", "health", "running", "in-flight tokens", "pinned", "TP (P/D)"):
         table.add_column(col)
     for r in rows:
         health = "suspect" if r["suspect"] else ("healthy" if r["healthy"] else "dead")
-        table.add_row(r["cluster"], health, r["endpoint"], str(r["running"]), str(r["inflight_tokens"]),
+        table.add_row(r["cluster"], health, str(r["running"]), str(r["inflight_tokens"]),
                       str(r["pinned_sessions"]), f"{r['prefill_tp']}/{r['decode_tp']}")
     Console().print(table)
     pt = Table(title="pools (used / capacity)")
