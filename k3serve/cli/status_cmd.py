@@ -16,6 +16,8 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
            endpoints_file: str = typer.Option("", "--endpoints-file", help="the file `k3serve serve` wrote"),
            redis_url: str = typer.Option("", "--redis-url", envvar="REDIS_URL", help="count pins in this Redis"),
            namespace: str = typer.Option("k3serve", "--namespace"),
+           api_key: str = typer.Option("", "--api-key", envvar="K3SERVE_API_KEY",
+                                       help="a key of the deployment's api_keys (when it has any)"),
            as_json: bool = typer.Option(False, "--json")) -> None:
     import grpc
 
@@ -30,7 +32,8 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
         raise typer.Exit(2)
     try:
         resp = router_pb2_grpc.RouterStub(grpc.insecure_channel(router)).ClusterStatus(
-            router_pb2.ClusterStatusRequest(), timeout=10)
+            router_pb2.ClusterStatusRequest(), timeout=10,
+            metadata=(("authorization", f"Bearer {api_key}"),) if api_key else None)
     except grpc.RpcError as e:
         typer.echo(f"error: router {router}: {e.code().name}: {e.details()}", err=True)
         raise typer.Exit(1)

@@ -149,3 +149,18 @@ def test_status_shows_no_internal_endpoint_and_reads_redis_in_the_background_onl
     endpoints = {fc.endpoint for fc in rig.clusters.values()}
     assert not any(e in str(resp) for e in endpoints)
     assert scans <= elapsed / 0.5 + 2, (scans, elapsed)  # the background reader's, not one per call
+
+
+def test_the_status_command_sends_its_api_key_and_prints_no_endpoint(rig):
+    from typer.testing import CliRunner
+
+    from k3serve.cli.main import app
+
+    rig.add_cluster("c0")
+    rig.add_router(api_keys=("key-a",))
+    addr = rig.routers[-1][2]
+    refused = CliRunner().invoke(app, ["status", "--router", addr, "--json"])
+    assert refused.exit_code == 1 and "UNAUTHENTICATED" in refused.output
+    ok = CliRunner().invoke(app, ["status", "--router", addr, "--json", "--api-key", "key-a"])
+    assert ok.exit_code == 0, ok.output
+    assert '"c0"' in ok.output and "endpoint" not in ok.output and rig.clusters["c0"].endpoint not in ok.output
