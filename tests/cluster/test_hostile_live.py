@@ -162,7 +162,8 @@ def test_sampling_parameter_fuzz_mixed_with_normal_traffic(deployment, stub, ref
         assert o.code is None, (sp, o)  # a valid request ends with its tokens
         assert o.finish_reason in ("length", "stop") and 1 <= len(o.tokens) <= sp.max_tokens, (sp, o)
         if o.finish_reason == "stop":
-            assert o.tokens[-1] in sp.stop_token_ids or (not sp.ignore_eos and o.tokens[-1] == refs.model.cfg.eos_token_id)
+            eos = refs.model.cfg.eos_token_id
+            assert o.tokens[-1] in sp.stop_token_ids or (not sp.ignore_eos and o.tokens[-1] == eos), (sp, o)
         served += 1
     assert served >= 150 and refused >= 150, (served, refused)  # both sides of the rule were exercised
     for sid, ids, sp in normal:
