@@ -16,6 +16,8 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
            endpoints_file: str = typer.Option("", "--endpoints-file", help="the file `k3serve serve` wrote"),
            redis_url: str = typer.Option("", "--redis-url", envvar="REDIS_URL", help="count pins in this Redis"),
            namespace: str = typer.Option("k3serve", "--namespace"),
+           api_key: str = typer.Option("", "--api-key", envvar="K3SERVE_API_KEY",
+                                       help="a key of the deployment's api_keys (when it has any)"),
            as_json: bool = typer.Option(False, "--json")) -> None:
     import grpc
 
@@ -31,11 +33,12 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
         raise typer.Exit(2)
     try:
         resp = router_pb2_grpc.RouterStub(grpc.insecure_channel(router)).ClusterStatus(
-            router_pb2.ClusterStatusRequest(), timeout=10)
+            router_pb2.ClusterStatusRequest(), timeout=10,
+            metadata=(("authorization", f"Bearer {api_key}"),) if api_key else None)
     except grpc.RpcError as e:
         typer.echo(f"error: router {router}: {e.code().name}: {e.details()}", err=True)
         raise typer.Exit(1)
-    rows = [{"cluster": c.cluster_id, "healthy": c.healthy, "suspect": c.suspect, "endpoint": c.endpoint,
+    rows = [{"cluster": c.cluster_id, "healthy": c.healthy, "suspect": c.suspect,
              "running": c.running_requests, "inflight_tokens": c.inflight_tokens,
              "pinned_sessions": c.pinned_sessions, "prefill_tp": c.prefill_tp, "decode_tp": c.decode_tp,
              "pools": {p.name: {"used": p.used, "capacity": p.capacity} for p in c.pools}}
@@ -59,11 +62,11 @@ def status(router: str = typer.Option("", "--router", help="a router address hos
     from rich.table import Table
 
     table = Table(title=f"k3serve @ {router}" + (" (membership stale: Redis unreachable)" if resp.membership_stale else ""))
-    for col in ("cluster", "health", "endpoint", "running", "in-flight tokens", "pinned", "TP (P/D)"):
+    for col in ("cluster", "health", "running", "in-flight tokens", "pinned", "TP (P/D)"):
         table.add_column(col)
     for r in rows:
         health = "suspect" if r["suspect"] else ("healthy" if r["healthy"] else "dead")
-        table.add_row(r["cluster"], health, r["endpoint"], str(r["running"]), str(r["inflight_tokens"]),
+        table.add_row(r["cluster"], health, str(r["running"]), str(r["inflight_tokens"]),
                       str(r["pinned_sessions"]), f"{r['prefill_tp']}/{r['decode_tp']}")
     Console().print(table)
     pt = Table(title="pools (used / capacity)")

@@ -114,7 +114,7 @@ class ClusterActor:
         client = getattr(channel, "client", None)  # the gRPC channel's receivers report their staging
         if client is not None:
             front.staging = lambda: _staging(client)
-        endpoint = front.start(d.bind_host)
+        endpoint = front.start(d.internal_bind)
         self.front = front
         # before it registers (the agent): a cold cluster's first requests run 3-4x as long (ClusterFront.warm_up)
         log.info("cluster %s warmed up in %.2f s", self.cluster_id, front.warm_up())
@@ -130,12 +130,12 @@ class ClusterActor:
         from k3serve.transfer.handoff_send import GrpcSendHooks
         from k3serve.transfer.receiver import ReceiverConfig
 
-        rx = ReceiverConfig(AuthConfig(d.secret, peer=f"decode-{self.cluster_id}"), host=d.bind_host)
+        rx = ReceiverConfig(AuthConfig(d.secret, peer=f"decode-{self.cluster_id}"), host=d.internal_bind)
         if d.clusters.transfer == "mooncake":
             from k3serve.transfer.mooncake.hooks import MooncakeReceiverHooks, MooncakeSendHooks
 
             mc = d.clusters.mooncake.config()
-            return MooncakeSendHooks(mc, d.bind_host), MooncakeReceiverHooks(rx, mc)
+            return MooncakeSendHooks(mc, d.internal_bind), MooncakeReceiverHooks(rx, mc)
         return GrpcSendHooks(), ReceiverHooks(rx)
 
     def _channel(self, cfg):

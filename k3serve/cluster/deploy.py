@@ -18,6 +18,7 @@ transfer plane): ``clusters.placement`` and ``router_resources``, see cluster/pl
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ import yaml
 
 from k3serve.cluster.placement import NO_PLACEMENT, PlacementSpec, Resources, parse_resources
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics, NumericsError
+from k3serve.router.api_keys import ApiKeyError, check_api_keys
 
 
 TRANSFER_PLANES = ("grpc", "mooncake", "object_store")
@@ -191,9 +193,16 @@ class DeployConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     clusters: ClusterSpec = field(default_factory=ClusterSpec)
     routers: int = 1
-    bind_host: str = "127.0.0.1"
-    secret: str = ""  # cluster secret for internal endpoints; empty: generated per deployment
-    api_keys: tuple[str, ...] = ()
+    bind_host: str = "127.0.0.1"  # the public router's host (gRPC clients connect here)
+    # internal sockets (cluster fronts, transfer receivers and engines, router metrics): "" = bind_host
+    internal_host: str = ""
+    secret: str = field(default="", repr=False)  # cluster secret for internal endpoints; "": generated per deployment
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # bearer tokens of the public API; none: anonymous
+    allow_anonymous: bool = False  # serve without api_keys on a non-loopback bind_host (refused otherwise)
+    # per API key and router replica: streams at once / waiting for admission (0: with 2+ keys, half and a quarter
+    # of the router's streams; with fewer keys, no limit); router/api_keys.py
+    key_max_streams: int = 0
+    key_max_queued: int = 0
     control: ControlSpec = field(default_factory=ControlSpec)
     request_classes: tuple[RequestClassSpec, ...] = (
         RequestClassSpec("short", 4096, inflight_token_budget=32768, max_concurrent=32),
@@ -219,6 +228,11 @@ class DeployConfig:
             return self
         return dataclasses.replace(self, clusters=dataclasses.replace(self.clusters, transfer=plane))
 
+    @property
+    def internal_bind(self) -> str:
+        """The host internal sockets bind."""
+        return self.internal_host or self.bind_host
+
     def with_secret(self) -> "DeployConfig":
         return self if self.secret else dataclasses.replace(self, secret=secrets.token_hex(16))
 
@@ -232,6 +246,15 @@ class DeployConfig:
             raise DeployError("routers must be >= 1")
         if c.prefill_pools.page_size != c.decode_pools.page_size:
             raise DeployError("prefill_pools.page_size must equal decode_pools.page_size")
+        try:
+            check_api_keys(self.api_keys)
+        except ApiKeyError as e:
+            raise DeployError(str(e)) from None
+        if not self.api_keys and not self.allow_anonymous and not is_loopback(self.bind_host):
+            raise DeployError(f"bind_host {self.bind_host!r} is reachable from the network and api_keys is empty: "
+                              f"set api_keys, or allow_anonymous: true to serve anyone who can reach it")
+        if self.key_max_streams < 0 or self.key_max_queued < 0:
+            raise DeployError("key_max_streams and key_max_queued must be >= 0 (0: the default)")
         if self.secret and len(self.secret) < 16:
             raise DeployError("secret must be at least 16 characters (it keys the HMAC of every internal call)")
         if c.rebuild_backoff_s <= 0:
@@ -272,6 +295,16 @@ class DeployConfig:
         c.speculative.spec_config(self.request_classes)  # raises DeployError naming the field
 
 
+def is_loopback(host: str) -> bool:
+    """True when only this machine can reach ``host`` (a loopback address or ``localhost``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name other than localhost, or a wildcard: reachable from the network
+        return False
+
+
 def _build(cls: type, raw: Any, where: str) -> Any:
     if raw is None:
         return cls()
@@ -298,7 +331,12 @@ def _build(cls: type, raw: Any, where: str) -> Any:
                 raise DeployError(str(e)) from None
         elif key == "request_classes":
             value = tuple(_build(RequestClassSpec, v, f"{where}.request_classes[{i}]") for i, v in enumerate(value))
-        elif key in ("ids", "api_keys", "classes") or (cls is PlacementSpec and key == "clusters"):
+        elif key == "api_keys":
+            try:
+                value = check_api_keys(value, f"{where}.api_keys")
+            except ApiKeyError as e:
+                raise DeployError(str(e)) from None
+        elif key in ("ids", "classes") or (cls is PlacementSpec and key == "clusters"):
             value = tuple(str(v) for v in value)
         elif key == "numerics":
             try:

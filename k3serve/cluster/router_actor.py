@@ -66,15 +66,19 @@ class RouterActor:
         gate = AdmissionGate(client, ctl.namespace, admission_classes(d.request_classes), enabled=d.admission,
                              policy=d.clusters.prefix_policy(), context_ttl_s=ctl.pin_ttl_s,
                              co_located=co_located(view))
-        from k3serve.router.metrics import RouterMetrics, class_stats_source
+        from k3serve.router.metrics import RouterMetrics
 
-        # the service is built after its metrics: the cluster gauges read it at scrape time
-        metrics = RouterMetrics(class_stats_source(gate, lambda: view.snapshot().alive_ids()),
+        # the service is built after its metrics: the gauges read its status cache at scrape time (no Redis read)
+        metrics = RouterMetrics(lambda: self.service.status.classes(),
                                 cluster_infos=lambda: self.service.cluster_infos())
-        self.metrics_address = metrics.serve(d.bind_host)
+        self.metrics_address = metrics.serve(d.internal_bind)  # for the operator's scraper, not for clients
+        from k3serve.router.api_keys import QuotaLimits
+
+        streams = router_max_streams(d)
         self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
                                      d.api_keys, gate=gate, metrics=metrics, stall_timeout_s=ctl.stall_timeout_s,
-                                     max_streams=router_max_streams(d))
+                                     max_streams=streams, quota=QuotaLimits.resolve(
+                                         d.key_max_streams, d.key_max_queued, streams, len(d.api_keys)))
         self.server, addr = start_router_server(self.service, d.bind_host)
         from k3serve.router.chat_template import ChatTemplate, load_chat_template
         from k3serve.router.http_server import HttpDoor

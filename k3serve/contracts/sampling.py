@@ -15,6 +15,9 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP_TOKEN_IDS = 64
 # Bytes of the public GenerateRequest.cache_salt (it is hashed, never stored; a bound keeps the hash cheap).
 MAX_CACHE_SALT_BYTES = 256
+# A temperature below this is greedy (argmax, the T -> 0 limit), as vLLM's _SAMPLING_EPS: dividing fp32 logits by
+# 1e-40 overflows to inf and the softmax to NaN, while at 1e-5 a logit gap of 1e-3 already gives odds of e^-100.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class SamplingError(ValueError):
@@ -23,7 +26,7 @@ class SamplingError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below GREEDY_BELOW_TEMPERATURE (0 included) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int = 0
@@ -33,11 +36,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> None:
-        if not self.temperature >= 0.0:
-            raise SamplingError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise SamplingError(f"sampling.temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -6,16 +6,21 @@ One :class:`DecodeEngine` drives one decode TP group. Each step decodes one toke
 verified + committed in the same step as the plain ones (`decode/speculative.py`, docs/speculative.md). A request's
 pages for prompt + max_tokens are reserved when it is installed, so a running request never runs out of
 memory mid-stream; a handoff that does not fit yet waits for running requests to finish.
+
+Faults follow their request: an exception raised for one request (its sampling, stop rule or drafter, an op on
+its rows) fails that request alone with INTERNAL and the engine keeps serving; only `WorkerDied` (a rank died)
+leaves the engine, to fail the group.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
-from k3serve.engine.executor import Executor, OpFailed
+from k3serve.engine.executor import Executor, OpFailed, WorkerDied
 from k3serve.contracts.handoff import Handoff
 from k3serve.contracts.channel import StateChannel, StateInstallError
 from k3serve.decode import speculative as spec
@@ -29,6 +34,8 @@ from k3serve.model.sampling import is_stop, sample_token
 from k3serve.model.config import ModelConfig
 from k3serve.transfer.inprocess import InProcessChannel
 
+
+log = logging.getLogger(__name__)
 
 TIMINGS_WINDOW = 1024  # finished requests whose timings are kept (benches read them; oldest dropped first)
 
@@ -162,9 +169,15 @@ class DecodeEngine:
                 code = ErrorCode.UNAVAILABLE if isinstance(e, StateInstallError) else ErrorCode.INTERNAL
                 self.failures.append(RequestFailure(handoff.request_id, code, str(e).splitlines()[0]))
                 continue
-            session = self.drafter.open(handoff.request_id, handoff.prompt_ids, draft=handoff.draft) \
-                if self.speculates(handoff) else None
-            self.running[handoff.request_id] = _Decoding(handoff, slot, pages, [handoff.first_token], session=session)
+            run = _Decoding(handoff, slot, pages, [handoff.first_token])
+            self.running[handoff.request_id] = run
+            if self.speculates(handoff):
+                try:
+                    run.session = self.drafter.open(handoff.request_id, handoff.prompt_ids, draft=handoff.draft)
+                except WorkerDied:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the drafter failed this request: it alone ends
+                    self._request_fault(run, "drafter", e)
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request now; its slot and pages are free when this returns."""
@@ -194,8 +207,14 @@ class DecodeEngine:
         if not self.running:
             return []
         plain, drafts = [], []
-        for run in self.running.values():
-            prop = self._propose(run) if run.session is not None else None
+        for run in list(self.running.values()):
+            try:
+                prop = self._propose(run) if run.session is not None else None
+            except WorkerDied:
+                raise
+            except Exception as e:  # noqa: BLE001 - a drafter that raised for this request ends it alone
+                self._request_fault(run, "drafter", e)
+                continue
             if prop is None or not prop.tokens:
                 plain.append(run)
             else:
@@ -219,6 +238,25 @@ class DecodeEngine:
             self.failures.append(RequestFailure(run.handoff.request_id, ErrorCode.INTERNAL,
                                                 f"{what} failed: {str(e).splitlines()[0]}"))
 
+    def _request_fault(self, run: _Decoding, what: str, e: Exception) -> None:
+        """An exception raised for this request alone (sampling, stop rule, drafter): end it, keep serving."""
+        rid = run.handoff.request_id
+        log.warning("request %s: %s raised %s: %s", rid, what, type(e).__name__, e)
+        if self.running.get(rid) is run:
+            self.running.pop(rid)
+            self._free(run)
+        self.failures.append(RequestFailure(rid, ErrorCode.INTERNAL, f"{what} failed: {type(e).__name__}"))
+
+    def _guarded(self, run: _Decoding, what: str, fn, *args):
+        """fn(*args), or None after failing `run` alone when it raised (a dead rank still propagates)."""
+        try:
+            return fn(*args)
+        except WorkerDied:
+            raise
+        except Exception as e:  # noqa: BLE001 - this request's fault: it alone ends
+            self._request_fault(run, what, e)
+            return None
+
     def _plain_step(self, batch: list[_Decoding]) -> list[TokenEvent]:
         op = DecodeBatch(tuple(r.slot for r in batch), tuple(r.generated[-1] for r in batch),
                          tuple(r.next_position for r in batch), tuple(tuple(r.pages) for r in batch))
@@ -228,12 +266,20 @@ class DecodeEngine:
             self._fail_batch(batch, "decode step", e)
             return []
         with profile_label(SAMPLING_LABEL):
-            toks = [sample_token(logits[i], run.handoff.params, run.next_position + 1) for i, run in enumerate(batch)]
+            toks = [self._guarded(run, "sampling", sample_token, logits[i], run.handoff.params, run.next_position + 1)
+                    for i, run in enumerate(batch)]
         events = []
         for run, tok in zip(batch, toks):
+            if tok is None:
+                continue
             if run.session is not None:
-                run.session.observe(VerifyOutcome(run.next_position, (run.generated[-1],), (tok,), None))
-            events.append(self._emit(run, (tok,)))
+                self._guarded(run, "drafter", run.session.observe,
+                              VerifyOutcome(run.next_position, (run.generated[-1],), (tok,), None))
+                if self.running.get(run.handoff.request_id) is not run:
+                    continue
+            ev = self._guarded(run, "stop rule", self._emit, run, (tok,))
+            if ev is not None:
+                events.append(ev)
         return events
 
     def _spec_step(self, bucket: list[spec.Draft]) -> list[TokenEvent]:
@@ -243,7 +289,7 @@ class DecodeEngine:
         try:
             logits, features = self.executor.run(spec.verify_ops(bucket, layers))[0]
             with profile_label(SAMPLING_LABEL):
-                accs = spec.accept_bucket(bucket, logits)
+                accs = spec.accept_bucket(bucket, logits, self._guarded)
             self.executor.run(spec.commit_op(bucket, accs))
         except OpFailed as e:
             self._fail_batch(runs, "speculative step", e)
@@ -252,10 +298,16 @@ class DecodeEngine:
             self.records_in_use = 0
         events = []
         for i, (d, acc) in enumerate(zip(bucket, accs)):
+            if self.running.get(d.run.handoff.request_id) is not d.run:
+                continue  # its acceptance raised: failed alone
             d.run.usage.add(len(d.proposal.tokens), acc.accepted)
             self.spec_usage.add(len(d.proposal.tokens), acc.accepted)
-            d.run.session.observe(spec.outcome(d, acc, features, i))
-            events.append(self._emit(d.run, acc.tokens))
+            self._guarded(d.run, "drafter", d.run.session.observe, spec.outcome(d, acc, features, i))
+            if self.running.get(d.run.handoff.request_id) is not d.run:
+                continue
+            ev = self._guarded(d.run, "stop rule", self._emit, d.run, acc.tokens)
+            if ev is not None:
+                events.append(ev)
         return events
 
     def _emit(self, run: _Decoding, tokens: tuple[int, ...]) -> TokenEvent:

@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from k3serve.engine.ops import CommitBatch, VerifyBatch
-from k3serve.engine.spec.accept import accept_drafts
+from k3serve.engine.spec.accept import Acceptance, accept_drafts
 from k3serve.engine.spec.drafter import DraftProposal, DraftSession, VerifyOutcome
+
+
+FAILED_ROW = Acceptance(0, ())  # the acceptance of a request whose own acceptance raised (it is failed)
 
 
 @dataclass
@@ -83,10 +86,16 @@ def verify_ops(bucket: list[Draft], capture_layers: tuple[int, ...]) -> VerifyBa
                        tuple(tuple(d.run.pages) for d in bucket), capture_layers)
 
 
-def accept_bucket(bucket: list[Draft], logits: torch.Tensor) -> list:
-    """Acceptance per request of a verified bucket: logits `[B, T, vocab]`."""
-    return [accept_drafts(logits[i], d.proposal.tokens, d.run.handoff.params, d.run.next_position,
-                          d.proposal.probs) for i, d in enumerate(bucket)]
+def accept_bucket(bucket: list[Draft], logits: torch.Tensor, guard) -> list:
+    """Acceptance per request of a verified bucket: logits `[B, T, vocab]`. ``guard(run, what, fn, *args)`` runs
+    one request's acceptance and returns None when it raised (that request failed alone); its row then commits
+    x_0 only, so the bucket's commit keeps its shape."""
+    out = []
+    for i, d in enumerate(bucket):
+        acc = guard(d.run, "sampling", accept_drafts, logits[i], d.proposal.tokens, d.run.handoff.params,
+                    d.run.next_position, d.proposal.probs)
+        out.append(acc if acc is not None else FAILED_ROW)
+    return out
 
 
 def commit_op(bucket: list[Draft], acceptances: list) -> CommitBatch:

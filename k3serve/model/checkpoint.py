@@ -22,7 +22,7 @@ import json
 import os
 import re
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
@@ -153,6 +153,18 @@ def save_checkpoint(cfg: ModelConfig, tensors: dict[str, torch.Tensor], out_dir:
 
 
 # ----------------------------------------------------------------------------------------------- read
+def _check_shard_name(index: Path, name: str, fname: object) -> None:
+    """A shard named by an index is a relative path inside the checkpoint dir: never absolute, never through
+    '..' (an index from elsewhere must not make the loader open any file it can reach). Checked on the name, so
+    symlinked shards (a Hugging Face cache snapshot) still load."""
+    if not isinstance(fname, str) or not fname:
+        raise CheckpointError(f"{index}: weight_map[{name!r}] must be a file name, got {fname!r}")
+    parts = PurePosixPath(fname.replace("\\", "/")).parts
+    if PurePosixPath(fname).is_absolute() or PureWindowsPath(fname).is_absolute() or PureWindowsPath(fname).drive \
+            or ".." in parts:
+        raise CheckpointError(f"{index}: weight_map[{name!r}] = {fname!r} leaves the checkpoint directory")
+
+
 def _weight_map(ckpt_dir: Path) -> dict[str, str] | None:
     """name -> file for a checkpoint dir from its index (or the single file's header); None if no weights."""
     index = ckpt_dir / INDEX_FILE
@@ -164,6 +176,8 @@ def _weight_map(ckpt_dir: Path) -> dict[str, str] | None:
                 raise TypeError("weight_map is not an object")
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        for name, fname in wm.items():
+            _check_shard_name(index, str(name), fname)
         return {str(k): str(v) for k, v in wm.items()}
     single = ckpt_dir / SINGLE_FILE
     if single.is_file():

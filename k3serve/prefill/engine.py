@@ -17,6 +17,7 @@ that can never fit is refused with RESOURCE_EXHAUSTED.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ import torch
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.chunk_plan import ChunkCandidate, plan_chunks
-from k3serve.engine.executor import Executor, OpFailed
+from k3serve.engine.executor import Executor, OpFailed, WorkerDied
 from k3serve.contracts.channel import StateChannel, StateTransferError
 from k3serve.contracts.handoff import DraftCapture, DraftFeatures, Handoff
 from k3serve.engine.ops import CopySlot, PoolConfig, PrefillChunk, PrefillStreamed, ResetSlots
@@ -39,6 +40,8 @@ from k3serve.model.sampling import is_stop, sample_token
 from k3serve.model.config import ModelConfig
 from k3serve.model.reference import PromptError, validate_prompt
 from k3serve.transfer.inprocess import InProcessChannel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,12 @@ class PrefillEngine:
                 handoff = self._run_chunk(run, work)
             except OpFailed as e:  # the group is intact: fail this request only, keep serving
                 self._fail(run, ErrorCode.INTERNAL, f"prefill failed: {str(e).splitlines()[0]}")
+                continue
+            except WorkerDied:
+                raise
+            except Exception as e:  # noqa: BLE001 - raised for this request (its sampling, stop rule): it alone ends
+                log.warning("request %s: prefill raised %s: %s", run.req.request_id, type(e).__name__, e)
+                self._fail(run, ErrorCode.INTERNAL, f"prefill failed: {type(e).__name__}")
                 continue
             if handoff is not None:
                 yield handoff
@@ -287,12 +296,18 @@ class PrefillEngine:
     def _finish(self, run: _Running, logits: object, streamed: tuple | None = None) -> Handoff | None:
         """streamed: (job, every rank's outcome) when the last chunk already streamed the state."""
         req, n = run.req, run.prompt_len
-        if req.replay_ids:  # a resumed request: its next token is already known; decode replays the rest
-            first, reason = req.replay_ids[0], ""
-        else:
-            first = sample_token(logits, req.params, n)
-            stop = is_stop(first, req.params, self.cfg.eos_token_id)
-            reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
+        try:  # what may raise for this request alone comes before its state leaves (nothing to take back)
+            if req.replay_ids:  # a resumed request: its next token is already known; decode replays the rest
+                first, reason = req.replay_ids[0], ""
+            else:
+                first = sample_token(logits, req.params, n)
+                stop = is_stop(first, req.params, self.cfg.eos_token_id)
+                reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
+            draft = None if reason else _draft_features(run, first)
+        except Exception:
+            if streamed is not None:
+                self.channel.abandon(streamed[0])
+            raise
         state = None
         if reason and streamed is not None:  # a first token that ends the request leaves no state to hand over
             self.channel.abandon(streamed[0])
@@ -309,7 +324,7 @@ class PrefillEngine:
         self.running.remove(run)
         return Handoff(req.request_id, req.session_id, req.prompt_ids, first, req.params, n, run.cached_tokens,
                        state, finished=bool(reason), finish_reason=reason, prefill_started_s=run.started_s,
-                       first_token_s=time.monotonic(), draft=None if reason else _draft_features(run, first),
+                       first_token_s=time.monotonic(), draft=draft,
                        replay=req.replay_ids)
 
     def _release(self, run: _Running, keep_checkpoints: bool) -> None:

@@ -131,7 +131,7 @@ class HttpDoor:
             return web.json_response(e.body(), status=h.status)
 
     def _api_key(self, request: web.Request) -> str:
-        if not self.service.api_keys:
+        if not self.service.keys_enabled:
             return ""
         auth = request.headers.get("Authorization", "")
         key = auth[len("Bearer "):] if auth.startswith("Bearer ") else ""

@@ -1,7 +1,7 @@
 """Prometheus metrics of one router process (its own registry: no global state), served on port 0.
 
 Counters and histograms are updated on the request path; per-class admission state (in-flight tokens and
-requests, queue length) is read from Redis when Prometheus scrapes.
+requests, queue length) and pins come from the router's status cache (status_cache.py), never Redis per scrape.
 """
 
 from __future__ import annotations
@@ -153,7 +153,3 @@ class RouterMetrics:
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()
-
-
-def class_stats_source(gate, clusters: Callable[[], Sequence[str]]) -> Callable[[], dict]:
-    return lambda: gate.class_stats(list(clusters()))

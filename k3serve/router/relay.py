@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -116,6 +117,11 @@ def stream_attempt(target: Target, req: ValidRequest, st: Attempts, progress: St
         if watch is not None and watch.fault:
             log.warning("request %s on %s: %s", req.request_id, cluster, watch.fault)
             return Ending.FAULT
+        if e.code() == grpc.StatusCode.INTERNAL:  # the engine's text stays in the log: the client gets an id
+            incident = uuid.uuid4().hex[:12]
+            log.warning("request %s failed on %s (incident %s): %s", req.request_id, cluster, incident, e.details())
+            context.abort(e.code(), f"this request failed on cluster {cluster} (incident {incident}); the cluster "
+                                    f"serves on, and the same request would likely fail again")
         if e.code() in PASS_THROUGH:
             context.abort(e.code(), e.details())
         log.warning("cluster %s failed request %s: %s %s", cluster, req.request_id, e.code(), e.details())

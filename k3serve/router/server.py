@@ -24,6 +24,7 @@ import logging
 import secrets
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from k3serve.contracts.status import from_load
 from k3serve.engine.prefix_policy import PrefixCachePolicy
 from k3serve.internal.v1 import cluster_pb2_grpc
 from k3serve.router.admission import AdmissionRejected
+from k3serve.router.api_keys import ApiKeys, KeyQuota, QuotaExceeded, QuotaLimits
 from k3serve.router.gate import AdmissionGate
 from k3serve.router.hashing import rank_clusters
 from k3serve.router.liveness import Watchdog
@@ -48,9 +50,10 @@ from k3serve.router.pins import NoHealthyCluster, PinStore
 from k3serve.router.progress import DurationModel, StreamProgress
 from k3serve.router.relay import Attempts, Ending, Target, stream_attempt
 from k3serve.router.slots import StreamSlots
+from k3serve.router.status_cache import STATUS_INTERVAL_S, StatusCache
 from k3serve.router.tickets import METADATA_KEY as TICKET_KEY
 from k3serve.router.tickets import MalformedTicket, Ticket, parse_ticket
-from k3serve.router.tenancy import cache_identity, tenant_salt
+from k3serve.router.tenancy import cache_identity, scoped_request_id, tenant_id, tenant_salt
 from k3serve.router.validate import InvalidRequest, ModelLimits, ValidRequest, validate_generate
 from k3serve.router.wire import Undecodable, tolerant
 from k3serve.tokenizer import ByteTokenizer
@@ -85,15 +88,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, view: MembershipView, pins: PinStore, limits: ModelLimits, secret: str,
                  api_keys: tuple[str, ...] = (), *, gate: AdmissionGate | None = None,
                  metrics: RouterMetrics | None = None, stall_timeout_s: float = 30.0, max_streams: int = 128,
-                 policy: PrefixCachePolicy | None = None, durations: DurationModel | None = None) -> None:
+                 policy: PrefixCachePolicy | None = None, durations: DurationModel | None = None,
+                 quota: QuotaLimits | None = None, status_interval_s: float = STATUS_INTERVAL_S) -> None:
         self.view, self.pins, self.limits, self.gate = view, pins, limits, gate
         self._secret = secret
         self._auth = AuthConfig(secret, peer="router")  # signs each call to a cluster front
         self.metrics = metrics or RouterMetrics()
-        self.api_keys = frozenset(api_keys)
+        self._keys = ApiKeys(secret, api_keys)  # keyed digests only
         self.policy = policy or (gate.policy if gate is not None else PrefixCachePolicy())
         self.durations = durations or DurationModel()
         self.slots = StreamSlots(max_streams, ticket_extra=HEADROOM_THREADS // 2)
+        self.quota = KeyQuota(quota or QuotaLimits.resolve(0, 0, max_streams, len(self._keys)))
         self._channels: dict[str, tuple[str, grpc.Channel]] = {}
         self._lock = threading.Lock()
         self._tok = ByteTokenizer() if limits.byte_tokenizer else None
@@ -110,6 +115,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._refresher = threading.Thread(target=self._refresh_loop, name="membership", daemon=True)
         self._refresher.start()
         self.watchdog = Watchdog(self._cluster_alive, stall_timeout_s)
+        # ClusterStatus and /metrics read Redis through this background reader only (status_cache.py)
+        self.status = StatusCache(self._pin_counts, self._class_stats, status_interval_s)
+
+    def _class_stats(self) -> dict[str, dict[str, int]]:
+        return self.gate.class_stats(self.view.snapshot().alive_ids()) if self.gate is not None else {}
 
     def _refresh_loop(self) -> None:
         while not self._closed.wait(self.view.refresh_interval_s):
@@ -148,8 +158,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             return req
         return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(64)))
 
+    @property
+    def keys_enabled(self) -> bool:
+        """Whether the deployment has API keys (without them every caller is the anonymous tenant)."""
+        return self._keys.enabled
+
     def key_allowed(self, key: str) -> bool:
-        return not self.api_keys or key in self.api_keys
+        return not self._keys.enabled or self._keys.admits(key)
 
     @property
     def draining(self) -> bool:
@@ -228,26 +243,27 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._check_api_key(context)
         snap = self.view.snapshot()
         out = router_pb2.ClusterStatusResponse(membership_stale=snap.stale)
-        pins = self._pin_counts()
+        pins = self.status.pins()
         out.pinned_sessions = sum(pins.values())
         out.clusters.extend(self.cluster_infos(snap, pins))
         if self.gate is not None:
-            for name, st in self.gate.class_stats(snap.alive_ids()).items():
+            for name, st in self.status.classes().items():
                 out.classes.append(router_pb2.ClassStatus(
                     name=name, inflight_tokens=st["inflight_tokens"], inflight_requests=st["inflight_requests"],
                     queued=st["queued"], rejected=st["rejected"]))
         return out
 
     def cluster_infos(self, snap=None, pins: dict[str, int] | None = None) -> list[router_pb2.ClusterInfo]:
-        """Per-cluster status from the last membership read (heartbeat load) and the pins in Redis."""
+        """Per-cluster status from the last membership read (heartbeat load) and the last pin count; no internal
+        endpoint (clients dial routers only)."""
         snap = snap or self.view.snapshot()
-        pins = self._pin_counts() if pins is None else pins
+        pins = self.status.pins() if pins is None else pins
         out = []
         for c in snap.clusters:
             state = self.view.state(c.id, snap)
             out.append(router_pb2.ClusterInfo(
                 cluster_id=c.id, healthy=c.alive and state.name != "SUSPECT", suspect=state.name == "SUSPECT",
-                endpoint=c.endpoints.get("cluster", ""), running_requests=int(c.load.get("running_requests", 0)),
+                running_requests=int(c.load.get("running_requests", 0)),
                 inflight_tokens=int(c.load.get("inflight_tokens", 0)),
                 prefill_tp=int(c.load.get("prefill_tp", 0)), decode_tp=int(c.load.get("decode_tp", 0)),
                 pinned_sessions=pins.get(c.id, 0),
@@ -265,11 +281,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
     # ------------------------------------------------------------------------------------------ routing
     def _check_api_key(self, context) -> str:
         """The caller's API key ('' when the deployment has none); aborts UNAUTHENTICATED when it is wrong."""
-        if not self.api_keys:
+        if not self._keys.enabled:
             return ""
         auth = dict(context.invocation_metadata()).get("authorization", "")
         key = auth[len("Bearer "):] if auth.startswith("Bearer ") else ""
-        if not self.key_allowed(key):
+        if not self._keys.admits(key):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer ...)")
         return key
 
@@ -311,15 +327,24 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _generate(self, req: ValidRequest, api_key: str, context, ticket: Ticket | None = None,
                   record: RequestRecord | None = None) -> Iterator[router_pb2.GenerateResponse]:
+        tenant = tenant_id(self._secret, api_key)  # from here on the request's id is scoped by its tenant
+        req = dataclasses.replace(req, request_id=scoped_request_id(tenant, req.request_id), tenant=tenant)
+        try:
+            with self.quota.stream(tenant):
+                yield from self._generate_held(req, api_key, context, ticket, record)
+        except QuotaExceeded as e:
+            self._reject(context, self.slots.retry_after_s(), "key", str(e))
+
+    def _generate_held(self, req: ValidRequest, api_key: str, context, ticket: Ticket | None,
+                       record: RequestRecord | None) -> Iterator[router_pb2.GenerateResponse]:
         salt = tenant_salt(self._secret, api_key, req.cache_salt)
         key = cache_identity(req.session_id, req.prompt_ids, salt, self.policy.block_size)
         try:
             pin = self.pins.resolve(key, self._routable())
         except NoHealthyCluster:
             snap = self.view.snapshot()
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"no healthy cluster: alive {snap.alive_ids()}, stale={snap.stale} ({snap.error}), "
-                          f"suspect {[c for c in snap.alive_ids() if not self.view.breaker.allows(c)]}")
+            log.warning("no healthy cluster: alive %s, stale=%s (%s)", snap.alive_ids(), snap.stale, snap.error)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy cluster; retry later")
         progress = StreamProgress("", req.sampling.max_tokens, self.durations)
         progress.pending_on = pin.serving
         holder = self.gate is not None and self.gate.holds(ticket)  # a real, held place: may take a ticket slot
@@ -406,7 +431,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         t = time.monotonic()
         progress.pending_on = ""  # from here Redis counts it (queued or holding)
         try:
-            res = self.gate.admit(cluster, req.request_id, uncached, cancelled, progress.remaining_s, cls, ticket)
+            with self.quota.queued(req.tenant):
+                res = self.gate.admit(cluster, req.request_id, uncached, cancelled, progress.remaining_s, cls,
+                                      ticket)
+        except QuotaExceeded as e:
+            self._reject(context, self.slots.retry_after_s(), "key", str(e))
         except AdmissionRejected as e:
             self.metrics.rejections.labels(cls=cls.name).inc()
             self._reject(context, e.retry_after_s, f"admission:{e.cluster}/{e.cls}", e.message, e.ticket)
@@ -421,6 +450,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         in progress, so that the owner may close the Redis client after this returns; close the cluster channels."""
         self._closed.set()
         self._refresher.join(timeout=self.view.refresh_interval_s + 10.0)
+        self.status.close()
         self.watchdog.close()
         if self.gate is not None:
             self.gate.close()
@@ -430,14 +460,43 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._channels.clear()
 
 
+def _incident(context, e: BaseException) -> None:
+    """An exception no handler turned into a status: log it under an incident id and tell the client only that
+    id (gRPC would otherwise send the exception's text). A call already aborted keeps its own status."""
+    if context.code() is not None:
+        raise e
+    incident = uuid.uuid4().hex[:12]
+    log.error("router incident %s: %s: %s", incident, type(e).__name__, e, exc_info=e)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error in the router (incident {incident})")
+
+
+def _stream_guard(fn):
+    def handler(request, context):
+        try:
+            yield from fn(request, context)
+        except Exception as e:  # noqa: BLE001 - see _incident
+            _incident(context, e)
+    return handler
+
+
+def _unary_guard(fn):
+    def handler(request, context):
+        try:
+            return fn(request, context)
+        except Exception as e:  # noqa: BLE001 - see _incident
+            _incident(context, e)
+    return handler
+
+
 def add_router_servicer(service: RouterService, server: grpc.Server) -> None:
-    """``router_pb2_grpc.add_RouterServicer_to_server`` with tolerant request decoding (wire.py)."""
+    """``router_pb2_grpc.add_RouterServicer_to_server`` with tolerant request decoding (wire.py); no exception
+    text reaches a client (_incident)."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            service.Generate, request_deserializer=tolerant(router_pb2.GenerateRequest),
+            _stream_guard(service.Generate), request_deserializer=tolerant(router_pb2.GenerateRequest),
             response_serializer=router_pb2.GenerateResponse.SerializeToString),
         "ClusterStatus": grpc.unary_unary_rpc_method_handler(
-            service.ClusterStatus, request_deserializer=tolerant(router_pb2.ClusterStatusRequest),
+            _unary_guard(service.ClusterStatus), request_deserializer=tolerant(router_pb2.ClusterStatusRequest),
             response_serializer=router_pb2.ClusterStatusResponse.SerializeToString),
     }
     name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name

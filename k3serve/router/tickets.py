@@ -102,7 +102,7 @@ from k3serve.router.membership import check_id
 
 METADATA_KEY = "retry-ticket"
 MAX_TICKET_CHARS = 200
-_ID_RE = re.compile(r"^[0-9a-f]{24}$")
+_ID_RE = re.compile(r"[0-9a-f]{24}")  # fullmatch: `$` lets a trailing newline by
 
 
 class MalformedTicket(ValueError):
@@ -132,7 +132,7 @@ def parse_ticket(text: str) -> Ticket:
     if len(text) > MAX_TICKET_CHARS:
         raise MalformedTicket(f"{METADATA_KEY}: at most {MAX_TICKET_CHARS} characters, got {len(text)}")
     parts = text.split("/")
-    if len(parts) != 3 or not _ID_RE.match(parts[2]):
+    if len(parts) != 3 or not _ID_RE.fullmatch(parts[2]):
         raise MalformedTicket(f"{METADATA_KEY}: expected <cluster>/<class>/<24 hex digits>, got {text[:80]!r}")
     try:
         check_id("cluster id", parts[0])

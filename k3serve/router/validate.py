@@ -4,6 +4,10 @@ Every repeated or variable-size field has a bound, checked by length *before* an
 a 4 MB message cannot cost more than a length comparison: prompt_token_ids (the model's context),
 sampling.stop_token_ids (MAX_STOP_TOKEN_IDS), cache_salt (MAX_CACHE_SALT_BYTES), prompt_text (the context, and
 the 4 MB message limit), the ids (128 characters).
+
+Sampling is validated to what the sampler can do: temperature finite and >= 0 (below
+GREEDY_BELOW_TEMPERATURE it is greedy: dividing logits by it would overflow), top_p in (0, 1] (0 = unset), top_k
+>= 0, max_tokens within the context, stop ids within the vocabulary; seed is any uint64.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 from k3serve.contracts.sampling import MAX_CACHE_SALT_BYTES, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT, SamplingParams
 from k3serve.tokenizer import ByteTokenizer
 
-_ID = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
+_ID = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")  # whole string (fullmatch): `$` would let a trailing newline by
 
 
 class InvalidRequest(ValueError):
@@ -37,14 +41,15 @@ class ValidRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str = ""  # as the client sent it (the router mixes in the tenant before it reaches a cluster)
+    tenant: str = ""  # set by the router from the API key (tenancy.tenant_id); request_id is then scoped by it
 
 
 def validate_generate(req, limits: ModelLimits) -> ValidRequest:
     """Check a k3serve.v1.GenerateRequest; returns plain data or raises InvalidRequest."""
     rid = req.request_id or uuid.uuid4().hex
-    if not _ID.match(rid):
+    if not _ID.fullmatch(rid):
         raise InvalidRequest("request_id must be 1-128 characters of [A-Za-z0-9._:@/-]")
-    if req.session_id and not _ID.match(req.session_id):
+    if req.session_id and not _ID.fullmatch(req.session_id):
         raise InvalidRequest("session_id must be 1-128 characters of [A-Za-z0-9._:@/-]")
     if len(req.cache_salt.encode("utf-8")) > MAX_CACHE_SALT_BYTES:
         raise InvalidRequest(f"cache_salt has {len(req.cache_salt.encode('utf-8'))} bytes; at most "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,19 @@ def _heldout_bpb(params: dict[str, torch.Tensor], cfg: TrainConfig, windows: tor
     return windows_nll(model_view(cfg.model, _view(params, cfg)), windows).bits_per_byte
 
 
+def load_train_state(path: Path) -> dict:
+    """A run's saved optimizer state and counters, unpickled as tensors and plain data only (weights_only): a
+    state file from elsewhere cannot run code on resume. TrainError when it holds anything else."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise TrainError(f"{path} holds more than tensors and plain data; refusing to resume from it "
+                         f"({str(e).splitlines()[0]})") from None
+    if not isinstance(state, dict) or not {"optimizer", "step", "train_s", "tokens", "history"} <= state.keys():
+        raise TrainError(f"{path} is not a training state (optimizer, step, train_s, tokens, history)")
+    return state
+
+
 class _Run:
     """Mutable state of one run (kept out of module scope)."""
 
@@ -138,7 +152,7 @@ class _Run:
                 raise TrainError(f"--resume: {self.out} has no {STATE_FILE}")
             self.params = _load_params(self._weights_dir(), cfg.model)
             self.opt = _optimizer(self.params, cfg)
-            state = torch.load(self.out / STATE_FILE, weights_only=False)
+            state = load_train_state(self.out / STATE_FILE)
             self.opt.load_state_dict(state["optimizer"])
             self.step, self.train_s, self.tokens = state["step"], state["train_s"], state["tokens"]
             self.history = state["history"]

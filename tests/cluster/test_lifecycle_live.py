@@ -132,11 +132,11 @@ def test_status_reports_load_pins_and_pools(deployment):
     stub = _stub(deployment)
     _collect(stub.Generate(_request("status-1", prompt(700, 5), 2, session="status-session"), timeout=120))
     deadline = time.monotonic() + 30
-    while True:  # the next heartbeats carry the pools to the routers
+    while True:  # the next heartbeats carry the pools to the routers; their status reader counts pins every 2 s
         status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10)
         names = {p.name for c in status.clusters for p in c.pools}
         ckpts = sum(p.used for c in status.clusters for p in c.pools if p.name == "prefill.checkpoints")
-        if ckpts or time.monotonic() > deadline:
+        if (ckpts and status.pinned_sessions) or time.monotonic() > deadline:
             break
         time.sleep(0.3)
     assert {f for f in REQUEST_POOLS} | {"prefill.checkpoints", "prefill.cached_pages"} <= names

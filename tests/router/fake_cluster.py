@@ -38,6 +38,7 @@ class Behaviour:
     fail_after: int | None = None  # abort UNAVAILABLE after this many tokens (once)
     stall_after: int | None = None  # stop sending (until cancelled) after this many tokens (once)
     first_delay_s: float = 0.0  # before the first token (a long prefill)
+    internal_after: int | None = None  # abort INTERNAL (an op or sampling that raised for it) after this many tokens
 
 
 @dataclass
@@ -75,6 +76,8 @@ class FakeCluster(cluster_pb2_grpc.ClusterServicer):
                 time.sleep(b.first_delay_s)
             n = req.sampling.max_tokens
             for i in range(n):
+                if b.internal_after is not None and i == b.internal_after:
+                    context.abort(grpc.StatusCode.INTERNAL, "sampling failed: RuntimeError at /srv/engine.py:42")
                 if b.fail_after is not None and i == b.fail_after:
                     b.fail_after = None
                     context.abort(grpc.StatusCode.UNAVAILABLE, "injected cluster failure")
