@@ -65,9 +65,16 @@ class RouterActor:
         metrics = RouterMetrics(class_stats_source(gate, lambda: view.snapshot().alive_ids()),
                                 cluster_infos=lambda: self.service.cluster_infos())
         self.metrics_address = metrics.serve(d.bind_host)
+        from k3serve.engine.block_hash import model_fingerprint
+        from k3serve.router.anonymous import AnonymousPlacer
+        from k3serve.router.prefix_map import PrefixMap
+
+        # the clusters' block-hash seed (cluster/actors.py builds the engines with the same call)
+        placer = AnonymousPlacer(PrefixMap(client, ctl.namespace), model_fingerprint(cfg.to_hf_dict()),
+                                 d.clusters.prefix_policy().block_size, ctl.anonymous_routing)
         self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
                                      d.api_keys, gate=gate, metrics=metrics, stall_timeout_s=ctl.stall_timeout_s,
-                                     max_streams=router_max_streams(d))
+                                     max_streams=router_max_streams(d), placer=placer)
         self.server, addr = start_router_server(self.service, d.bind_host)
         return addr
 
