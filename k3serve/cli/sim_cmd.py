@@ -31,6 +31,8 @@ def sim(trace: str = typer.Option(..., "--trace", help="a trace in Mooncake's fo
         rate_scale: float = typer.Option(1.0, "--rate-scale", help="arrivals sped up this many times"),
         max_requests: int = typer.Option(0, "--max-requests", min=0),
         max_blocks: int = typer.Option(0, "--max-blocks", min=0, help="cut prompts to this many 512-token blocks"),
+        system_blocks: int = typer.Option(0, "--system-blocks", min=0,
+                                          help="prefix every request with this many shared blocks (a system prompt)"),
         cost: str = typer.Option("k3-8gpu", "--cost", help="a preset or a `k3serve bench trace --json` file"),
         prefill_tps: float = typer.Option(None, "--prefill-tps", help="override the cost model's prefill rate"),
         slo_s: float = typer.Option(2.0, "--slo-s", help="TTFT SLO in seconds"),
@@ -41,7 +43,7 @@ def sim(trace: str = typer.Option(..., "--trace", help="a trace in Mooncake's fo
     """Replay the trace at each fleet size and cache size, every policy in one run; prints `runs` (JSON with --json)."""
     from k3serve.sim.cost import model_named, with_rate
     from k3serve.sim.runs import SimPlan, run_plan
-    from k3serve.sim.trace import BLOCK, TraceError, load_trace
+    from k3serve.sim.trace import BLOCK, TraceError, load_trace, with_system_prompt
 
     try:
         policies = _list(policy, str, "--policy")
@@ -60,7 +62,7 @@ def sim(trace: str = typer.Option(..., "--trace", help="a trace in Mooncake's fo
                        slot_blocks=slot_blocks, rate_scale=rate_scale, slo_s=slo_s, kill_at_s=kill_at,
                        fleet_search=fleet_search, **plan_kw)
         model = with_rate(model_named(cost), prefill_tps)
-        reqs = load_trace(trace, max_requests, max_blocks)
+        reqs = with_system_prompt(load_trace(trace, max_requests, max_blocks), system_blocks)
         result = run_plan(reqs, plan, model)
     except (TraceError, ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)

@@ -59,6 +59,11 @@ def split_resumed(ids: tuple[int, ...], offset: int, numerics: Numerics) -> tupl
     return ids[: len(ids) - offset], ids[len(ids) - offset:]
 
 
+# A step that prefilled fewer tokens says more about per-step overhead than about the rate (the warm-up's 16
+# tokens would teach routers a rate far below the cluster's).
+RATE_MIN_TOKENS = 512
+
+
 class ClusterFront(cluster_pb2_grpc.ClusterServicer):
     def __init__(self, cluster_id: str, loop: DisaggLoop, secret: str, prefill_tp: int, decode_tp: int,
                  numerics: Numerics = DEFAULT_NUMERICS) -> None:
@@ -278,7 +283,7 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         p = self.prefill
         self._queued_tokens = sum(len(r.prompt_ids) for r in p.waiting) + sum(
             r.prompt_len - r.num_computed for r in p.running)
-        if computed > 0 and dt > 0:  # an EWMA over steps that prefilled, ~10 steps long
+        if computed >= RATE_MIN_TOKENS and dt > 0:  # an EWMA over steps that prefilled a block or more
             rate = computed / dt
             self._prefill_tps = rate if not self._prefill_tps else 0.9 * self._prefill_tps + 0.1 * rate
         cache = p.cache

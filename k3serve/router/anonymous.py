@@ -21,7 +21,7 @@ from k3serve.router.prefix_map import PrefixMap
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TPS = 2000.0  # tokens/s assumed for a cluster that has not measured its prefill rate yet
+DEFAULT_TPS = 2000.0  # tokens/s assumed while no cluster has measured its prefill rate
 
 
 class AnonymousPlacer:
@@ -53,11 +53,13 @@ class AnonymousPlacer:
         """Rank the routable clusters for this prompt. ValueError when none is left."""
         hashes = block_hashes(prompt_ids, self.block_size, salted_seed(self.seed, salt))
         with self._lock:
+            known = sorted(r for c in routable if (r := float(self._loads.get(c, {}).get("prefill_tps", 0.0))) > 0)
+            unknown = known[len(known) // 2] if known else DEFAULT_TPS  # a new cluster: the fleet's median
             pics = []
             for c in routable:
                 load = self._loads.get(c, {})
                 queued = max(float(load.get("prefill_queued_tokens", 0.0)), float(self._sent.get(c, 0)))
-                tps = float(load.get("prefill_tps", 0.0)) or DEFAULT_TPS
+                tps = float(load.get("prefill_tps", 0.0)) or unknown
                 pics.append(ClusterPicture(c, self._held.get(c, frozenset()), queued, tps))
         return place(len(prompt_ids), hashes, pics, self.block_size, policy=self.policy, exclude=exclude,
                      fallback_key=request_id)

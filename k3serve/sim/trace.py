@@ -76,6 +76,16 @@ def load_trace(path: str | Path, max_requests: int = 0, max_blocks: int = 0) -> 
     return [cut(r, max_blocks) for r in out] if max_blocks else out
 
 
+def with_system_prompt(reqs: Sequence[TraceRequest], blocks: int) -> list[TraceRequest]:
+    """Every request prefixed by the same ``blocks`` blocks (ids above every id of the trace): the chat hour's
+    shape, whose every request begins with one system-prompt block, on a trace that lacks it."""
+    if blocks < 0:
+        raise ValueError(f"system blocks must be >= 0, got {blocks}")
+    top = 1 + max((h for r in reqs for h in r.hash_ids), default=0)
+    system = tuple(range(top, top + blocks))
+    return [replace(r, input_length=r.input_length + blocks * BLOCK, hash_ids=system + r.hash_ids) for r in reqs]
+
+
 def cut(req: TraceRequest, max_blocks: int) -> TraceRequest:
     if len(req.hash_ids) <= max_blocks:
         return req

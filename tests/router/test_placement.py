@@ -113,3 +113,27 @@ def test_prefix_map_round_trip(rclient, ns):
     assert pm.touch("c0", 5) and not pm.touch("c1", 5)
     pm.clear("c0")
     assert pm.read(["c0"]) == {"c0": frozenset()}
+
+
+def test_placer_counts_its_own_sends_until_the_first_token(rclient, ns):
+    """A heartbeat is up to a beat old: a burst of equal requests spreads because the router counts the prefill
+    work it has sent and not yet seen a first token of; the count goes back to zero."""
+    from k3serve.router.anonymous import AnonymousPlacer
+    from k3serve.router.membership import ClusterInfo, MembershipSnapshot
+
+    placer = AnonymousPlacer(PrefixMap(rclient, ns), seed=0, block_size=BS)
+    rates = {"c0": {"prefill_tps": 500.0}, "c1": {"prefill_tps": 2000.0}, "c2": {}}  # c2: not measured yet
+    snap = MembershipSnapshot(clusters=tuple(ClusterInfo(c, {}, rates[c], 0.0, True) for c in IDS),
+                              stale=False, fetched_at=0.0, server_time=0.0)
+    placer.refresh(snap)
+    p = [1] * 600
+    got = []
+    for _ in range(3):
+        c = placer.choose(p, "", IDS).cluster
+        placer.sent(c, len(p))
+        got.append(c)
+    # c2 counts at the fleet's median rate (2000): the two fast clusters take the burst, one each first
+    assert set(got[:2]) == {"c1", "c2"} and "c0" not in got
+    for c in got:
+        placer.first_token(c, len(p))
+    assert placer.choose(p, "", IDS).cluster == got[0]  # nothing queued any more

@@ -81,3 +81,12 @@ def test_sim_cli_reports_every_policy_and_fleet(tmp_path):
     assert len(out["runs"]) == 12 and all(RUN_KEYS <= set(r) for r in out["runs"])
     bad = CliRunner().invoke(app, ["sim", "--trace", str(path), "--policy", "nearest"])
     assert bad.exit_code == 2 and "--policy" in bad.output
+
+
+def test_a_system_prompt_prefixes_every_request():
+    from k3serve.sim.trace import with_system_prompt
+
+    reqs = [TraceRequest(0, 600, 1, (1, 2)), TraceRequest(1, 512, 1, (3,))]
+    out = with_system_prompt(reqs, 2)
+    assert [r.hash_ids for r in out] == [(4, 5, 1, 2), (4, 5, 3)] and [r.input_length for r in out] == [1624, 1536]
+    assert ideal_reuse(out)[0] == 1024 and with_system_prompt(reqs, 0) == reqs
