@@ -129,14 +129,14 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
     def assign(i: int, now: float, exclude: Sequence[str] = ()) -> None:
         nonlocal refused
         r = rs[i]
-        if r.tokens is None:
-            r.tokens = prompt_tokens(r.trace, VOCAB, r.salt)
-            r.hashes = block_hashes(r.tokens, BLOCK, SEED)
+        if r.hashes is None:  # the prompt itself is rebuilt when it starts: a long queue holds hashes only
+            r.hashes = block_hashes(prompt_tokens(r.trace, VOCAB, r.salt), BLOCK, SEED)
+        n = r.trace.input_length
         if routing == "first-block":  # rendezvous over the whole fleet, once per first block and fleet
-            alive = tuple(c.id for c in clusters.values() if c.alive and c.id not in exclude)
-            key = (r.hashes[0] if r.hashes else -i, alive)
+            alive = [c.id for c in clusters.values() if c.alive and c.id not in exclude]
+            key = (r.hashes[0] if r.hashes else -i, len(alive), tuple(exclude))  # clusters only ever die
             if key not in first_block and alive:
-                first_block[key] = place(len(r.tokens), r.hashes, [ClusterPicture(a, ()) for a in alive], BLOCK,
+                first_block[key] = place(n, r.hashes, [ClusterPicture(a, ()) for a in alive], BLOCK,
                                          policy=routing, fallback_key=str(i)).cluster
             pool = [clusters[first_block[key]]] if alive else []
         else:
@@ -146,13 +146,13 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
             return
         pics = [ClusterPicture(c.id, c.held, c.queued_tokens + max(0.0, c.busy_until - now) * cost.prefill_tps,
                                cost.prefill_tps) for c in pool]
-        c = clusters[place(len(r.tokens), r.hashes, pics, BLOCK, policy=routing, rng=rng,
+        c = clusters[place(n, r.hashes, pics, BLOCK, policy=routing, rng=rng,
                            fallback_key=str(i)).cluster]
         r.cluster = c.id
         if r.hashes:
             by_first.setdefault(r.hashes[0], set()).add(c.id)
         c.queue.append(i)
-        c.queued_tokens += len(r.tokens)
+        c.queued_tokens += n
         if c.running is None:
             start(c, now)
 
@@ -161,7 +161,8 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
         while c.queue:
             i = c.queue.popleft()
             r = rs[i]
-            c.queued_tokens -= len(r.tokens)
+            c.queued_tokens -= r.trace.input_length
+            r.tokens = prompt_tokens(r.trace, VOCAB, r.salt)
             hit = c.cache.lookup(r.tokens)
             fresh = -(-len(r.tokens) // c.cache.policy.page_size) - len(hit.pages)
             if c.slots.num_free < 1 or c.pages.num_free < fresh:
@@ -170,6 +171,7 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
                 c.pages.decref(hit.pages)
                 c.cache.release(hit)
                 refused += 1
+                r.tokens = None
                 continue
             slot = c.slots.alloc()
             pages = list(hit.pages) + c.pages.alloc(fresh)
