@@ -7,8 +7,9 @@ eviction) serves the lookup and takes the registration at the prefill's end, wit
 comes from the cost model (cost.py): one FIFO prefill server per cluster.
 
 Above ``PREFILTER_ABOVE`` clusters the placement is given a candidate set instead of the whole fleet, for speed:
-the clusters that served a prompt with this first block, plus up to 8 idle (else least-queued) clusters; with
-equal pictures the outcome differs from a full scan only in which of several idle clusters wins a tie.
+up to 16 of the clusters that were sent a prompt with this prompt's deepest known block, plus up to 8 idle (else
+least-queued) clusters. It can miss a better cluster only when more than 16 hold that prefix (a system prompt
+held everywhere), and then only among near-equal ones.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from k3serve.sim.trace import BLOCK, TraceRequest, ideal_reuse, prompt_tokens
 SEED = 0x6B33  # the simulated deployment's block-hash seed
 VOCAB = 50_000
 PREFILTER_ABOVE = 128
+NEAR = 16  # at most this many of the clusters that served a prompt's deepest known prefix are candidates
 _ARRIVE, _DONE, _KILL = 0, 1, 2
 
 
@@ -99,7 +101,7 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
     started = time.monotonic()
     clusters = {f"c{i}": _Cluster(f"c{i}", spec) for i in range(spec.clusters)}
     rng = random.Random(seed)
-    by_first: dict[int, set[str]] = {}
+    served_at: dict[int, set[str]] = {}  # block hash -> clusters a prompt with it was sent to (prefilter only)
     first_block: dict[tuple, str] = {}
     rs = [_Req(r, s) for r, s in reqs]
     events: list[tuple[float, int, int, object]] = [(r.trace.arrival_s, i, _ARRIVE, i) for i, r in enumerate(rs)]
@@ -119,7 +121,12 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
             return alive
         if routing == "random":
             return [rng.choice(alive)]
-        near = [clusters[c] for c in by_first.get(r.hashes[0], ()) if clusters[c].alive] if r.hashes else []
+        near: list[_Cluster] = []
+        for h in reversed(r.hashes or ()):  # the clusters that served this prompt's deepest known prefix
+            if h in served_at:
+                held = sorted(c for c in served_at[h] if clusters[c].alive)
+                near = [clusters[c] for c in (rng.sample(held, NEAR) if len(held) > NEAR else held)]
+                break
         idle = [c for c in alive if c.running is None and not c.queue]
         extra = rng.sample(idle, min(8, len(idle))) if idle else heapq.nsmallest(
             8, alive, key=lambda c: c.busy_until + c.queued_tokens / cost.prefill_tps)
@@ -149,8 +156,9 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
         c = clusters[place(n, r.hashes, pics, BLOCK, policy=routing, rng=rng,
                            fallback_key=str(i)).cluster]
         r.cluster = c.id
-        if r.hashes:
-            by_first.setdefault(r.hashes[0], set()).add(c.id)
+        if routing == "prefix-load" and len(clusters) > PREFILTER_ABOVE:
+            for h in r.hashes:
+                served_at.setdefault(h, set()).add(c.id)
         c.queue.append(i)
         c.queued_tokens += n
         if c.running is None:
