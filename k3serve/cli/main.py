@@ -30,6 +30,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("k3serve.cli.status_cmd", "status"),  # clusters, health, load, pins
     ("k3serve.cli.train_cmd", "train"),  # train target: pretraining at tiny scale
     ("k3serve.cli.eval_cmd", "eval"),  # bits per byte of a checkpoint on text
+    ("k3serve.cli.sim_cmd", "sim"),  # fleet simulator: a trace at N clusters in simulated time
 ]
 # -------------------------------------------------------------------------------------------------
 

@@ -188,10 +188,14 @@ class ClusterActor:
         """Register and heartbeat; when the front breaks, leave the membership, then rebuild (if configured)."""
         from k3serve.cluster.redis_server import connect
         from k3serve.router.membership import Membership
+        from k3serve.router.prefix_map import PrefixMap
 
         ctl = self.deploy.control
         c = self.deploy.clusters
-        members = Membership(connect(self.redis_url), ctl.namespace, self.deploy.secret)
+        client = connect(self.redis_url)
+        members = Membership(client, ctl.namespace, self.deploy.secret)
+        prefixes = PrefixMap(client, ctl.namespace)
+        published = -1  # the cache version last published
         registered = False
         while not self._stop.wait(ctl.heartbeat_interval_s if registered else 0.0):
             front = self.front
@@ -217,8 +221,13 @@ class ClusterActor:
                     members.register(self.cluster_id, {"cluster": endpoint}, ttl_s=ctl.heartbeat_ttl_s * 20,
                                      heartbeat_ttl_s=ctl.heartbeat_ttl_s)
                     registered = True
+                version, hashes = front.prefix_hashes
+                if version != published or not prefixes.touch(self.cluster_id, ctl.heartbeat_ttl_s):
+                    prefixes.publish(self.cluster_id, hashes, ctl.heartbeat_ttl_s)
+                    published = version
             except (RedisError, OSError) as e:  # Redis down: keep serving, retry next beat
                 log.warning("heartbeat of %s failed: %s", self.cluster_id, e)
+                published = -1
 
     def watch(self) -> None:
         """Never returns: the call's ref resolves only when this actor dies (the deployment's supervisor)."""

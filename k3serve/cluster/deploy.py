@@ -186,6 +186,15 @@ class ControlSpec:
     suspect_cooldown_s: float = 5.0
     stall_timeout_s: float = 30.0  # a router fails a call over after this long without a token (once tokens flow)
     router_max_streams: int = 0  # concurrent streams per router (0: what admission can hold, at most 256)
+    # requests without a session id: "prefix-load" (least expected TTFT, docs/traffic.md), "first-block" (the old
+    # rendezvous on the first block, a baseline) or "random"
+    anonymous_routing: str = "prefix-load"
+
+    def __post_init__(self) -> None:
+        from k3serve.router.placement import POLICIES
+
+        if self.anonymous_routing not in POLICIES:
+            raise DeployError(f"control.anonymous_routing must be one of {POLICIES}, got {self.anonymous_routing!r}")
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,11 @@ def split_resumed(ids: tuple[int, ...], offset: int, numerics: Numerics) -> tupl
     return ids[: len(ids) - offset], ids[len(ids) - offset:]
 
 
+# A step that prefilled fewer tokens says more about per-step overhead than about the rate (the warm-up's 16
+# tokens would teach routers a rate far below the cluster's).
+RATE_MIN_TOKENS = 512
+
+
 class ClusterFront(cluster_pb2_grpc.ClusterServicer):
     def __init__(self, cluster_id: str, loop: DisaggLoop, secret: str, prefill_tp: int, decode_tp: int,
                  numerics: Numerics = DEFAULT_NUMERICS) -> None:
@@ -77,6 +82,11 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         self._metrics = {"requests": 0.0, "completed": 0.0, "failed": 0.0, "cancelled": 0.0,
                          "prefix_hit_tokens": 0.0, "grpc_transfers": 0.0}
         self._pools: dict[str, PoolUsage] = {}  # snapshot taken by the engine thread (see cluster/pools.py)
+        # what routers place anonymous requests by (router/anonymous.py), snapshots of the engine thread: the
+        # block hashes its checkpoints sit at (with the cache's version), prefill work queued, measured rate
+        self.prefix_hashes: tuple[int, frozenset[int]] = (-1, frozenset())
+        self._queued_tokens = 0
+        self._prefill_tps = 0.0
         self.staging: Callable[[], PoolUsage] | None = None  # decode staging, asked of the receivers
         self._thread = threading.Thread(target=self._loop, name=f"engine-{cluster_id}", daemon=True)
         self._server: grpc.Server | None = None
@@ -118,6 +128,7 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
             running = len(self._calls)
             tokens = sum(c.tokens for c in self._calls.values())
         return {"running_requests": running, "inflight_tokens": tokens, "broken": 1.0 if self.broken else 0.0,
+                "prefill_queued_tokens": self._queued_tokens, "prefill_tps": self._prefill_tps,
                 **as_load(self.pools())}
 
     def pools(self) -> dict[str, PoolUsage]:
@@ -249,8 +260,10 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
             idle = not self.loop.has_work
             self._drain_inbox(block=idle)
             try:
+                computed, t0 = self.prefill.stats["computed_tokens"], time.monotonic()
                 self._step()
                 self._pools = engine_pools(self.prefill, self.decode)
+                self._placement_snapshot(self.prefill.stats["computed_tokens"] - computed, time.monotonic() - t0)
             except WorkerDied as e:  # the group is broken: fail everything here, the agent rebuilds
                 self._fail_all(f"worker died: {e}".splitlines()[0])
                 return
@@ -265,6 +278,17 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
         with self._lock:
             self._metrics["prefix_hit_tokens"] = float(self.loop.stats.prefix_hit_tokens)
             self._metrics["grpc_transfers"] = float(self.loop.stats.staged_transfers)
+
+    def _placement_snapshot(self, computed: int, dt: float) -> None:
+        p = self.prefill
+        self._queued_tokens = sum(len(r.prompt_ids) for r in p.waiting) + sum(
+            r.prompt_len - r.num_computed for r in p.running)
+        if computed >= RATE_MIN_TOKENS and dt > 0:  # an EWMA over steps that prefilled a block or more
+            rate = computed / dt
+            self._prefill_tps = rate if not self._prefill_tps else 0.9 * self._prefill_tps + 0.1 * rate
+        cache = p.cache
+        if cache.version != self.prefix_hashes[0]:
+            self.prefix_hashes = (cache.version, cache.checkpoint_hashes())
 
     def mark_broken(self, why: str) -> None:
         """From outside the engine (a rank found dead while idle): fail in-flight requests, refuse new ones."""

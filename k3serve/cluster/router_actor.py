@@ -75,10 +75,18 @@ class RouterActor:
         from k3serve.router.api_keys import QuotaLimits
 
         streams = router_max_streams(d)
+        from k3serve.engine.block_hash import model_fingerprint, prefix_key
+        from k3serve.router.anonymous import AnonymousPlacer
+        from k3serve.router.prefix_map import PrefixMap
+
+        # the clusters' block-hash key (cluster/actors.py builds the engines with the same call)
+        placer = AnonymousPlacer(PrefixMap(client, ctl.namespace), prefix_key(model_fingerprint(cfg.to_hf_dict()), d.secret),
+                                 d.clusters.prefix_policy().block_size, ctl.anonymous_routing)
         self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
                                      d.api_keys, gate=gate, metrics=metrics, stall_timeout_s=ctl.stall_timeout_s,
                                      max_streams=streams, quota=QuotaLimits.resolve(
-                                         d.key_max_streams, d.key_max_queued, streams, len(d.api_keys)))
+                                         d.key_max_streams, d.key_max_queued, streams, len(d.api_keys)),
+                                     placer=placer)
         self.server, addr = start_router_server(self.service, d.bind_host)
         from k3serve.router.chat_template import ChatTemplate, load_chat_template
         from k3serve.router.http_server import HttpDoor

@@ -9,7 +9,7 @@ Ownership, in one place:
 - Pages: the cache holds one reference per page of every cached block. ``lookup`` adds one reference per
   returned page for the caller, who decrefs through the PageAllocator when its request ends.
 - Checkpoint slots: ``register`` takes ownership of the slots it is handed; any it does not keep (duplicate of
-  an existing checkpoint, or over the session budget) it frees to the SlotAllocator itself and lists in its
+  an existing checkpoint, or over the session's fairness cap) it frees to the SlotAllocator itself and lists in its
   return value, so the caller never frees a slot it handed over. ``lookup`` never gives a checkpoint away: it
   pins it under ``hit.lease``; the caller copies the slot into its private slot and then calls
   ``release(hit)`` (also on abort). Eviction never touches a pinned checkpoint.
@@ -36,6 +36,8 @@ class _Checkpoint:
     session_id: str
     last_used: int
     pins: int = 0
+    served: int = 0  # hits it gave (its continuations)
+    shared: bool = False  # at a branch point of the cached tree: charged to no session
 
 
 @dataclass(slots=True)
@@ -50,7 +52,10 @@ class _Block:
 
 
 class HybridPrefixCache:
-    """Index of cached hash blocks (MLA pages) and sparse KDA checkpoints, bounded per session."""
+    """Index of cached hash blocks (MLA pages) and sparse KDA checkpoints, budgeted by value over the slot pool.
+
+    A checkpoint at a block with two or more cached continuations (a shared prefix) is *shared*: it leaves its
+    registering session's fairness cap, so one identity's turns can never push a system prompt's state out."""
 
     def __init__(self, policy: PrefixCachePolicy, pages: PageAllocator, slots: SlotAllocator, key: bytes) -> None:
         """key: the block-hash key (block_hash.prefix_key)."""
@@ -62,7 +67,9 @@ class HybridPrefixCache:
         self._key = key
         self._blocks: dict[int, _Block] = {}
         self._ckpts: dict[int, _Checkpoint] = {}  # by slot
-        self._sessions: dict[str, set[int]] = {}  # session id -> checkpoint slots it registered
+        self._sessions: dict[str, set[int]] = {}  # session id -> unshared checkpoint slots it registered
+        self._shared: set[int] = set()  # slots of shared checkpoints
+        self.version = 0  # bumped whenever the set of checkpointed blocks changes (publishers diff on it)
         self._page_block: dict[int, int] = {}  # page -> hash of the block holding it (catches double registration)
         self._leases: dict[int, int] = {}  # lease id -> pinned checkpoint slot
         self._next_lease = 0
@@ -98,6 +105,7 @@ class HybridPrefixCache:
         ck = self._blocks[hashes[depth - 1]].ckpt
         assert ck is not None
         ck.last_used = self._clock
+        ck.served += 1
         ck.pins += 1
         lease = self._next_lease
         self._next_lease += 1
@@ -120,9 +128,19 @@ class HybridPrefixCache:
             raise ValueError(f"prefix-cache lease {hit.lease} is not held (released twice?)")
         self._ckpts[slot].pins -= 1
 
-    def checkpoint_boundaries(self, prompt_len: int, cached_tokens: int) -> list[int]:
-        """Positions in ``(cached_tokens, prompt_len]`` where the prefill should save a KDA checkpoint."""
-        return self.policy.checkpoint_boundaries(prompt_len, cached_tokens)
+    def checkpoint_boundaries(self, prompt_len: int, cached_tokens: int, branch_tokens: int = 0) -> list[int]:
+        """Positions in ``(cached_tokens, prompt_len]`` where the prefill should save a KDA checkpoint
+        (``branch_tokens``: where the prompt's hash-matched blocks end, PrefixCachePolicy.checkpoint_boundaries)."""
+        return self.policy.checkpoint_boundaries(prompt_len, cached_tokens, branch_tokens)
+
+    def has_checkpoint(self, block_hash: int) -> bool:
+        """Whether a hit can end at the block ``block_hash`` (it is cached and holds a checkpoint)."""
+        b = self._blocks.get(block_hash)
+        return b is not None and b.ckpt is not None
+
+    def checkpoint_hashes(self) -> frozenset[int]:
+        """The block hashes a hit can end at (what a cluster publishes to the routers; bounded by the slots)."""
+        return frozenset(ck.block for ck in self._ckpts.values())
 
     # ---------------------------------------------------------------------------------------------- updates
     def register(self, tokens: Sequence[int], pages: Sequence[int], checkpoints: Mapping[int, int],
@@ -144,6 +162,7 @@ class HybridPrefixCache:
         for h in hashes:
             if h in self._blocks:
                 self._blocks[h].last_used = self._clock
+        branched: list[_Block] = []
         for i in new:
             # Blocks are created in order, so the parent exists (cached before, or created one step earlier).
             parent = hashes[i - 1] if i else None
@@ -154,6 +173,8 @@ class HybridPrefixCache:
                 self._page_block[p] = hashes[i]
             if parent is not None:
                 self._blocks[parent].children += 1
+                if self._blocks[parent].children == 2:
+                    branched.append(self._blocks[parent])
         rejected: list[int] = []
         added: set[int] = set()
         for pos in sorted(checkpoints):
@@ -165,8 +186,16 @@ class HybridPrefixCache:
                 continue
             block.ckpt = _Checkpoint(slot, block.hash, pos, session_id, self._clock)
             self._ckpts[slot] = block.ckpt
-            self._sessions.setdefault(session_id, set()).add(slot)
-            added.add(slot)
+            self.version += 1
+            if block.children >= 2:
+                block.ckpt.shared = True
+                self._shared.add(slot)
+            else:
+                self._sessions.setdefault(session_id, set()).add(slot)
+                added.add(slot)
+        for block in branched:  # a prefix that just gained its second continuation is shared from now on
+            if block.ckpt is not None and not block.ckpt.shared:
+                self._share(block.ckpt)
         rejected += self._enforce_session_budget(session_id, added)
         self._counters["rejected_checkpoints"] += len(rejected)
         return rejected
@@ -174,7 +203,8 @@ class HybridPrefixCache:
     def evict(self, pages_needed: int = 0, slots_needed: int = 0) -> bool:
         """Free cache-held entries until the allocators have ``pages_needed`` / ``slots_needed`` free.
 
-        Slots: drop unpinned checkpoints, lowest :func:`checkpoint_scores` first. Pages: drop leaf blocks (an
+        Slots: drop unpinned checkpoints, lowest :func:`checkpoint_scores` (recency, depth, continuations
+        served) first, over the whole pool whoever registered them. Pages: drop leaf blocks (an
         inner block must stay while a descendant is cached, else the descendant is unreachable), checkpoint-less
         leaves first (no hit can end in them), then least recently used, deepest first on ties; blocks whose
         pages a running request still shares, or that end at a pinned checkpoint, are skipped because dropping
@@ -182,8 +212,7 @@ class HybridPrefixCache:
         """
         if self._slots.num_free < slots_needed:
             cands = [ck for ck in self._ckpts.values() if ck.pins == 0]
-            scores = checkpoint_scores([c.last_used for c in cands], [c.num_tokens for c in cands],
-                                       self.policy.eviction_alpha)
+            scores = self._scores(cands)
             order = sorted(zip(scores, cands), key=lambda sc: (sc[0], sc[1].last_used, sc[1].num_tokens,
                                                                sc[1].slot))
             for _, ck in order:
@@ -222,6 +251,7 @@ class HybridPrefixCache:
     def stats(self) -> dict[str, int]:
         """Cumulative counters (lookups, hits, hit_tokens, matched_tokens, evictions) and current sizes."""
         return dict(self._counters, blocks=len(self._blocks), checkpoints=len(self._ckpts),
+                    shared_checkpoints=len(self._shared),
                     pages_held=len(self._page_block), pinned=len(self._leases), sessions=len(self._sessions))
 
     def session_of(self, slot: int) -> str | None:
@@ -232,7 +262,7 @@ class HybridPrefixCache:
     def checkpoints(self, session_id: str | None = None) -> list[CheckpointInfo]:
         """Cached checkpoints (of one session, or all), shallowest first."""
         cks = self._ckpts.values() if session_id is None else (
-            self._ckpts[s] for s in self._sessions.get(session_id, ()))
+            c for c in self._ckpts.values() if c.session_id == session_id)
         return sorted((CheckpointInfo(c.slot, c.num_tokens, c.session_id, c.last_used, c.pins > 0) for c in cks),
                       key=lambda c: (c.num_tokens, c.slot))
 
@@ -265,12 +295,19 @@ class HybridPrefixCache:
             assert b is not None and b.ckpt is ck and ck.slot == slot, f"checkpoint {slot} detached"
             assert ck.num_tokens == (b.index + 1) * bs, f"checkpoint {slot} at the wrong depth"
             assert self._slots.is_used(slot), f"checkpoint slot {slot} is free"
-            assert slot in self._sessions.get(ck.session_id, ()), f"checkpoint {slot} missing from its session"
+            if ck.shared:
+                assert slot in self._shared, f"shared checkpoint {slot} missing from the shared index"
+            else:
+                assert slot in self._sessions.get(ck.session_id, ()), f"checkpoint {slot} missing from its session"
+                assert b.children < 2, f"checkpoint {slot} at a branch point is charged to {ck.session_id!r}"
             assert ck.pins == leased.get(slot, 0), f"checkpoint {slot}: pins {ck.pins} != leases"
         for sid, own in self._sessions.items():
-            assert own and all(self._ckpts[s].session_id == sid for s in own), f"session {sid!r} index"
+            assert own and all(self._ckpts[s].session_id == sid and not self._ckpts[s].shared for s in own), \
+                f"session {sid!r} index"
             assert len(own) <= self.policy.max_checkpoints_per_session, f"session {sid!r} over budget"
-        assert sum(len(o) for o in self._sessions.values()) == len(self._ckpts)
+        assert all(self._ckpts[s].shared for s in self._shared), "shared index"
+        assert sum(len(o) for o in self._sessions.values()) + len(self._shared) == len(self._ckpts)
+        assert self._slots.num_used >= len(self._ckpts), "more checkpoints than used slots"
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _validate_register(self, n_blocks: int, new: list[int], pages: Sequence[int],
@@ -303,8 +340,7 @@ class HybridPrefixCache:
             cands = [self._ckpts[s] for s in own if self._ckpts[s].pins == 0]
             if not cands:
                 break
-            scores = checkpoint_scores([c.last_used for c in cands], [c.num_tokens for c in cands],
-                                       self.policy.eviction_alpha)
+            scores = self._scores(cands)
             _, victim = min(zip(scores, cands), key=lambda sc: (sc[0], sc[1].last_used, sc[1].num_tokens,
                                                                 sc[1].slot))
             if victim.slot in added:
@@ -312,14 +348,30 @@ class HybridPrefixCache:
             self._drop_checkpoint(victim, count=victim.slot not in added)  # a new one counts as rejected
         return dropped_new
 
-    def _drop_checkpoint(self, ck: _Checkpoint, count: bool = True) -> None:
-        assert ck.pins == 0, "a pinned checkpoint may be mid-copy"
-        self._blocks[ck.block].ckpt = None
-        del self._ckpts[ck.slot]
+    def _scores(self, cands: list[_Checkpoint]) -> list[float]:
+        return checkpoint_scores([c.last_used for c in cands], [c.num_tokens for c in cands],
+                                 self.policy.eviction_alpha, [c.served for c in cands], self.policy.eviction_beta)
+
+    def _share(self, ck: _Checkpoint) -> None:
         own = self._sessions[ck.session_id]
         own.discard(ck.slot)
         if not own:
             del self._sessions[ck.session_id]
+        ck.shared = True
+        self._shared.add(ck.slot)
+
+    def _drop_checkpoint(self, ck: _Checkpoint, count: bool = True) -> None:
+        assert ck.pins == 0, "a pinned checkpoint may be mid-copy"
+        self._blocks[ck.block].ckpt = None
+        del self._ckpts[ck.slot]
+        self.version += 1
+        if ck.shared:
+            self._shared.discard(ck.slot)
+        else:
+            own = self._sessions[ck.session_id]
+            own.discard(ck.slot)
+            if not own:
+                del self._sessions[ck.session_id]
         self._slots.free(ck.slot)
         if count:
             self._counters["evicted_checkpoints"] += 1

@@ -6,6 +6,7 @@ checkpoint is when something has to go.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,9 @@ class PrefixCachePolicy:
     long shared documents line up across sessions).
     ``scheme="naive"``: the baseline K3 is measured against, where hash granularity = checkpoint granularity =
     ``naive_chunk`` and every block end is a checkpoint; a turn shorter than a chunk never gets a hit.
-    ``eviction_alpha`` weighs depth against recency in :func:`checkpoint_scores`.
+    ``eviction_alpha`` weighs depth and ``eviction_beta`` the continuations a checkpoint served against recency
+    in :func:`checkpoint_scores`. ``max_checkpoints_per_session`` is a fairness guard per cache identity; the slot
+    pool is the real budget, and checkpoints of shared prefixes (branch points) are not charged to anyone.
     """
 
     scheme: str = "k3"
@@ -31,6 +34,7 @@ class PrefixCachePolicy:
     max_checkpoints_per_session: int = 4
     naive_chunk: int = 4096
     eviction_alpha: float = 1.0
+    eviction_beta: float = 1.0
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -45,8 +49,9 @@ class PrefixCachePolicy:
         if self.scheme == "naive" and self.naive_chunk % self.page_size:
             raise ValueError(f"prefix_cache.page_size ({self.page_size}) must divide naive_chunk "
                              f"({self.naive_chunk})")
-        if not self.eviction_alpha >= 0.0:
-            raise ValueError(f"prefix_cache.eviction_alpha must be >= 0, got {self.eviction_alpha}")
+        for name in ("eviction_alpha", "eviction_beta"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"prefix_cache.{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def block_size(self) -> int:
@@ -58,17 +63,20 @@ class PrefixCachePolicy:
         """MLA pages owned by one hash block."""
         return self.block_size // self.page_size
 
-    def checkpoint_boundaries(self, prompt_len: int, cached_tokens: int) -> list[int]:
+    def checkpoint_boundaries(self, prompt_len: int, cached_tokens: int, branch_tokens: int = 0) -> list[int]:
         """Block ends in ``(cached_tokens, prompt_len]`` where a prefill should save a KDA checkpoint, ascending.
 
-        k3: the last block end <= ``prompt_len`` (the next turn of this session resumes there) and every
+        k3: the last block end <= ``prompt_len`` (the next turn of this session resumes there), every
         ``checkpoint_every_blocks``-th block end (so a long prompt that diverges late still resumes near the
-        divergence). naive: every block end. At most ``max_checkpoints_per_session`` positions, the deepest: the
-        session budget would reject the shallower ones at ``register`` anyway (equally recent, less deep), so
-        snapshotting them would be wasted copies.
+        divergence), and the branch point ``branch_tokens`` (where this prompt's hash-matched blocks end, i.e. it
+        leaves a cached prefix: the next prompt under that prefix resumes there). naive: every block end. At most
+        ``max_checkpoints_per_session`` positions, the deepest plus the branch point: the session budget would
+        reject the shallower ones at ``register`` anyway (equally recent, less deep), so snapshotting them would
+        be wasted copies, while the branch point is a shared prefix's and charged to no session.
         """
-        if prompt_len < 0 or cached_tokens < 0:
-            raise ValueError(f"negative lengths: prompt_len={prompt_len}, cached_tokens={cached_tokens}")
+        if prompt_len < 0 or cached_tokens < 0 or branch_tokens < 0:
+            raise ValueError(f"negative lengths: prompt_len={prompt_len}, cached_tokens={cached_tokens}, "
+                             f"branch_tokens={branch_tokens}")
         bs = self.block_size
         first = cached_tokens // bs + 1  # first block index whose end lies strictly past cached_tokens
         last = prompt_len // bs
@@ -79,7 +87,11 @@ class PrefixCachePolicy:
             ends = {k * bs for k in range(first + (-first) % every, last + 1, every)}
             if last >= first:
                 ends.add(last * bs)
-        return sorted(ends)[-self.max_checkpoints_per_session:]
+        kept = sorted(ends)[-self.max_checkpoints_per_session:]
+        if self.scheme == "k3" and branch_tokens % bs == 0 and cached_tokens < branch_tokens < prompt_len \
+                and branch_tokens not in kept:
+            kept = sorted([branch_tokens] + kept[int(len(kept) >= self.max_checkpoints_per_session):])
+        return kept
 
 
 @dataclass(frozen=True)
@@ -114,19 +126,26 @@ class CheckpointInfo:
     pinned: bool
 
 
-def checkpoint_scores(last_used: Sequence[int], depths: Sequence[int], alpha: float) -> list[float]:
+def checkpoint_scores(last_used: Sequence[int], depths: Sequence[int], alpha: float,
+                      served: Sequence[int] | None = None, beta: float = 0.0) -> list[float]:
     """Value of each checkpoint in a candidate set; the lowest is evicted first (Marconi-style).
 
-    ``score = recency + alpha * depth / max(depths)`` with ``recency = (t - t_min) / (t_max - t_min)`` over the
-    set (1.0 when all ties). Depth stands for the prefill it saves per byte: every checkpoint costs the same bytes
-    (all KDA layers at one boundary) and saves ``depth`` tokens of prefill. Normalising both terms to [0, 1]
-    makes ``alpha`` unit-free: alpha = 1 trades the newest-vs-oldest gap against the deepest-vs-empty one.
+    ``score = recency + alpha * depth / max(depths) + beta * log1p(served) / log1p(max(served))`` with
+    ``recency = (t - t_min) / (t_max - t_min)`` over the set (1.0 when all ties). Depth stands for the prefill it
+    saves per byte: every checkpoint costs the same bytes (all KDA layers at one boundary) and saves ``depth``
+    tokens of prefill; ``served`` (hits it gave) for how often it will be used again, logarithmic so one hot
+    system prompt does not make every other entry worthless. Each term is normalised to [0, 1], so ``alpha`` and
+    ``beta`` are unit-free.
     """
-    if len(last_used) != len(depths):
-        raise ValueError("last_used and depths differ in length")
+    if len(last_used) != len(depths) or (served is not None and len(served) != len(depths)):
+        raise ValueError("last_used, depths and served differ in length")
     if not last_used:
         return []
     t_min, t_max = min(last_used), max(last_used)
     span = t_max - t_min
     d_max = max(depths) or 1
-    return [((t - t_min) / span if span else 1.0) + alpha * d / d_max for t, d in zip(last_used, depths)]
+    out = [((t - t_min) / span if span else 1.0) + alpha * d / d_max for t, d in zip(last_used, depths)]
+    if served is not None and beta and max(served) > 0:
+        s_max = math.log1p(max(served))
+        out = [v + beta * math.log1p(s) / s_max for v, s in zip(out, served)]
+    return out

@@ -276,7 +276,10 @@ class PrefillEngine:
                 self.cache.release(hit)
         self.stats["prompt_tokens"] += len(prompt)
         self.stats["cached_tokens"] += cached
-        bounds = self.cache.checkpoint_boundaries(len(prompt), cached) if self.config.enable_prefix_cache else []
+        # where the prompt leaves a cached prefix: a checkpoint there lets the next prompt under it resume at its end
+        branch = hit.matched_blocks * self.cache.policy.block_size if hit else 0
+        bounds = self.cache.checkpoint_boundaries(len(prompt), cached, branch) \
+            if self.config.enable_prefix_cache else []
         return _Running(req, slot, pages, cached, cached, len(prompt) - cached >= self.config.long_threshold,
                         list(bounds))
 

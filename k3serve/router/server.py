@@ -37,16 +37,19 @@ from grpc_reflection.v1alpha import reflection
 from k3serve.netaddr import advertised_host
 from k3serve.auth import AuthConfig
 from k3serve.contracts.status import from_load
+from k3serve.engine.block_hash import prefix_key
 from k3serve.engine.prefix_policy import PrefixCachePolicy
 from k3serve.internal.v1 import cluster_pb2_grpc
 from k3serve.router.admission import AdmissionRejected
 from k3serve.router.api_keys import ApiKeys, KeyQuota, QuotaExceeded, QuotaLimits
+from k3serve.router.anonymous import AnonymousPlacer
 from k3serve.router.gate import AdmissionGate
 from k3serve.router.hashing import rank_clusters
 from k3serve.router.liveness import Watchdog
 from k3serve.router.membership import MembershipView
 from k3serve.router.metrics import Counters, RouterMetrics
 from k3serve.router.pins import NoHealthyCluster, PinStore
+from k3serve.router.prefix_map import PrefixMap
 from k3serve.router.progress import DurationModel, StreamProgress
 from k3serve.router.relay import Attempts, Ending, Target, stream_attempt
 from k3serve.router.slots import StreamSlots
@@ -83,13 +86,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
     """``max_streams``: concurrent Generate streams (including those waiting for admission) before
     RESOURCE_EXHAUSTED; ``stall_timeout_s``: silence between tokens that counts as a cluster fault (liveness.py).
     ``policy``: the prefix-cache policy the clusters run (block size and scheme of the uncached estimate and of
-    anonymous routing keys); default: the gate's."""
+    anonymous routing keys); default: the gate's. ``placer``: where requests without a session id go
+    (anonymous.py; default: least expected TTFT over the published prefix maps, hash seed 0)."""
 
     def __init__(self, view: MembershipView, pins: PinStore, limits: ModelLimits, secret: str,
                  api_keys: tuple[str, ...] = (), *, gate: AdmissionGate | None = None,
                  metrics: RouterMetrics | None = None, stall_timeout_s: float = 30.0, max_streams: int = 128,
                  policy: PrefixCachePolicy | None = None, durations: DurationModel | None = None,
-                 quota: QuotaLimits | None = None, status_interval_s: float = STATUS_INTERVAL_S) -> None:
+                 quota: QuotaLimits | None = None, status_interval_s: float = STATUS_INTERVAL_S,
+                 placer: AnonymousPlacer | None = None) -> None:
         self.view, self.pins, self.limits, self.gate = view, pins, limits, gate
         self._secret = secret
         self._auth = AuthConfig(secret, peer="router")  # signs each call to a cluster front
@@ -97,6 +102,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._keys = ApiKeys(secret, api_keys)  # keyed digests only
         self.policy = policy or (gate.policy if gate is not None else PrefixCachePolicy())
         self.durations = durations or DurationModel()
+        self.placer = placer or AnonymousPlacer(PrefixMap(view.membership._r, view.membership.namespace),
+                                                prefix_key(0, secret), self.policy.block_size)
         self.slots = StreamSlots(max_streams, ticket_extra=HEADROOM_THREADS // 2)
         self.quota = KeyQuota(quota or QuotaLimits.resolve(0, 0, max_streams, len(self._keys)))
         self._channels: dict[str, tuple[str, grpc.Channel]] = {}
@@ -110,7 +117,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._idle = threading.Condition(self._lock)
         # membership is read by a background thread, so the request path never waits on Redis; the first read
         # happens before serving (a router that never read Redis would see no cluster at all)
-        self.view.refresh()
+        self.placer.refresh(self.view.refresh())
         self._closed = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="membership", daemon=True)
         self._refresher.start()
@@ -123,7 +130,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _refresh_loop(self) -> None:
         while not self._closed.wait(self.view.refresh_interval_s):
-            self.view.refresh()
+            self.placer.refresh(self.view.refresh())
 
     def _routable(self) -> list[str]:
         # inline refresh only if the background reader fell far behind
@@ -310,6 +317,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 return c
         return None
 
+    def _next_anonymous(self, req: ValidRequest, salt: str, tried: set[str]) -> str | None:
+        """A failover of a request without a session id: the same placement over the clusters not yet tried."""
+        try:
+            return self.placer.choose(req.prompt_ids, salt, self._routable(), exclude=tried,
+                                      request_id=req.request_id).cluster
+        except ValueError:
+            return None
+
     @staticmethod
     def _presented_ticket(context) -> Ticket | None:
         """The ``retry-ticket`` request metadata (tickets.py); MalformedTicket when it is not well formed."""
@@ -340,13 +355,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
         salt = tenant_salt(self._secret, api_key, req.cache_salt)
         key = cache_identity(req.session_id, req.prompt_ids, salt, self.policy.block_size)
         try:
-            pin = self.pins.resolve(key, self._routable())
-        except NoHealthyCluster:
+            if req.session_id:
+                serving = self.pins.resolve(key, self._routable()).serving
+            else:  # no pin: placed by expected time to first token (anonymous.py)
+                placed = self.placer.choose(req.prompt_ids, salt, self._routable(), request_id=req.request_id)
+                serving = placed.cluster
+        except (NoHealthyCluster, ValueError):
             snap = self.view.snapshot()
             log.warning("no healthy cluster: alive %s, stale=%s (%s)", snap.alive_ids(), snap.stale, snap.error)
             context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy cluster; retry later")
         progress = StreamProgress("", req.sampling.max_tokens, self.durations)
-        progress.pending_on = pin.serving
+        progress.pending_on = serving
         holder = self.gate is not None and self.gate.holds(ticket)  # a real, held place: may take a ticket slot
         if not self.slots.try_acquire(progress, ticket=holder):
             # it gets a place in the line of the admission budget it would join (a ticket), and the hint is when
@@ -357,19 +376,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 f"this router serves {self.slots.max_streams} streams at most"
             held = None
             if self.gate is not None and self.gate.enabled:
-                uncached = self.gate.uncached_tokens(key, req.prompt_ids, pin.serving)
+                uncached = self._uncached(key, req, serving, salt)
                 cls = self.gate.request_class(uncached)
                 progress.cls = cls.name
                 # without a ticket (limit reached), this router's streams bound there that Redis does not show yet
                 # are waiters ahead
-                ahead = self.slots.pending_on(pin.serving)
-                rej = self.gate.refuse(pin.serving, cls, req.request_id, uncached, message, ticket=ticket,
+                ahead = self.slots.pending_on(serving)
+                rej = self.gate.refuse(serving, cls, req.request_id, uncached, message, ticket=ticket,
                                        expected_s=progress.remaining_s(), at_least_s=hint,
                                        unseen=(ahead, ahead * uncached))
-                hint, held, by = rej.retry_after_s, rej.ticket, f"router:{pin.serving}/{cls.name}"
+                hint, held, by = rej.retry_after_s, rej.ticket, f"router:{serving}/{cls.name}"
             self._reject(context, hint, by, message, held)
         try:
-            yield from self._serve(req, key, salt, pin.serving, progress, context, ticket, record)
+            yield from self._serve(req, key, salt, serving, progress, context, ticket, record)
         finally:
             self.slots.release(progress)
 
@@ -381,24 +400,28 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if record is not None:
             record.attempts = st
         tried: set[str] = set()
-        res = self._admit(cluster, req, key, progress, cancelled, context, ticket)
-        self.pins.confirm(key)
+        anonymous = not req.session_id
+        res = self._admit(cluster, req, key, progress, cancelled, context, ticket, salt=salt)
+        if not anonymous:
+            self.pins.confirm(key)
         try:
             while True:
                 target = Target(cluster, self._stub(cluster), key, salt)
-                ending = yield from stream_attempt(target, req, st, progress, self._auth, self.watchdog, self._tok,
-                                                   context)
+                attempt = stream_attempt(target, req, st, progress, self._auth, self.watchdog, self._tok, context)
+                if anonymous:  # counted as queued prefill work there until its first token
+                    attempt = _until_first(attempt, self.placer, cluster, len(req.prompt_ids) + len(st.streamed))
+                ending = yield from attempt
                 if ending is Ending.FINISHED:
                     self.view.mark_ok(cluster)
                     progress.finished()
-                    if self.gate is not None:
+                    if self.gate is not None and not anonymous:
                         self.gate.record_prompt(key, req.prompt_ids, cluster)
                     return
                 if ending is Ending.CLIENT_GONE:
                     return
                 self.view.mark_suspect(cluster)
                 tried.add(cluster)
-                nxt = self._next_cluster(key, tried)
+                nxt = self._next_anonymous(req, salt, tried) if anonymous else self._next_cluster(key, tried)
                 if nxt is None:
                     context.abort(grpc.StatusCode.UNAVAILABLE,
                                   f"every cluster failed this request (tried {sorted(tried)}); retry later")
@@ -406,14 +429,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self.counters.inc("failovers")
                 self.metrics.failovers.inc()
                 try:
-                    self.pins.move(key, nxt, expected_serving=cluster)
+                    if not anonymous:
+                        self.pins.move(key, nxt, expected_serving=cluster)
                 except (redis.RedisError, OSError) as e:  # keep serving on the computed choice
                     log.warning("could not move pin of %s to %s (Redis: %s: %s)", key, nxt, type(e).__name__, e)
                 if self.gate is not None and not st.streamed:
                     # the client has seen nothing: admit afresh where the request will now run
                     self.gate.release(res)
                     res = None
-                    res = self._admit(nxt, req, key, progress, cancelled, context)
+                    res = self._admit(nxt, req, key, progress, cancelled, context, salt=salt)
                 elif self.gate is not None:
                     res = self.gate.move(res, nxt)  # same class and reservation: never refused mid-stream
                 cluster = nxt
@@ -422,10 +446,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self.gate.release(res)
 
     def _admit(self, cluster: str, req: ValidRequest, key: str, progress: StreamProgress,
-               cancelled: threading.Event, context, ticket: Ticket | None = None):
+               cancelled: threading.Event, context, ticket: Ticket | None = None, *, salt: str = ""):
         if self.gate is None:
             return None
-        uncached = self.gate.uncached_tokens(key, req.prompt_ids, cluster)
+        uncached = self._uncached(key, req, cluster, salt)
         cls = self.gate.request_class(uncached)
         progress.cls = cls.name
         t = time.monotonic()
@@ -444,6 +468,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self.metrics.hint_accuracy.labels(cls=cls.name).observe(res.waited.accuracy())
         progress.started = time.monotonic()  # time to first token is learned from admission on
         return res
+
+    def _uncached(self, key: str, req: ValidRequest, cluster: str, salt: str) -> int:
+        """The admission estimate: a session's from its last prompt there (gate.py), an anonymous request's from
+        the cluster's published prefix map (anonymous.py)."""
+        if req.session_id:
+            return self.gate.uncached_tokens(key, req.prompt_ids, cluster)
+        return len(req.prompt_ids) - self.placer.cached_on(cluster, req.prompt_ids, salt)
 
     def close(self) -> None:
         """Stop the background threads (membership refresher, watchdog, lease renewer), waiting for a Redis read
@@ -486,6 +517,25 @@ def _unary_guard(fn):
         except Exception as e:  # noqa: BLE001 - see _incident
             _incident(context, e)
     return handler
+
+
+def _until_first(attempt, placer: AnonymousPlacer, cluster: str, tokens: int):
+    """``attempt``'s messages, telling ``placer`` when the first one (or the end) comes: prefill done there."""
+    placer.sent(cluster, tokens)
+    pending = True
+    try:
+        while True:
+            try:
+                msg = next(attempt)
+            except StopIteration as stop:
+                return stop.value
+            if pending:
+                placer.first_token(cluster, tokens)
+                pending = False
+            yield msg
+    finally:
+        if pending:
+            placer.first_token(cluster, tokens)
 
 
 def add_router_servicer(service: RouterService, server: grpc.Server) -> None:

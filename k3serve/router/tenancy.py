@@ -7,16 +7,20 @@
   timing. Without API keys and without ``cache_salt`` the salt is empty: one shared cache (the old behaviour).
 * Request ids. With API keys every request id is scoped by its tenant before it reaches admission or a cluster
   (``scoped_request_id``): ids are the client's own namespace, not the deployment's.
-* Cache identity. The cluster budgets KDA checkpoints per session id. A request without a session id gets its
-  routing key (the hash of its first prompt block), so every anonymous conversation has a budget of its own
-  instead of all sharing the empty id. The identity carries the salt's head, so two tenants that pick one
-  session id neither share a pin nor a checkpoint budget.
+* Cache identity. The cluster caps KDA checkpoints per identity (a fairness guard; the slot pool is the budget).
+  A request without a session id is identified by its whole prompt (``anonymous_identity``): a shared first
+  block (a system prompt) must not make every anonymous conversation one identity with one cap. The identity
+  carries the salt's head, so two tenants that pick one session id neither share a pin nor a checkpoint budget.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
+from collections.abc import Sequence
+
+import xxhash
 
 from k3serve.router.hashing import session_key
 
@@ -48,9 +52,18 @@ def scoped_request_id(tenant: str, request_id: str) -> str:
     return f"{tenant}~{request_id}" if tenant else request_id
 
 
+def anonymous_identity(prompt_ids: Sequence[int]) -> str:
+    """``"a:"`` + xxh64 of the whole prompt (uint32 little-endian): one identity per request of a conversation."""
+    try:
+        body = struct.pack(f"<{len(prompt_ids)}I", *prompt_ids)
+    except struct.error as e:
+        raise ValueError(f"token ids must be in [0, 2**32): {e}") from None
+    return f"a:{xxhash.xxh64_hexdigest(body)}"
+
+
 def cache_identity(session_id: str, prompt_ids, salt: str, block_size: int) -> str:
-    """The routing key (pins, HRW) and the session id the cluster budgets checkpoints under.
+    """The session id the cluster caps checkpoints under, and for a session its routing key (pins, HRW).
 
     '#' never occurs in a session id (validate.py), so a scoped key never equals an unscoped one."""
-    key = session_key(session_id, prompt_ids, block_size)
+    key = session_key(session_id, prompt_ids, block_size) if session_id else anonymous_identity(prompt_ids)
     return f"{key}#{salt[:_SCOPE_HEX]}" if salt else key

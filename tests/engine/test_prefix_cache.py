@@ -78,7 +78,8 @@ class Sim:
         for i in range(len(hit.pages), len(pages)):
             self.page_prefix[pages[i]] = tuple(tokens[:(i + 1) * PS])
         if boundaries is None:
-            boundaries = self.cache.checkpoint_boundaries(len(tokens), hit.num_tokens)
+            boundaries = self.cache.checkpoint_boundaries(len(tokens), hit.num_tokens,
+                                                          hit.matched_blocks * self.policy.block_size)
         ckpts = {}
         for b in boundaries:
             s = self._alloc_slot()

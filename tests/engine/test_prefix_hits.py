@@ -97,3 +97,21 @@ def test_hit_is_clamped_to_the_deepest_checkpoint(pipe, tiny_refs, seed):
     out = _run(pipe, "k3", cont, "K2")
     assert out.cached_tokens == 1536
     tiny_refs.check(cont, PARAMS, out.token_ids, label='out')
+
+
+def test_branch_point_checkpoint_lets_the_third_conversation_hit_the_shared_prefix(pipe, tiny_refs):
+    """A shared 1K prefix with distinct suffixes, through the real prefill engine: the first conversation
+    checkpoints only its own block ends; the second diverges after the shared part and saves a checkpoint at that
+    branch point; the third resumes there, with exactly the tokens of a cold run. (Suffixes of 600 tokens keep
+    the CPU run short; test_prefix_sharing.py runs the 1K + 3K case through the cache.)"""
+    pipe.prefill.cache.clear()
+    seed = 0
+    shared = _tokens(1024, seed=11 + 1000 * seed)
+    outs = []
+    for i in range(3):
+        prompt = shared + _tokens(600, seed=12 + i + 1000 * seed)
+        outs.append(_run(pipe, f"c{i}", prompt, ""))
+        if i == 2:
+            tiny_refs.check(prompt, PARAMS, outs[-1].token_ids, label="third")
+    assert [o.cached_tokens for o in outs] == [0, 0, 1024]
+    assert pipe.prefill.cache.stats()["shared_checkpoints"] == 1

@@ -266,14 +266,15 @@ def test_a_refused_client_gets_a_ticket_that_holds_its_place_on_any_router(rig):
 
 
 # ------------------------------------------------------------------ 9: anonymous conversations' identity
-def test_anonymous_requests_get_a_per_conversation_cache_identity(rig):
+def test_anonymous_requests_get_a_per_request_cache_identity(rig):
     fc = rig.add_cluster("c0")
     _, stub = rig.add_router()
     a, b = [1] * 600, [2] * 600
-    for prompt in (a, a + [3, 4], b):
+    for prompt in (a, a + [3, 4], b, a):
         _run(stub, prompt_token_ids=prompt)
     ids = [s.session_id for s in fc.seen]
-    assert all(ids) and ids[0] == ids[1] != ids[2]  # one identity per conversation (its first block)
+    # a shared first block is no identity: each prompt is its own (the cap is a fairness guard per request)
+    assert all(i.startswith("a:") for i in ids) and len(set(ids[:3])) == 3 and ids[3] == ids[0]
 
 
 # ---------------------------------------------------------------------------------- 10: tenant salt
@@ -348,3 +349,29 @@ def test_a_cluster_whose_heartbeat_expires_mid_stream_is_failed_over(rig):
     t.join(20)
     tokens, last = out["r"]
     assert tokens == expected_tokens(60) and last.usage.failovers == 1 and last.usage.cluster_id != serving
+
+
+# ------------------------------------------------------------------ issue 46: anonymous placement
+def test_anonymous_requests_go_where_their_prefix_is_and_fail_over_by_the_same_policy(rig):
+    """Without a session id a request runs where the clusters' published prefix maps say its prefix is cached
+    (the default placer's seed is 0); when that cluster fails mid-stream it resumes, exactly, on the next
+    cluster of the same placement, and no pin is written for it."""
+    from k3serve.engine.block_hash import block_hashes
+    from k3serve.router.prefix_map import PrefixMap
+
+    once = Behaviour(fail_after=2)
+    for c in ("c0", "c1", "c2"):
+        rig.add_cluster(c, once if c == "c1" else None)
+    system = [9] * 1024
+    convo = system + [3] * 700
+    pm = PrefixMap(connect(rig.url), rig.ns)
+    pm.publish("c1", block_hashes(convo, 512, 0), ttl_s=60)
+    pm.publish("c2", block_hashes(system, 512, 0), ttl_s=60)
+    svc, stub = rig.add_router()
+    time.sleep(0.3)  # a membership refresh reads the maps
+    tokens, last = _run(stub, prompt_token_ids=convo + [4] * 10, sampling=pb.SamplingParams(max_tokens=6,
+                                                                                             ignore_eos=True))
+    assert tokens == expected_tokens(6) and last.usage.failovers == 1
+    assert [s.offset for s in rig.clusters["c1"].seen] == [0]
+    assert [s.offset for s in rig.clusters["c2"].seen] == [2]  # the next deepest cache, not c0
+    assert not rig.clusters["c0"].seen and svc.pins.serving_counts() == {}
