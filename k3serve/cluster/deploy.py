@@ -208,8 +208,8 @@ class DeployConfig:
     secret: str = field(default="", repr=False)  # cluster secret for internal endpoints; "": generated per deployment
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # bearer tokens of the public API; none: anonymous
     allow_anonymous: bool = False  # serve without api_keys on a non-loopback bind_host (refused otherwise)
-    # per API key and router replica: streams at once / waiting for admission (0: with 2+ keys, half and a quarter
-    # of the router's streams; with fewer keys, no limit); router/api_keys.py
+    # per API key and router replica: streams at once (0: with 2+ keys, half of the router's streams; with fewer
+    # keys, no limit) / requests inside admission (0: no limit); router/api_keys.py
     key_max_streams: int = 0
     key_max_queued: int = 0
     control: ControlSpec = field(default_factory=ControlSpec)

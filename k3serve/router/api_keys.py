@@ -68,12 +68,14 @@ class QuotaLimits:
 
     @classmethod
     def resolve(cls, max_streams: int, max_queued: int, router_streams: int, keys: int) -> "QuotaLimits":
-        """The deploy keys' values, where 0 means the default: with two or more keys, half of the router's streams
-        and a quarter of them waiting for admission (at least 1); with fewer keys there is nobody to share with,
-        so no limit (a refusal then would leave streams idle)."""
+        """The deploy keys' values. ``max_streams`` 0 means the default: with two or more keys, half of the router's
+        streams (which bounds the key's waiting requests too); with fewer keys there is nobody to share with, so no
+        limit (a refusal then would leave streams idle). ``max_queued`` is off unless set: it counts every request
+        inside admission, also one admitted at once, so a small default would refuse a key's concurrent arrivals
+        while rooms are free."""
         if keys < 2:
             return cls(max_streams, max_queued)
-        return cls(max_streams or max(1, router_streams // 2), max_queued or max(1, router_streams // 4))
+        return cls(max_streams or max(1, router_streams // 2), max_queued)
 
 
 class QuotaExceeded(Exception):

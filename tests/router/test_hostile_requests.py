@@ -113,7 +113,7 @@ def test_an_unknown_or_partial_key_is_refused(rig):
 def test_one_key_cannot_take_every_stream(rig):
     rig.add_cluster("c0", Behaviour(delay_s=0.05))
     svc, stub = rig.add_router(api_keys=("key-a", "key-b"), max_streams=4)
-    assert svc.quota.limits == QuotaLimits(2, 1)  # the defaults: half of the streams, a quarter waiting
+    assert svc.quota.limits == QuotaLimits(2, 0)  # the defaults: half of the streams, no separate queue limit
     calls = [stub.Generate(pb.GenerateRequest(request_id=f"a{i}", prompt_token_ids=[1],
                                               sampling=pb.SamplingParams(max_tokens=40, ignore_eos=True)),
                            metadata=_bearer("key-a"), timeout=30) for i in range(2)]

@@ -354,19 +354,20 @@ def test_a_cluster_whose_heartbeat_expires_mid_stream_is_failed_over(rig):
 # ------------------------------------------------------------------ issue 46: anonymous placement
 def test_anonymous_requests_go_where_their_prefix_is_and_fail_over_by_the_same_policy(rig):
     """Without a session id a request runs where the clusters' published prefix maps say its prefix is cached
-    (the default placer's seed is 0); when that cluster fails mid-stream it resumes, exactly, on the next
+    (the default placer's key is prefix_key(0, secret)); when that cluster fails mid-stream it resumes, exactly, on the next
     cluster of the same placement, and no pin is written for it."""
-    from k3serve.engine.block_hash import block_hashes
+    from k3serve.engine.block_hash import block_hashes, prefix_key
     from k3serve.router.prefix_map import PrefixMap
 
+    key = prefix_key(0, SECRET)
     once = Behaviour(fail_after=2)
     for c in ("c0", "c1", "c2"):
         rig.add_cluster(c, once if c == "c1" else None)
     system = [9] * 1024
     convo = system + [3] * 700
     pm = PrefixMap(connect(rig.url), rig.ns)
-    pm.publish("c1", block_hashes(convo, 512, 0), ttl_s=60)
-    pm.publish("c2", block_hashes(system, 512, 0), ttl_s=60)
+    pm.publish("c1", block_hashes(convo, 512, key), ttl_s=60)
+    pm.publish("c2", block_hashes(system, 512, key), ttl_s=60)
     svc, stub = rig.add_router()
     time.sleep(0.3)  # a membership refresh reads the maps
     tokens, last = _run(stub, prompt_token_ids=convo + [4] * 10, sampling=pb.SamplingParams(max_tokens=6,
