@@ -38,7 +38,7 @@ if [ "$MOONCAKE" != 0 ]; then
        && .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,mooncake]"; then
       echo "$want" > "$mc_stamp"
     elif [ "$MOONCAKE" = auto ]; then
-      echo "setup: WARNING: the Mooncake data plane could not be installed; its tests will skip" >&2
+      echo "setup: WARNING: the Mooncake data plane could not be installed; its tests will report errors (K3SERVE_MOONCAKE=0 skips them)" >&2
     else
       echo "setup: installing the Mooncake data plane failed" >&2; exit 1
     fi

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+import sys
 
 # Triton runs on the CPU only through its interpreter; set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -11,6 +13,37 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(autouse=True)
+def _exactness_excuse_share():
+    """A test fails when more than 1 in 10 of its exactness comparisons needed a near-tie excuse."""
+    exactness = sys.modules.get("tests.exactness")
+    if exactness is not None:
+        exactness.excuse_tally.reset()
+    yield
+    exactness = sys.modules.get("tests.exactness")
+    if exactness is not None:
+        exactness.excuse_tally.check_share()
+        exactness.excuse_tally.reset()
+
+
+MOONCAKE_PLATFORMS = {("Linux", "x86_64")}  # where the pinned Mooncake wheel exists (pyproject's mooncake extra)
+
+
+@pytest.fixture(scope="session")
+def mooncake_plane():
+    """The Mooncake plane's tests: skipped where its wheel does not exist or with K3SERVE_MOONCAKE=0, an error
+    where it should have installed and does not import (a failed install must not leave the run green)."""
+    from k3serve.transfer.mooncake.plane import mooncake_available
+
+    why = mooncake_available()
+    if not why:
+        return
+    if (platform.system(), platform.machine()) not in MOONCAKE_PLATFORMS or os.environ.get("K3SERVE_MOONCAKE") == "0":
+        pytest.skip(why)
+    pytest.fail(f"the Mooncake plane is supported here ({platform.system()} {platform.machine()}) but {why}; "
+                f"set K3SERVE_MOONCAKE=0 to skip its tests", pytrace=False)
 
 
 @pytest.fixture

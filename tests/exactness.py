@@ -1,42 +1,48 @@
 """The one comparison every exactness test uses: served tokens against the single-process reference.
 
-In the default numerics mode the serving paths compute the same maths as the reference in another rounding
-order (other GEMM shapes, chunk boundaries, TP sums, the absorbed MLA decode), so logits agree to ~1e-5, not
-bit for bit. Equal tokens then hold except where the reference itself sits on a knife edge. This helper says
-which: the served tokens must equal the reference's, or the FIRST divergence must be explained by a near-tie
-of the reference, and in that case the logits must still agree (within ``LOGIT_ATOL``) up to that step::
+In the default numerics mode the serving paths compute the reference's maths in another rounding order (GEMM
+shapes, chunk boundaries, TP sums, the absorbed MLA decode), so logits agree to ~1e-5, not bit for bit. The
+served run must then BE the reference run, step for step, except where the reference sat on a knife edge that
+the served run's rounding tipped the other way. A divergence is excused only by re-running the reference with
+that one choice taken the other way (a :class:`Flip`) and finding the served run there::
 
-    step:        0    1    2  ...  d-1   d          d+1 ...
-    tokens:      ==   ==   ==      ==    differ      (not compared: a different history from here)
-    logits:      |got - ref| <= LOGIT_ATOL up to d  (when the test has the served logits)
-    explained:   at step d, moving two reference logits by EPS_LOGIT / 2 each (served token up, reference
-                 token down) makes the sampler draw the served token; OR a MoE router's top-k margin
-                 (k-th minus (k+1)-th biased score) at some position <= the forward of step d is < EPS_ROUTER
+    step:      0    1  ...  d-1   d
+    served:    the reference's tokens (and logits within LOGIT_ATOL, when the test has them) up to d, where
+               tokens, logits or the length first disagree
+    excuse:    a choice at or before d on which the reference is within eps of the other side:
+               - router: at a position p <= n-1+d (the forward that chose step d) a MoE layer's k-th minus
+                 (k+1)-th biased score is < EPS_ROUTER; the counterfactual routes p through the (k+1)-th
+               - argmax: at step d moving the served and the reference token's logits by EPS_LOGIT / 2 each
+                 makes the sampler draw the served token; the counterfactual draws it there
+    then:      the served run must equal the counterfactual run, with the same rule (at most MAX_FLIPS flips)
 
-The logit rule is exact for both samplers: greedy is an argmax, and torch's CPU multinomial draws
-``argmax(p / q)`` with ``q ~ Exp(1)`` from the position-keyed generator (a Gumbel-max), so the draw changes only
-if a perturbation of the logits can reorder the top two of ``logits / T - log q``. A router near-tie turns
-rounding into a different expert choice, after which logits may differ by much more than ``LOGIT_ATOL``, so the
-logit check stops at the first step whose forward saw such a position. Anything else fails, with where and by
-how much. ``numerics: deterministic`` (docs/numerics.md) is tested with ``torch.equal`` instead.
-
-Seeds are parameters of the tests (at least 3 per case); never change one to make a test pass.
+So a flip the served run did not take cannot hide anything: the counterfactual's tokens, logits and length are
+checked from the flip on. A test fails when more than ``EXCUSE_SHARE`` of its comparisons needed an excuse
+(``excuse_tally``, enforced by tests/conftest.py). ``numerics: deterministic`` (docs/numerics.md) is tested with
+``torch.equal`` instead. Seeds are parameters of the tests (at least 3 per case); never change one to make a
+test pass.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.model.layers.ffn import MoE
-from k3serve.model.reference import reference_generate
-from k3serve.model.sampling import sample_token
+from k3serve.model.layers.ffn import MoE, _scaled
+from k3serve.model.reference import reference_generate, validate_prompt
+from k3serve.model.sampling import is_stop, sample_token
+from k3serve.model.state import DenseLatentCache, ForwardBatch
 
 LOGIT_ATOL = 1e-4  # the default mode's promise on logits (fp32 rounding of another operation order)
-EPS_LOGIT = 2 * LOGIT_ATOL  # a near-tie: both logits may move by LOGIT_ATOL, so a gap below 2x can flip
-EPS_ROUTER = 1e-4  # a near-tie of the router's biased sigmoid scores (the issue's flip was at 7.7e-7)
+# The perturbation between paths: chunked (64/128/128) against one-shot prefill of the tiny model moved router
+# scores by at most 2.4e-6 and logits by 3.5e-6 (3 prompts of 320 tokens; issue #42: 2.7e-6 on router scores,
+# 0 expert sets flipped); logits across all paths agree to ~1e-5 (docs/numerics.md). Each eps has ~4x headroom.
+EPS_ROUTER = 1e-5  # a router near-tie: a k-th minus (k+1)-th biased score the served rounding can reorder
+EPS_LOGIT = 4e-5  # a sampler near-tie: both logits may move by EPS_LOGIT / 2
+MAX_FLIPS = 2  # near-ties one served run may have tipped
+EXCUSE_SHARE = 0.1  # a test fails when more than this share of its comparisons needed an excuse
 SEEDS = (0, 1, 2)  # every exactness case runs over these (prompt seeds; sampling seeds where sampled)
 
 
@@ -47,97 +53,231 @@ def random_prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
 
 
 @dataclass(frozen=True)
-class RefTrace:
-    """The reference run of one (prompt, params), with what a comparison needs to explain a divergence.
+class Flip:
+    """One knife-edge choice taken the other way: at absolute `position`, MoE layer `layer` routes through its
+    (k+1)-th expert instead of the k-th; or, with ``layer == -1``, the sampler draws `token` there."""
 
-    router_margin: `[P]` fp32, per absolute position 0 .. P-1 (every position the reference forwarded: the
-    prompt and all generated tokens but the last), the smallest top-k margin over the model's MoE layers
-    (+inf without MoE); router_layer: `[P]` int64, the layer where that smallest margin is.
+    position: int
+    layer: int
+    token: int = -1
+
+    def __str__(self) -> str:
+        if self.layer < 0:
+            return f"sampler near-tie at position {self.position} (drew {self.token})"
+        return f"router near-tie at position {self.position} (layer {self.layer})"
+
+
+@dataclass(frozen=True)
+class RefTrace:
+    """A reference run of (prompt, params), possibly with `flips` taken the other way.
+
+    router_margins: `[n_moe, P]` fp32, the k-th minus (k+1)-th biased router score per MoE layer (`moe_layers`)
+    and absolute position 0 .. P-1 (the prompt and every generated token but the last); router_margin /
+    router_layer: the smallest of them per position and its layer (+inf / -1 without MoE).
     """
 
     prompt: tuple[int, ...]
     params: SamplingParams
     token_ids: tuple[int, ...]
     logits: tuple[torch.Tensor, ...]  # per generated token: `[vocab]` fp32
-    router_margin: torch.Tensor
-    router_layer: torch.Tensor
+    router_margins: torch.Tensor
+    moe_layers: tuple[int, ...]
+    flips: tuple[Flip, ...] = ()
+    model: object = field(default=None, compare=False, repr=False)
+    _counterfactuals: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def router_margin(self) -> torch.Tensor:
+        if not self.moe_layers:
+            return torch.full((self.router_margins.shape[1],), float("inf"))
+        return self.router_margins.min(0).values
+
+    @property
+    def router_layer(self) -> torch.Tensor:
+        if not self.moe_layers:
+            return torch.full((self.router_margins.shape[1],), -1, dtype=torch.long)
+        return torch.tensor(self.moe_layers)[self.router_margins.min(0).indices]
+
+    def counterfactual(self, flip: Flip) -> "RefTrace":
+        """This run with `flip` taken the other way too (computed once)."""
+        if flip not in self._counterfactuals:
+            self._counterfactuals[flip] = _run(self.model, list(self.prompt), self.params, self.flips + (flip,))
+        return self._counterfactuals[flip]
 
 
-class _RouterMargins:
-    """Records, per MoE layer and call, the k-th minus (k+1)-th biased score of every routed row.
+class _Routing:
+    """Records every routed row's top-k margin per MoE layer and takes the (k+1)-th expert at the router flips.
 
-    Wraps the instances' bound ``route`` (the real method runs unchanged) and restores it on exit."""
+    Wraps the instances' bound ``route`` (the real method runs unchanged for every other row) and restores it
+    on exit. Rows are counted per layer: the reference forwards positions in order, one row each."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, flips: tuple[Flip, ...] = ()) -> None:
         self.moes = [(layer.layer, layer.ffn) for layer in model.layers if isinstance(layer.ffn, MoE)]
         self.rows: dict[int, list[torch.Tensor]] = {li: [] for li, _ in self.moes}
+        self.flips = {(f.position, f.layer) for f in flips if f.layer >= 0}
 
-    def __enter__(self) -> "_RouterMargins":
+    def __enter__(self) -> "_Routing":
         for li, moe in self.moes:
-            moe.route = self._recording(li, moe)
+            moe.route = self._wrapped(li, moe)
         return self
 
     def __exit__(self, *exc) -> None:
         for _, moe in self.moes:
             del moe.route  # back to the class's method
 
-    def _recording(self, li: int, moe: MoE):
+    def _wrapped(self, li: int, moe: MoE):
         real, k = MoE.route.__get__(moe), moe.cfg.num_experts_per_token
 
         def route(x: torch.Tensor):
-            scores = torch.sigmoid(torch.nn.functional.linear(x.float(), moe.w_router)) + moe.score_bias
-            top = torch.topk(scores, min(k + 1, scores.shape[-1]), dim=-1).values
-            gap = top[:, k - 1] - top[:, k] if top.shape[-1] > k else torch.full_like(top[:, 0], float("inf"))
+            start = sum(len(r) for r in self.rows[li])
+            raw = torch.sigmoid(torch.nn.functional.linear(x.float(), moe.w_router))
+            top = torch.topk(raw + moe.score_bias, min(k + 1, raw.shape[-1]), dim=-1).indices
+            scores = (raw + moe.score_bias).gather(-1, top)
+            gap = scores[:, k - 1] - scores[:, k] if top.shape[-1] > k else torch.full_like(scores[:, 0], float("inf"))
             self.rows[li].append(gap)
-            return real(x)
+            ids, w = real(x)
+            for row in range(x.shape[0]):
+                if (start + row, li) in self.flips:
+                    ids = ids.clone()
+                    ids[row] = torch.cat([top[row, : k - 1], top[row, k:k + 1]])
+                    wr = raw[row].gather(-1, ids[row])
+                    w = w.clone()
+                    w[row] = _scaled(wr / wr.sum(), moe.cfg.routed_scaling_factor)
+            return ids, w
 
         return route
 
-    def per_position(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.moes:
-            return torch.full((positions,), float("inf")), torch.full((positions,), -1, dtype=torch.long)
-        layers = [li for li, _ in self.moes]
+    def margins(self, positions: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+        layers = tuple(li for li, _ in self.moes)
+        if not layers:
+            return torch.zeros((0, positions)), ()
         m = torch.stack([torch.cat(self.rows[li]) for li in layers])  # [n_moe, P]
         if m.shape[1] != positions:
             raise RuntimeError(f"router saw {m.shape[1]} rows, expected {positions} positions")
-        best, where = m.min(0)
-        return best, torch.tensor(layers)[where]
+        return m, layers
+
+
+def _generate_flipped(model, prompt: list[int], params: SamplingParams, forced: dict[int, int]):
+    """reference_generate's loop, drawing `forced[position]` where given (the sampler near-ties taken)."""
+    cfg = model.cfg
+    validate_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings)
+    kda, latent = model.new_kda_state(1), DenseLatentCache(cfg.num_mla_layers, 1)
+    ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
+    logits = model.forward(ids, ForwardBatch(kda, latent, [0], decode=False))[0]
+    pos, out, kept = len(prompt), [], []
+    while True:
+        tok = forced.get(pos, None)
+        tok = sample_token(logits, params, pos) if tok is None else tok
+        out.append(tok)
+        kept.append(logits.cpu())
+        if is_stop(tok, params, cfg.eos_token_id) or len(out) >= params.max_tokens \
+                or pos + 1 >= cfg.max_position_embeddings:
+            return out, kept
+        logits = model.forward(torch.tensor([[tok]], dtype=torch.long, device=model.device),
+                               ForwardBatch(kda, latent, [pos], decode=True))[0]
+        pos += 1
+
+
+def _run(model, prompt: list[int], params: SamplingParams, flips: tuple[Flip, ...] = ()) -> RefTrace:
+    with torch.no_grad(), _Routing(model, flips) as rec:
+        if flips:
+            tokens, logits = _generate_flipped(model, prompt, params,
+                                               {f.position: f.token for f in flips if f.layer < 0})
+        else:
+            ref = reference_generate(model, list(prompt), params, keep_logits=True)
+            tokens, logits = ref.token_ids, ref.logits
+        margins, layers = rec.margins(len(prompt) + len(tokens) - 1)
+    return RefTrace(tuple(prompt), params, tuple(tokens), tuple(logits), margins, layers, flips, model)
 
 
 def reference_trace(model, prompt: list[int], params: SamplingParams) -> RefTrace:
     """Run the reference generator on (prompt, params), keeping logits and router margins."""
-    with _RouterMargins(model) as rec:
-        ref = reference_generate(model, list(prompt), params, keep_logits=True)
-        positions = len(prompt) + len(ref.token_ids) - 1
-        margin, layer = rec.per_position(positions)
-    return RefTrace(tuple(prompt), params, tuple(ref.token_ids), tuple(ref.logits), margin, layer)
+    return _run(model, list(prompt), params)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """exact: tokens equal. Otherwise `explained` says which near-tie let them diverge (never None then)."""
+    """exact: the reference's run. Otherwise `explained` names the flips whose counterfactual the served run is."""
 
     exact: bool
-    divergence: int | None = None  # the first differing step
+    divergence: int | None = None  # the first step that differs from the reference
     explained: str | None = None
 
 
-def _router_tie(ref: RefTrace, upto: int) -> tuple[int, float, int] | None:
-    """(position, margin, layer) of the smallest router margin at positions 0..upto, or None if none < EPS."""
-    if upto < 0 or not len(ref.router_margin):
+@dataclass(frozen=True)
+class _Mismatch:
+    step: int
+    what: str
+
+
+def _first_mismatch(ref: RefTrace, got: list[int], got_logits, prefix: bool) -> _Mismatch | None:
+    want = ref.token_ids
+    for i in range(max(len(got), len(want))):
+        if i >= len(got):
+            return None if prefix else _Mismatch(i, f"served {len(got)} tokens, the reference {len(want)}")
+        if i >= len(want):
+            return _Mismatch(i, f"served {len(got)} tokens, the reference {len(want)}")
+        if got_logits is not None and i < len(got_logits):
+            err = float((got_logits[i].float().cpu() - ref.logits[i]).abs().max())
+            if err > LOGIT_ATOL:
+                return _Mismatch(i, f"logits of step {i} differ from the reference's by {err:.3g} > {LOGIT_ATOL}")
+        if got[i] != want[i]:
+            gap = float(ref.logits[i][want[i]] - ref.logits[i][got[i]])
+            return _Mismatch(i, f"step {i}: reference {want[i]}, served {got[i]} (reference logit gap {gap:.3g})")
+    return None
+
+
+def _near_ties(ref: RefTrace, step: int, got: list[int]) -> list[Flip]:
+    """The flips at or before `step` that the reference sits within eps of, in position order."""
+    n, out = len(ref.prompt), []
+    taken = {(f.position, f.layer) for f in ref.flips}
+    if ref.moe_layers:
+        upto = min(n + step, ref.router_margins.shape[1])  # positions 0 .. n-1+step
+        hits = (ref.router_margins[:, :upto] < EPS_ROUTER).nonzero().tolist()
+        out += [Flip(p, ref.moe_layers[li]) for li, p in hits if (p, ref.moe_layers[li]) not in taken]
+    if step < min(len(got), len(ref.token_ids)) and got[step] != ref.token_ids[step]:
+        logits, want = ref.logits[step], ref.token_ids[step]
+        nudged = logits.clone()
+        nudged[got[step]] += EPS_LOGIT / 2
+        nudged[want] -= EPS_LOGIT / 2
+        if sample_token(nudged, ref.params, n + step) == got[step]:
+            out.append(Flip(n + step, -1, got[step]))
+    return sorted(out, key=lambda f: (f.position, f.layer))
+
+
+def _explain(ref: RefTrace, got: list[int], got_logits, prefix: bool, depth: int) -> list[Flip] | None:
+    """The flips (at most MAX_FLIPS - depth) whose counterfactual run the served one is; None if there are none."""
+    m = _first_mismatch(ref, got, got_logits, prefix)
+    if m is None:
+        return []
+    if depth >= MAX_FLIPS:
         return None
-    m = ref.router_margin[: upto + 1]
-    p = int(m.argmin())
-    return (p, float(m[p]), int(ref.router_layer[p])) if float(m[p]) < EPS_ROUTER else None
+    for flip in _near_ties(ref, m.step, got):
+        rest = _explain(ref.counterfactual(flip), got, got_logits, prefix, depth + 1)
+        if rest is not None:
+            return [flip] + rest
+    return None
 
 
-def _smallest_router(ref: RefTrace, upto: int) -> str:
-    m = ref.router_margin[: upto + 1]
-    if not len(m) or torch.isinf(m.min()):
-        return "no MoE router"
-    p = int(m.argmin())
-    return f"the smallest router top-k margin up to position {upto} is {float(m[p]):.3g} at position {p} " \
-           f"(layer {int(ref.router_layer[p])}; eps {EPS_ROUTER})"
+class ExcuseTally:
+    """How many comparisons ran and how many needed an excuse, since the last reset (one test)."""
+
+    def __init__(self) -> None:
+        self.checked = self.excused = 0
+        self.notes: list[str] = []
+
+    def reset(self) -> None:
+        self.checked = self.excused = 0
+        self.notes = []
+
+    def check_share(self) -> None:
+        """Raise when more than EXCUSE_SHARE of this test's comparisons needed an excuse."""
+        if self.excused > EXCUSE_SHARE * self.checked:
+            raise AssertionError(f"{self.excused} of {self.checked} comparisons needed a near-tie excuse "
+                                 f"(at most {EXCUSE_SHARE:.0%}): {'; '.join(self.notes[:5])}")
+
+
+excuse_tally = ExcuseTally()
 
 
 def compare(ref: RefTrace, got_tokens: list[int], got_logits: list[torch.Tensor] | None = None,
@@ -145,40 +285,25 @@ def compare(ref: RefTrace, got_tokens: list[int], got_logits: list[torch.Tensor]
     """Check served tokens (and, when given, the logits `[vocab]` per step that chose them) against `ref`.
 
     prefix: the served stream may stop early (a cancelled request): its tokens are checked as a prefix.
-    Raises AssertionError naming the step, position and sizes when the served run is not the reference's up
-    to an explained near-tie; returns a :class:`Verdict` otherwise."""
+    Raises AssertionError naming the step, the difference and the near-ties looked at when the served run is
+    neither the reference's nor a counterfactual one; returns a :class:`Verdict` otherwise."""
     got = [int(t) for t in got_tokens]
-    n, want = len(ref.prompt), list(ref.token_ids)
     tag = f"{label}: " if label else ""
-    d = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    if d is None and len(got) != len(want) and not (prefix and len(got) < len(want)):
-        raise AssertionError(f"{tag}served {len(got)} tokens, the reference {len(want)}; equal up to the shorter")
-    last = len(got) - 1 if d is None else d
-    if got_logits is not None:
-        for i in range(min(last + 1, len(got_logits))):
-            if _router_tie(ref, n - 1 + i) is not None:
-                break  # past a router near-tie the logits may legitimately differ
-            err = float((got_logits[i].float().cpu() - ref.logits[i]).abs().max())
-            if err > LOGIT_ATOL:
-                raise AssertionError(f"{tag}logits of step {i} (position {n + i}) differ from the reference's by "
-                                     f"{err:.3g} > {LOGIT_ATOL} ({_smallest_router(ref, n - 1 + i)})")
-    if d is None:
+    excuse_tally.checked += 1
+    m = _first_mismatch(ref, got, got_logits, prefix)
+    if m is None:
         return Verdict(True)
-    tie = _router_tie(ref, n - 1 + d)
-    if tie is not None:
-        p, m, layer = tie
-        return Verdict(False, d, f"router near-tie {m:.3g} < {EPS_ROUTER} at position {p} (layer {layer})")
-    logits, pos = ref.logits[d], n + d
-    nudged = logits.clone()
-    nudged[got[d]] += EPS_LOGIT / 2
-    nudged[want[d]] -= EPS_LOGIT / 2
-    gap = float(logits[want[d]] - logits[got[d]])
-    if sample_token(nudged, ref.params, pos) == got[d]:
-        return Verdict(False, d, f"logit near-tie at step {d}: reference gap {gap:.3g} (eps {EPS_LOGIT})")
-    raise AssertionError(
-        f"{tag}tokens diverge at step {d} (position {pos}): reference {want[d]}, served {got[d]}; not a near-tie: "
-        f"the reference prefers {want[d]} by {gap:.3g} in logits and moving each by {EPS_LOGIT / 2:g} does not "
-        f"flip the draw; {_smallest_router(ref, pos - 1)}. reference {want}, served {got}")
+    flips = _explain(ref, got, got_logits, prefix, 0)
+    if flips is None:
+        ties = _near_ties(ref, m.step, got)
+        raise AssertionError(
+            f"{tag}{m.what}; no run with at most {MAX_FLIPS} of the reference's near-ties up to there "
+            f"({len(ties)}: {', '.join(map(str, ties[:4])) or 'none'}; eps router {EPS_ROUTER}, logit "
+            f"{EPS_LOGIT}) is the served one. reference {list(ref.token_ids)}, served {got}")
+    why = "; ".join(map(str, flips))
+    excuse_tally.excused += 1
+    excuse_tally.notes.append(f"{tag}{why}")
+    return Verdict(False, m.step, why)
 
 
 class References:

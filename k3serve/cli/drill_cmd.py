@@ -43,7 +43,7 @@ def drill(config: str = typer.Option("configs/local.yaml", "--config"),
         typer.echo(f"drill: deployment up, routers {dep.router_addresses}; running {sessions} sessions x {turns} turns,"
                    f" fault {kill} at {at_s}s", err=True)
         result = run_drill(dep, fault, at_s, sessions, turns, max_tokens, seed=None if seed < 0 else seed,
-                           after_turns=after_turns)
+                           after_turns=after_turns, check=False)
         if samples:
             from k3serve.cluster.samples import sample_texts
 
@@ -52,5 +52,5 @@ def drill(config: str = typer.Option("configs/local.yaml", "--config"),
                 typer.echo(f"--- sample ({'= reference' if s['matches_reference'] else 'DIFFERS from reference'})"
                            f"\n{s['prompt']}{s['text']}", err=True)
     emit(result, as_json, out)
-    ok = result["failed"] == 0 and result["mismatches"] == 0
+    ok = not result["violations"]
     raise typer.Exit(0 if ok else 1)

@@ -32,6 +32,9 @@ from k3serve.v1 import router_pb2, router_pb2_grpc
 log = logging.getLogger(__name__)
 
 FAULT_KINDS = ("cluster", "decode", "prefill", "node", "router", "redis")
+# what a request holds while it runs: every one reads 0 on an idle cluster (the prefix cache's own are excluded)
+REQUEST_POOLS = ("prefill.kda_slots", "prefill.request_pages", "decode.kda_slots", "decode.mla_pages",
+                 "decode.waiting", "decode.staging_bytes")
 
 
 @dataclass(frozen=True)
@@ -332,14 +335,51 @@ def wait_rejoined(dep: Deployment, fault: Fault, before: int, fault_abs: float, 
     return None
 
 
+def busy_clusters(dep: Deployment, skip: set[str], timeout_s: float = 60.0) -> dict[str, dict]:
+    """Per cluster not in `skip`, what still reads non-zero of running requests, in-flight tokens and
+    REQUEST_POOLS (transfer staging included) once `timeout_s` passed without all reading 0; {} when idle."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy: dict[str, dict] = {}
+        for cid, handle in dep.clusters.items():
+            if cid in skip:
+                continue
+            try:
+                load = ray.get(handle.load.remote(), timeout=30)
+            except ray.exceptions.RayError as e:
+                busy[cid] = {"unreachable": str(e).splitlines()[0][:120]}
+                continue
+            keys = ["running_requests", "inflight_tokens"] + [f"pool.{p}.used" for p in REQUEST_POOLS]
+            held = {k: load.get(k, "not reported") for k in keys if load.get(k, "not reported")}
+            if held:
+                busy[cid] = held
+        if not busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(0.25)
+
+
+def violations(out: dict, fault: Fault | None) -> list[str]:
+    """What a drill report breaks of: no failed request, no mismatch, every request of every session counted,
+    every cluster idle afterwards (pools and staging back to 0), and a fault that hit requests in flight."""
+    bad = [f"{out[k]} {k}" for k in ("failed", "mismatches") if out[k]]
+    if out["requests"] != out["requests_expected"]:
+        bad.append(f"{out['requests']} requests counted, {out['requests_expected']} sent (sessions x turns)")
+    if out["busy_after"]:
+        bad.append(f"clusters not idle after the drill: {out['busy_after']}")
+    if fault is not None and not out["in_flight_at_fault"]:
+        bad.append("the fault hit no request in flight")
+    return bad
+
+
 def run_drill(dep: Deployment, fault: Fault | None, at_s: float, sessions: int, turns: int,
               max_tokens: int, seed: int | None = None, rejoin_timeout_s: float = 120.0,
-              after_turns: int = 0) -> dict:
+              after_turns: int = 0, check: bool = True) -> dict:
     """The workload with `fault` injected at `at_s` (and once every session completed `after_turns` turns), checked
     against the reference. For a cluster or rank fault (with ``clusters.rebuild`` on) it then waits for the
     failed cluster to rejoin and reports ``rejoined_s``. A node fault reports the node's clusters
     (``lost_node_clusters``) and where every cluster ran (``cluster_nodes``, node id prefixes); they rebuild
-    when the node comes back, which the drill does not wait for."""
+    when the node comes back, which the drill does not wait for. The report's ``violations`` lists what
+    :func:`violations` finds; `check` raises AssertionError (with the report) when there is any."""
     rebuilds = fault is not None and fault.kind in ("cluster", "decode", "prefill") and dep.deploy.clusters.rebuild
     before = _recoveries(dep, fault) if rebuilds else 0
     placed = dep.cluster_nodes() if fault is not None and fault.kind == "node" else None
@@ -360,4 +400,12 @@ def run_drill(dep: Deployment, fault: Fault | None, at_s: float, sessions: int, 
         out["node_dead_after_s"] = lost[0].dead_after_s if lost else None
     out["wall_s"] = time.monotonic() - t0
     out["sessions"], out["turns"], out["max_tokens"] = sessions, turns, max_tokens
+    out["requests_expected"] = sessions * turns
+    down = set(lost[0].clusters if lost else ())  # a lost node's clusters, a killed one that did not come back
+    if fault is not None and fault.kind in ("cluster", "decode", "prefill") and rejoined is None:
+        down.add(fault.target)
+    out["busy_after"] = busy_clusters(dep, down)
+    out["violations"] = violations(out, fault)
+    if check and out["violations"]:
+        raise AssertionError(f"drill: {'; '.join(out['violations'])}; report {out}")
     return out

@@ -17,8 +17,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from k3serve.engine import mutation
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.executor import Executor, OpFailed, WorkerDied
 from k3serve.contracts.handoff import Handoff
@@ -116,6 +118,8 @@ class DecodeEngine:
         self.draft_capture = self.drafter.capture if self.drafter is not None else None
         self.spec_usage = spec.SpecUsage()  # summed over every request this engine served (Prometheus)
         self.records_in_use = 0  # record buffers held by the verify in flight (they live for one bucket)
+        # an observer of the logits rows `[n, vocab]` that chose a request's next n tokens (tests compare them)
+        self.logits_tap: Callable[[str, object], None] | None = None
 
     # ------------------------------------------------------------------------------------------ intake
     def speculates(self, h: Handoff) -> bool:
@@ -157,8 +161,10 @@ class DecodeEngine:
             self.waiting.popleft()
             slot, pages = self.slots.alloc(), self.pages.alloc(need)
             n_pages = -(-handoff.num_tokens // self.config.pools.page_size)
+            table = tuple(pages[:n_pages])
             try:
-                self.channel.install(self.executor, handoff.state, slot, tuple(pages[:n_pages]))
+                self.channel.install(self.executor, handoff.state, slot, table)
+                mutation.installed(self.executor, slot, table, handoff.num_tokens, self.config.pools.page_size)
             except (StateInstallError, OpFailed) as e:  # fail this request only: the group is intact
                 self.pages.decref(pages)
                 self.slots.free(slot)
@@ -268,6 +274,9 @@ class DecodeEngine:
         with profile_label(SAMPLING_LABEL):
             toks = [self._guarded(run, "sampling", sample_token, logits[i], run.handoff.params, run.next_position + 1)
                     for i, run in enumerate(batch)]
+        if self.logits_tap is not None:
+            for i, run in enumerate(batch):
+                self.logits_tap(run.handoff.request_id, logits[i:i + 1])
         events = []
         for run, tok in zip(batch, toks):
             if tok is None:
@@ -300,6 +309,8 @@ class DecodeEngine:
         for i, (d, acc) in enumerate(zip(bucket, accs)):
             if self.running.get(d.run.handoff.request_id) is not d.run:
                 continue  # its acceptance raised: failed alone
+            if self.logits_tap is not None:
+                self.logits_tap(d.run.handoff.request_id, logits[i, : len(acc.tokens)])
             d.run.usage.add(len(d.proposal.tokens), acc.accepted)
             self.spec_usage.add(len(d.proposal.tokens), acc.accepted)
             self._guarded(d.run, "drafter", d.run.session.observe, spec.outcome(d, acc, features, i))
@@ -319,6 +330,7 @@ class DecodeEngine:
             if run.replaying:  # feed the next replayed token (the sample is discarded): no event
                 run.generated.append(h.replay[len(run.generated)])
                 continue
+            tok = mutation.token(tok, h.request_id, len(run.generated), h.params.max_tokens, self.cfg.vocab_size)
             run.generated.append(tok)
             run.token_times.append(now)
             out.append(tok)

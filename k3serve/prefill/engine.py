@@ -20,11 +20,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from k3serve.engine import mutation
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.chunk_plan import ChunkCandidate, plan_chunks
 from k3serve.engine.executor import Executor, OpFailed, WorkerDied
@@ -99,6 +100,8 @@ class PrefillEngine:
         self.running: list[_Running] = []
         self.failures: list[RequestFailure] = []
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0}
+        # an observer of the logits `[1, vocab]` that chose a request's first token (tests compare them)
+        self.logits_tap: Callable[[str, object], None] | None = None
 
     # ------------------------------------------------------------------------------------------ intake
     def add_request(self, req: PrefillRequest) -> None:
@@ -251,7 +254,7 @@ class PrefillEngine:
     def _try_start(self, req: PrefillRequest) -> _Running | None:
         prompt = list(req.prompt_ids)
         hit = self.cache.lookup(prompt, req.cache_salt) if self.config.enable_prefix_cache else None
-        cached = hit.num_tokens if hit else 0
+        cached = mutation.resume_point(hit.num_tokens if hit else 0, self.cache.policy.block_size)
         fresh = self._pages_for(len(prompt)) - (len(hit.pages) if hit else 0)
         if self.slots.num_free < 1 or self.pages.num_free < fresh:
             self.cache.evict(pages_needed=fresh, slots_needed=1)
@@ -304,6 +307,8 @@ class PrefillEngine:
                 first, reason = req.replay_ids[0], ""
             else:
                 first = sample_token(logits, req.params, n)
+                if self.logits_tap is not None:
+                    self.logits_tap(req.request_id, logits[None])
                 stop = is_stop(first, req.params, self.cfg.eos_token_id)
                 reason = "stop" if stop else ("length" if req.params.max_tokens <= 1 else "")
             draft = None if reason else _draft_features(run, first)

@@ -9,9 +9,8 @@ import pytest
 from live_clients import two_cluster_kill_drill
 
 from k3serve.cluster.deploy import MooncakeSpec, load_deploy
-from k3serve.transfer.mooncake.plane import mooncake_available
 
-pytestmark = pytest.mark.skipif(bool(mooncake_available()), reason=mooncake_available() or "available")
+pytestmark = pytest.mark.usefixtures("mooncake_plane")  # tests/conftest.py: skip, or an error
 
 
 def test_cluster_kill_drill_on_the_mooncake_plane():

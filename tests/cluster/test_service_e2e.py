@@ -174,7 +174,7 @@ def test_metrics_and_class_status_are_visible(deployment):
 def test_router_kill_loses_nothing_for_clients_that_retry(deployment):
     from k3serve.cluster.drill import Fault, run_drill
 
-    out = run_drill(deployment, Fault("router"), at_s=2.0, sessions=8, turns=2, max_tokens=16)
+    out = run_drill(deployment, Fault("router"), at_s=2.0, sessions=8, turns=2, max_tokens=16, seed=6)
     assert out["failed"] == 0 and out["mismatches"] == 0 and out["completed"] == out["requests"] == 16
     assert out["router_retries"] > 0  # the fault really hit requests in flight on the killed router
     # the killed router's admission reservations are freed by lease expiry (10 s leases), nothing leaks
@@ -199,7 +199,7 @@ def test_redis_outage_keeps_serving_and_recovers(deployment):
 
     # the first router replica was killed above; the drill client falls back to the survivor
     deployment.router_addresses = deployment.router_addresses[1:]
-    out = run_drill(deployment, Fault("redis"), at_s=1.0, sessions=6, turns=3, max_tokens=12)
+    out = run_drill(deployment, Fault("redis"), at_s=1.0, sessions=6, turns=3, max_tokens=12, seed=7)
     assert out["failed"] == 0 and out["mismatches"] == 0
     # Redis is back (empty): heartbeats re-register every cluster without a restart
     deployment.wait_healthy(3, timeout_s=30)

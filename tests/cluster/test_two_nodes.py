@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from k3serve.transfer.mooncake.plane import mooncake_available
 from tests.cluster.ray_nodes import TwoNodeRay
 
-pytestmark = pytest.mark.skipif(bool(mooncake_available()), reason=mooncake_available() or "available")
+pytestmark = pytest.mark.usefixtures("mooncake_plane")  # tests/conftest.py: skip, or an error
 
 SESSIONS, TURNS = 9, 3
 

@@ -14,7 +14,7 @@ from k3serve.engine.spec.drafter import VerifyOutcome
 from k3serve.model.eagle3.config import DrafterConfig
 from k3serve.model.eagle3.weights import init_drafter_weights, save_drafter
 from k3serve.model.loader import load_weights
-from tests.exactness import References
+from tests.exactness import SEEDS, References
 
 PROMPTS = [tuple(b"def add(a, b):\n    return a + b\n\ndef add(a, b):\n"), tuple(range(40, 52)), (7,)]
 
@@ -43,13 +43,16 @@ def test_greedy_eagle3_equals_reference(tiny_ckpt, tiny_refs, drafter_dir, tp, k
     assert sum(o.verify_steps for o in outs.values()) > 0 and sum(o.drafted_tokens for o in outs.values()) > 0
 
 
-def test_sampled_eagle3_equals_plain_sampling(tiny_ckpt, tiny_refs, drafter_dir):
-    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sampled_eagle3_equals_plain_sampling(tiny_ckpt, tiny_refs, drafter_dir, seed):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11 + seed, max_tokens=10, ignore_eos=True)
     spec = SpecConfig(method="eagle3", num_draft_tokens=2, drafter_dir=drafter_dir)
     with LocalPipeline(tiny_ckpt, speculative=spec) as pipe:
         outs = pipe.generate(_requests(params))
     for i, p in enumerate(PROMPTS):
+        assert outs[f"r{i}"].error is None, outs[f"r{i}"].error
         tiny_refs.check(list(p), params, outs[f"r{i}"].token_ids, label=f"r{i}")
+    assert sum(o.verify_steps for o in outs.values()) > 0 and sum(o.drafted_tokens for o in outs.values()) > 0
 
 
 def test_session_window_follows_verified_rows(tiny_ckpt, drafter_dir):

@@ -15,13 +15,13 @@ import torch
 from transfer_helpers import make_spec, random_state, send_all
 from k3serve.bench.transfer_faults import SenderFaults
 from k3serve.transfer.buffers import RegionBuffers
-from k3serve.transfer.mooncake.plane import DataPlane, MooncakeConfig, mooncake_available
+from k3serve.transfer.mooncake.plane import DataPlane, MooncakeConfig
 from k3serve.transfer.plan import reshard_kda
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.sender import SendResult, TransferFailed, TransferSender
 from k3serve.transfer.staging import StagingLimits
 
-pytestmark = pytest.mark.skipif(bool(mooncake_available()), reason=mooncake_available() or "available")
+pytestmark = pytest.mark.usefixtures("mooncake_plane")  # tests/conftest.py: skip, or an error
 
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4), (4, 2), (4, 1)]
 MC = MooncakeConfig(staging_bytes=8 << 20, send_bytes=8 << 20, quarantine_s=0.2, batch_bytes=64 << 10,

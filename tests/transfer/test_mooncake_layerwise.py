@@ -20,11 +20,11 @@ from k3serve.engine.executor import WorkerSpec, make_executor
 from k3serve.engine.ops import ExportState, PoolConfig
 from k3serve.model.checkpoint import load_config
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
-from k3serve.transfer.mooncake.plane import MooncakeConfig, mooncake_available
+from k3serve.transfer.mooncake.plane import MooncakeConfig
 from k3serve.transfer.receiver import ReceiverConfig
 from tests.exactness import compare
 
-pytestmark = pytest.mark.skipif(bool(mooncake_available()), reason=mooncake_available() or "available")
+pytestmark = pytest.mark.usefixtures("mooncake_plane")  # tests/conftest.py: skip, or an error
 
 MC = MooncakeConfig(staging_bytes=8 << 20, send_bytes=8 << 20, quarantine_s=0.5, batch_bytes=64 << 10,
                      listen_any=True)

@@ -26,13 +26,13 @@ from k3serve.model.reference import reference_generate
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.client import ReceiverClient
-from k3serve.transfer.mooncake.plane import MooncakeConfig, mooncake_available
+from k3serve.transfer.mooncake.plane import MooncakeConfig
 from k3serve.transfer.plan import reshard_kda
 from k3serve.transfer.receiver import ReceiverConfig
 from k3serve.transfer.sender import SendResult, TransferFailed
 from k3serve.transfer.wire import byte_view, crc32c
 
-pytestmark = pytest.mark.skipif(bool(mooncake_available()), reason=mooncake_available() or "available")
+pytestmark = pytest.mark.usefixtures("mooncake_plane")  # tests/conftest.py: skip, or an error
 
 MC = MooncakeConfig(staging_bytes=8 << 20, send_bytes=8 << 20, quarantine_s=0.5, batch_bytes=64 << 10,
                      listen_any=True)
