@@ -1,0 +1,132 @@
+"""Test tiers: which tests are `slow` (Ray, worker processes, long runs), and a guard that fails any other test
+that starts a process, so nothing multi-process can sit unnoticed in the fast tier (`scripts/test.sh --fast`,
+i.e. `-m "not slow"`).
+
+A test is slow when its path is listed below (a directory, a module or one test), or it carries
+`@pytest.mark.slow`. Everything else runs in both tiers and must stay in this process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import subprocess
+import threading
+from contextlib import contextmanager
+
+import pytest
+
+# path prefix (relative to the repository root) -> why it is not in the fast tier
+SLOW: dict[str, str] = {
+    "tests/cluster/test_deterministic_drill.py": "live deployment (Ray)",
+    "tests/cluster/test_drain_live.py": "live deployment (Ray)",
+    "tests/cluster/test_eagle3_service.py": "live deployment (Ray)",
+    "tests/cluster/test_failover_drills.py": "live deployment (Ray)",
+    "tests/cluster/test_front_cancel.py": "live deployment (Ray)",
+    "tests/cluster/test_lifecycle_live.py": "live deployment (Ray)",
+    "tests/cluster/test_mooncake_drill.py": "live deployment (Ray)",
+    "tests/cluster/test_mxfp4_service.py": "live deployment (Ray)",
+    "tests/cluster/test_ray_start.py": "starts Ray",
+    "tests/cluster/test_redis_server.py": "starts redis-server processes",
+    "tests/cluster/test_readme_client.py": "live deployment (Ray)",
+    "tests/cluster/test_router_live.py": "live deployment (Ray)",
+    "tests/cluster/test_service_e2e.py": "live deployment (Ray)",
+    "tests/cluster/test_spec_service.py": "live deployment (Ray)",
+    "tests/cluster/test_two_nodes.py": "two Ray nodes",
+    "tests/cli/": "runs the CLI in a subprocess",
+    "tests/kernels/test_kda_cpu.py::test_without_numba_the_torch_path_runs": "a fresh interpreter",
+    "tests/kernels/test_kda_cpu.py::test_the_callers_torch_thread_count_survives_the_kernel": "a fresh interpreter",
+    "tests/router/test_hashing.py::test_rank_is_deterministic_across_processes": "fresh interpreters",
+    "tests/transfer/test_mooncake_procs.py": "Mooncake engines in worker processes",
+    "tests/test_layering.py::test_a_router_process_imports_no_torch": "imports in a fresh interpreter",
+}
+
+_state = threading.local()
+_lock = threading.Lock()
+_active: dict[str, object] = {"item": None, "allowed": 0, "violations": []}
+
+
+class ProcessInFastTier(RuntimeError):
+    """A test outside the slow tier started a process."""
+
+
+@contextmanager
+def processes_allowed():
+    """Let a shared fixture start its helper process (e.g. the router tests' one redis-server per session)."""
+    with _lock:
+        _active["allowed"] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active["allowed"] -= 1
+
+
+def _check(what: str) -> None:
+    item = _active["item"]
+    if item is None or _active["allowed"] or getattr(_state, "inside", False):
+        return
+    msg = (f"{item} started {what}, but it is in the fast tier: list it in tests/tiers.py SLOW (or mark it "
+           f"slow), or start the process from a shared fixture under tiers.processes_allowed()")
+    _active["violations"].append(msg)
+    raise ProcessInFastTier(msg)
+
+
+def _wrap(owner, name: str, what: str) -> None:
+    real = getattr(owner, name, None)
+    if real is None:
+        return
+
+    def guarded(*args, **kwargs):
+        _check(what)
+        _state.inside = True  # Popen -> fork_exec and Process.start -> Popen must not report twice
+        try:
+            return real(*args, **kwargs)
+        finally:
+            _state.inside = False
+
+    setattr(owner, name, guarded)
+
+
+def install() -> None:
+    """Patch every way this interpreter starts a process (Ray, redis-server and worker pools all go through
+    these)."""
+    _wrap(subprocess.Popen, "_execute_child", "a subprocess")
+    _wrap(multiprocessing.process.BaseProcess, "start", "a multiprocessing process")
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        _wrap(os, name, f"os.{name}")
+
+
+def slow_reason(nodeid: str) -> str | None:
+    for prefix, why in SLOW.items():
+        if prefix.endswith("/"):
+            if nodeid.startswith(prefix):
+                return why
+        elif nodeid == prefix or nodeid.startswith((prefix + "::", prefix + "[")):
+            return why
+    return None
+
+
+def mark(items: list[pytest.Item]) -> None:
+    for item in items:
+        why = slow_reason(item.nodeid)
+        if why is not None:
+            item.add_marker(pytest.mark.slow(reason=why))
+
+
+def guard_begin(item: pytest.Item) -> None:
+    with _lock:
+        _active["item"] = None if item.get_closest_marker("slow") else item.nodeid
+        _active["violations"] = []
+
+
+def take() -> list[str]:
+    """The violations of the current phase (setup, call or teardown), cleared."""
+    with _lock:
+        found, _active["violations"] = list(_active["violations"]), []
+    return found
+
+
+def guard_end() -> None:
+    with _lock:
+        _active["item"], _active["violations"] = None, []
