@@ -11,36 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests import tiers  # noqa: E402
-
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-
-
-def pytest_configure(config):
-    tiers.install()
-
-
-def pytest_collection_modifyitems(config, items):
-    tiers.mark(items)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    tiers.guard_begin(item)
-    try:
-        yield
-    finally:
-        tiers.guard_end()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    found = tiers.take()
-    if found and not report.failed:  # a swallowed ProcessInFastTier still fails the test
-        report.outcome = "failed"
-        report.longrepr = "\n".join(found)
 
 
 @pytest.fixture
@@ -100,6 +71,37 @@ def tiny_refs(tiny_model):
     from tests.exactness import References
 
     return References(tiny_model)
+
+
+# ---------------------------------------------------------------------------------------------------- tiers
+from tests import tiers  # noqa: E402
+
+
+def pytest_configure(config):
+    tiers.install()
+
+
+def pytest_collection_modifyitems(config, items):
+    tiers.mark(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    tiers.guard_begin(item)
+    try:
+        yield
+    finally:
+        tiers.guard_end()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    found = tiers.take()
+    if found and not report.failed:  # a swallowed ProcessInFastTier still fails the test
+        report.outcome = "failed"
+        report.longrepr = "\n".join(found)
 
 
 # ---------------------------------------------------------------------------------------------------- exit
