@@ -48,7 +48,7 @@ except ImportError:  # kda_cpu records why
 
 from .kda_cpu_tiles import _njit
 
-SIMD_SHA256 = "306fd29fb7aa7ff06d1d8e2e9ab30f37b1d5dc668d1709c6e7a049eaa36031e4"
+SIMD_SHA256 = "d8100f525d45a69ca0e70025979a651314ddd01342caa42a3a1aa2ed8c2b4e29"
 # kda_cpu_tiles.py, inlined here like _simd
 TILES_SHA256 = "06fef665b498d22306d045bef23d89b94ded2858e8f997797d96d0c9ee8b4a35"
 SUB = 16                      # rows per sub-chunk of the decayed scores (kda_torch's sub_chunk)
