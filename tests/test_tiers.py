@@ -50,5 +50,7 @@ def test_slow_reason_matches_directories_modules_and_single_tests():
     assert tiers.slow_reason("tests/cli/test_output.py::test_x") == "runs the CLI in a subprocess"
     assert tiers.slow_reason("tests/cluster/test_service_e2e.py::test_y[a-b]") is not None
     assert tiers.slow_reason("tests/cluster/test_deploy_config.py::test_z") is None
+    assert tiers.slow_reason("tests/kernels/test_x.py::test_y[7-k3-triton]") == "Triton kernels under the interpreter"
+    assert tiers.slow_reason("tests/kernels/test_x.py::test_y[7-k3-torch]") is None
     name = "tests/router/test_hashing.py::test_rank_is_deterministic_across_processes"
     assert tiers.slow_reason(name) is not None and tiers.slow_reason(name + "_too") is None

@@ -2,8 +2,9 @@
 that starts a process, so nothing multi-process can sit unnoticed in the fast tier (`scripts/test.sh --fast`,
 i.e. `-m "not slow"`).
 
-A test is slow when its path is listed below (a directory, a module or one test), or it carries
-`@pytest.mark.slow`. Everything else runs in both tiers and must stay in this process.
+A test is slow when its path is listed below (a directory, a module or one test), a parameter of it names a slow
+backend (SLOW_PARAMS), or it carries `@pytest.mark.slow`. Everything else runs in both tiers and must stay in this
+process.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ SLOW: dict[str, str] = {
     "tests/train/test_train_smoke.py": "a training run",
     "tests/train/test_qat.py": "a training run",
     "tests/eagle3/test_drafter_train.py": "a training run",
-    "tests/engine/test_pipeline.py::test_thirty_two_concurrent_requests_equal_single_runs": "32 requests x 3 seeds",
+    "tests/engine/test_pipeline.py": "pipelines of real requests",
+    "tests/engine/test_prefill_interleave.py": "long prompts through the prefill engine",
+    "tests/kernels/test_kda_triton.py": "Triton kernels under the interpreter",
     "tests/engine/test_deterministic_paths.py": "deterministic pipelines on every path",
     "tests/engine/test_deterministic_packed.py": "deterministic pipelines on every path",
     "tests/engine/test_prefix_hits.py": "multi-turn pipelines",
@@ -53,7 +56,6 @@ SLOW: dict[str, str] = {
     "tests/eagle3/test_eagle3_serving.py": "speculative pipelines",
     "tests/train/test_model_grad.py": "whole-model finite differences",
     "tests/router/test_budget_invariant.py": "restarts redis-server",
-    "tests/engine/test_pipeline.py::test_disaggregated_equals_reference": "TP worker processes",
     "tests/engine/test_mxfp4_serving.py": "TP worker processes",
     "tests/engine/test_op_errors.py::test_multiproc_op_failed_vs_worker_died": "TP worker processes",
     "tests/spec/test_spec_pipeline.py::test_scripted_drafts_equal_reference": "TP worker processes",
@@ -69,6 +71,9 @@ SLOW: dict[str, str] = {
     "tests/transfer/test_faults.py::test_killed_sender_that_never_returns_is_cancelled_by_the_driver": "processes",
     "tests/test_layering.py::test_a_router_process_imports_no_torch": "imports in a fresh interpreter",
 }
+
+# a word in a test's parameter id -> why such cases are not in the fast tier
+SLOW_PARAMS: dict[str, str] = {"triton": "Triton kernels under the interpreter"}
 
 _state = threading.local()
 _lock = threading.Lock()
@@ -127,6 +132,10 @@ def install() -> None:
 
 
 def slow_reason(nodeid: str) -> str | None:
+    params = nodeid.partition("[")[2].rstrip("]").split("-")
+    for word, why in SLOW_PARAMS.items():
+        if word in params:
+            return why
     for prefix, why in SLOW.items():
         if prefix.endswith("/"):
             if nodeid.startswith(prefix):
