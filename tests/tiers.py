@@ -49,6 +49,8 @@ SLOW: dict[str, str] = {
     "tests/engine/test_pipeline.py": "pipelines of real requests",
     "tests/engine/test_prefill_interleave.py": "long prompts through the prefill engine",
     "tests/kernels/test_kda_triton.py": "Triton kernels under the interpreter",
+    "tests/model/test_cpu_gemm.py::test_a_model_on_either_library_serves_the_same_greedy_tokens": "generations",
+    "tests/model/test_model_paths.py::test_prefill_then_decode_equals_reference": "18 generations vs the reference",
     "tests/engine/test_deterministic_paths.py": "deterministic pipelines on every path",
     "tests/engine/test_deterministic_packed.py": "deterministic pipelines on every path",
     "tests/engine/test_prefix_hits.py": "multi-turn pipelines",
