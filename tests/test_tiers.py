@@ -26,6 +26,13 @@ def test_a_worker_process_in_the_fast_tier_is_refused():
     assert tiers.take()
 
 
+def test_a_library_probe_is_not_a_process_of_the_test():
+    import ctypes.util
+
+    assert ctypes.util.find_library("c")  # runs ldconfig -p
+    assert tiers.take() == []
+
+
 def test_a_shared_fixture_may_start_its_helper_under_the_allowance():
     with tiers.processes_allowed():
         assert subprocess.run(["true"]).returncode == 0
