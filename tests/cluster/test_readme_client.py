@@ -11,6 +11,7 @@ from pathlib import Path
 
 from k3serve.cluster.samples import SAMPLE_PROMPTS, sample_texts
 from k3serve.contracts.sampling import SamplingParams
+from k3serve.tokenizer import ByteTokenizer
 from k3serve.v1 import router_pb2
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -33,11 +34,12 @@ def test_the_readme_client_snippet_streams_the_reference_tokens(deployment, refe
     with contextlib.redirect_stdout(printed):
         exec(compile(_snippet(), str(README), "exec"), scope)
     request = scope["request"]
-    prompt = list(request.prompt_text.encode())
+    prompt = ByteTokenizer().encode(request.prompt_text, add_bos=True)  # what the router does with prompt_text
     reference_refs.check(prompt, SamplingParams.from_proto(request.sampling), scope["tokens"], label="readme")
     last = scope["reply"]
     assert isinstance(last, router_pb2.GenerateResponse) and scope["tokens"] and scope["text"]
     assert last.finish_reason in ("length", "stop") and last.usage.completion_tokens == len(scope["tokens"])
+    assert last.usage.prompt_tokens == len(prompt)
     assert printed.getvalue().startswith("def parse_args(" + scope["text"])
 
 
