@@ -69,6 +69,7 @@ SLOW: dict[str, str] = {
     "tests/train/test_trained_serving.py::test_serving_logprobs_give_eval_bits_per_byte": "TP worker processes",
     "tests/transfer/test_loopback_acceptance.py": "sender and receiver processes",
     "tests/transfer/test_layerwise_prefill.py": "TP worker processes",
+    "tests/transfer/test_mooncake_layerwise.py": "TP worker processes",
     "tests/transfer/test_bench_transfer.py": "sender and receiver processes",
     "tests/transfer/test_faults.py::test_retried_transfer_installs_and_decodes_like_the_reference": "processes",
     "tests/transfer/test_faults.py::test_killed_receiver_fails_cleanly_then_a_new_transfer_succeeds": "processes",
