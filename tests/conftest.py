@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints made once per session, thread caps for a 2-core machine."""
+"""Shared fixtures: tiny checkpoints made once per session, thread caps for a 2-core machine; the test tiers
+(tests/tiers.py: which tests are slow, and the guard that keeps processes out of the fast tier)."""
 
 from __future__ import annotations
 
@@ -103,6 +104,37 @@ def tiny_refs(tiny_model):
     from tests.exactness import References
 
     return References(tiny_model)
+
+
+# ---------------------------------------------------------------------------------------------------- tiers
+from tests import tiers  # noqa: E402
+
+
+def pytest_configure(config):
+    tiers.install()
+
+
+def pytest_collection_modifyitems(config, items):
+    tiers.mark(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    tiers.guard_begin(item)
+    try:
+        yield
+    finally:
+        tiers.guard_end()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    found = tiers.take()
+    if found and not report.failed:  # a swallowed ProcessInFastTier still fails the test
+        report.outcome = "failed"
+        report.longrepr = "\n".join(found)
 
 
 # ---------------------------------------------------------------------------------------------------- exit

@@ -15,17 +15,9 @@ Two engine knobs set how much a burst can hurt short requests (chunk_plan.py): t
 prompts in one step. A short request arriving during a long-only step waits for it, and a long chunk's cost
 grows with its context, so the second knob sets the worst extra wait. ``long_ttft_max_s`` shows its price.
 
-Measured on the 2-core development machine (tiny preset, 8 x 6000-token longs, 12 x 200-token shorts):
-
-    engine                                      unloaded p99   burst p99 (budgets)   no budgets
-    512-token steps, no long cap (first cut)    0.27 s         1.37 s                11.0 s
-    + MLA prefill fix, long_step_tokens 64      0.16-0.22 s    0.21-0.27 s           13-16 s
-    + shorts start around a waiting long        0.20 s         0.26 s                0.29 s
-
-The last "no budgets" column was a head-of-line wait (the first short queued behind a long prompt that had no
-pages yet); with it gone the engine alone keeps short TTFT, and what budgets add is on the long side: without
-them all 8 long prompts run at once and the slowest waits 71 s for its first token, with them 4 are refused at
-once with RESOURCE_EXHAUSTED and a retry hint and the slowest admitted one waits 36 s.
+With shorts started around a waiting long prompt the engine alone keeps short TTFT under a burst; what budgets
+add is on the long side: without them every long prompt runs at once and the slowest waits about twice as long
+for its first token as with them, where the excess is refused at once with RESOURCE_EXHAUSTED and a retry hint.
 """
 
 from __future__ import annotations

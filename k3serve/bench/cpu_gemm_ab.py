@@ -1,4 +1,4 @@
-"""Decode step time per CPU GEMM library, side by side in one process (docs/profile.md, fourth pass)::
+"""Decode step time per CPU GEMM library, side by side in one process (docs/performance.md)::
 
     python -m k3serve.bench.cpu_gemm_ab CHECKPOINT [--libraries mkl,auto] [--rounds 5] [--threads 2]
 

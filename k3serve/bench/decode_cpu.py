@@ -1,7 +1,7 @@
 """CPU time per decode step (``time.process_time()``), for A/B comparisons on a shared, loaded machine.
 
 Wall-clock benches swing several-fold when other jobs share the cores; the CPU time a step consumes barely
-moves, so two trees can be compared back to back (docs/profile.md)::
+moves, so two trees can be compared back to back (docs/performance.md)::
 
     OMP_NUM_THREADS=1 PYTHONPATH=<tree> python -m k3serve.bench.decode_cpu 1 1,8,32
 

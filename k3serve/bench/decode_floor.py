@@ -11,8 +11,7 @@ cache, as in a real step), with the library ``F.linear`` calls (MKL's fp32 GEMV 
 No step that computes these products with this library is faster, so ``fraction_of_copy`` (the step-byte model's
 bytes over this time, over the copy bandwidth) bounds what ``achieved_fraction["1"]`` can reach here: where it is
 below a target, the target needs a GEMV faster than the library's on these matrix sizes, not less overhead
-(issue #11's "batch 1 >= 0.5 of copy bandwidth": docs/profile.md, "The decode target against the machine's
-floor"). Full-precision weights only (an MXFP4 checkpoint's routed experts are packed bytes: not counted).
+(the "batch 1 >= 0.5 of copy bandwidth" target: docs/performance.md). Full-precision weights only (an MXFP4 checkpoint's routed experts are packed bytes: not counted).
 """
 
 from __future__ import annotations

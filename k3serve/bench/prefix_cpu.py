@@ -3,7 +3,7 @@
 The same requests as :func:`k3serve.bench.prefix.ttft_hit_vs_cold` (tiny preset, a cold ``prefix + increment``
 prompt, a hit on the cached prefix, a cold prompt of the increment alone), each timed by the CPU time it
 consumes, which other processes' contention barely moves (a hypervisor's steal does: it is charged to the
-running process; docs/profile.md, "Sixth pass")::
+running process)::
 
     OMP_NUM_THREADS=1 PYTHONPATH=<tree> python -m k3serve.bench.prefix_cpu 1 3 [--profile cold|hit|short] [--deterministic]
 

@@ -15,8 +15,8 @@ scores in the latent space and needs more)::
 At the machine's own fp32 matmul rate (measured in the same run) that work takes ``extra_flops / peak`` seconds
 even if every FLOP ran at the GEMM's peak and the softmax were free, so no fp32 implementation's hit is faster
 than ``short + extra_flops / peak``: ``hit_over_cold_short_floor`` is that over ``short``. A target ratio below
-it cannot be met on this machine by any implementation that keeps the model's fp32 numerics (issue #11's
-"hit within 1.5x of a cold short prompt": docs/profile.md, "The prefix-hit target against the machine's floor").
+it cannot be met on this machine by any implementation that keeps the model's fp32 numerics (the "hit within
+1.5x of a cold short prompt" target: docs/performance.md).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def quant(qat: str = typer.Option("", "--qat", help="A `k3serve train qat` outpu
 # Benchmarks owned by other modules join this group (their module defines `app` with its commands).
 for _module in ("k3serve.cli.bench_transfer_cmd", "k3serve.cli.bench_admission_cmd", "k3serve.cli.bench_eagle3_cmd",
                 "k3serve.cli.bench_router_cmd", "k3serve.cli.bench_cuda_cmd", "k3serve.cli.bench_http_cmd",
-                "k3serve.cli.bench_trace_cmd"):
+                "k3serve.cli.bench_trace_cmd", "k3serve.cli.bench_report_cmd"):
     try:
         _sub = importlib.import_module(_module).app
     except ModuleNotFoundError as _e:

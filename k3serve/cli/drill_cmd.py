@@ -22,7 +22,7 @@ def drill(config: str = typer.Option("configs/local.yaml", "--config"),
           after_turns: int = typer.Option(0, "--after-turns",
                                           help="Inject the fault no earlier than every session completed this many turns."),
           samples: bool = typer.Option(True, "--samples/--no-samples",
-                                       help="Also generate a few code prompts (report key 'samples', text on stderr)."),
+                                       help="Also generate a few code prompts, greedy and sampled (report key 'samples', text on stderr)."),
           as_json: bool = typer.Option(False, "--json")) -> None:
     from k3serve.cluster.deploy import DeployError, load_deploy
     from k3serve.cluster.deployment import Deployment
@@ -49,7 +49,7 @@ def drill(config: str = typer.Option("configs/local.yaml", "--config"),
 
             result["samples"] = sample_texts(dep.router_addresses[-1], dep.checkpoint)
             for s in result["samples"]:  # readable next to the JSON report, which stays alone on stdout
-                typer.echo(f"--- sample ({'= reference' if s['matches_reference'] else 'DIFFERS from reference'})"
+                typer.echo(f"--- sample, {s['mode']} ({'= reference' if s['matches_reference'] else 'DIFFERS from reference'})"
                            f"\n{s['prompt']}{s['text']}", err=True)
     emit(result, as_json, out)
     ok = not result["violations"]

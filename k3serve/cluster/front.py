@@ -141,10 +141,9 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
     # ---------------------------------------------------------------------------------------------- rpc
     def warm_up(self, timeout_s: float = WARM_UP_TIMEOUT_S) -> float:
         """Run one short request through this cluster's own pipeline (prefill on every prefill rank, the transfer,
-        decode steps) before it serves; returns its seconds. A cold cluster's first requests ran 3-4x as long as
-        the same requests later (measured: ~0.9 s against ~0.27 s alone; 2.3-3.4 s against 0.70-0.75 s with six
-        requests on the host), which cost a deployment's first users that time and taught the router's admission
-        holding times that the service never had again (docs/architecture.md, "Cold clusters"). The request is
+        decode steps) before it serves; returns its seconds. A cold cluster's first requests run 3-4x as long as the
+        same requests later, which costs a deployment's first users that time and teaches the router's admission
+        holding times that the service never has again (docs/architecture.md §11, "Cold clusters"). The request is
         the engine's own: it is not counted in ``metrics`` requests and leaves no prefix-cache entry (its prompt
         is shorter than a block). Raises RuntimeError if it fails or runs past ``timeout_s`` (the cluster is not
         fit to serve)."""

@@ -1,4 +1,4 @@
-"""Driver-side allocators for the two state pools (DESIGN.md §4).
+"""Driver-side allocators for the two state pools (docs/architecture.md §7, §10).
 
 Pure bookkeeping, no tensors: the scheduler decides which KDA state slot and which MLA pages a request uses and
 sends copy/zero operations to the workers separately. Both allocators hand out the lowest free id first, so a

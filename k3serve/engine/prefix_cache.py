@@ -1,4 +1,4 @@
-"""Hybrid prefix cache, driver side (DESIGN.md §5; ANCHORS.md "Hybrid prefix caching").
+"""Hybrid prefix cache, driver side (docs/architecture.md §9).
 
 MLA pages are indexed per hash block (chained hashes, so a block's hash names its whole prefix); KDA checkpoints
 (one state slot holding all KDA layers at a block end) exist only at a sparse subset of block ends. A hit is the

@@ -1,4 +1,4 @@
-"""Policy and result types of the hybrid prefix cache (DESIGN.md §5), kept apart from the cache's mutable index.
+"""Policy and result types of the hybrid prefix cache (docs/architecture.md §9), kept apart from the cache's mutable index.
 
 Everything here is a pure function of its arguments: where to save KDA checkpoints, and how valuable a saved
 checkpoint is when something has to go.
@@ -20,7 +20,7 @@ class PrefixCachePolicy:
     ``scheme="k3"``: hash blocks of ``hash_block_size`` tokens; checkpoints only at the last block end of each
     prompt (the turn boundary) and at every ``checkpoint_every_blocks``-th block end (absolute positions, so
     long shared documents line up across sessions).
-    ``scheme="naive"``: the baseline K3 is measured against, where hash granularity = checkpoint granularity =
+    ``scheme="naive"``: the baseline the K3 scheme is compared with, where hash granularity = checkpoint granularity =
     ``naive_chunk`` and every block end is a checkpoint; a turn shorter than a chunk never gets a hit.
     ``eviction_alpha`` weighs depth and ``eviction_beta`` the continuations a checkpoint served against recency
     in :func:`checkpoint_scores`. ``max_checkpoints_per_session`` is a fairness guard per cache identity; the slot

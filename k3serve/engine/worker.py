@@ -136,7 +136,7 @@ class ModelWorker:
         first, n = op.slots[0], len(op.slots)
         # Slots come lowest-free-first, so a batch is often one ascending run: then the blocks are views and
         # the forward updates the pool in place. Otherwise gather (copy), run, scatter back. At batch 32 on the
-        # bench preset the copies were ~200 MB per step, as much as the weights (docs/profile.md).
+        # bench preset the copies would move as many bytes per step as the weights.
         adjacent = tuple(op.slots) == tuple(range(first, first + n))
         if adjacent:
             blocks = [self.kda_store[first: first + n, layer] for layer in layers]

@@ -2,10 +2,10 @@
 
 Why not leave vectorisation to LLVM: numba runs LLVM's loop vectoriser but not its SLP vectoriser, so an
 auto-vectorised ``acc[e] += w * s[e]`` keeps its accumulators in memory (a load and a store per FMA) and the
-small matrices of a KDA chunk ran at 15-35 GFLOP/s per core (measured, docs/profile.md "Fifth pass"). With
-values of this type as local variables, a tile of 8 rows x 32 columns lives in 16 registers across the whole
-reduction loop (a 4 x 32 tile alone ran at ~95 GFLOP/s per core on the AVX-512 machine: LLVM lowers <16 x float>
-to one zmm register there, to two ymm or four xmm registers on narrower CPUs, with the same results).
+small matrices of a KDA chunk ran at a fraction of the core's FMA rate. With values of this type as local
+variables, a tile of 8 rows x 32 columns lives in 16 registers across the whole reduction loop (LLVM lowers
+<16 x float> to one zmm register on AVX-512, to two ymm or four xmm registers on narrower CPUs, with the same
+results).
 
 Numerics: every operation is lane-wise and exact IEEE fp32 (``vfma`` / ``vfnma`` are ``llvm.fma``: one
 rounding, the same bits on any x86-64 whatever the vector width); ``vexp`` is a fixed polynomial (Cephes

@@ -4,8 +4,8 @@ Same algorithm and decay factors as ``kda_torch.chunk_kda_torch`` (its module do
 but each (batch, head) sequence walks its chunks in order inside one thread and does a chunk's whole work while its
 rows are in cache, instead of ~20 batched torch ops over all chunks followed by a 128-step Python loop of small
 ``baddbmm`` calls. Chunks of C = 16 tokens by default (one sub-chunk; the torch path's is 32): with the sequential
-state step this cheap, the smaller chunk does ~13% less work per token and measured 5-17% faster than 32 (64:
-20-30% slower; docs/profile.md, fifth pass); any multiple of 16 runs::
+state step this cheap, the smaller chunk does ~13% less work per token and runs faster than 32 or 64 (the
+sequential state step is cheap); any multiple of 16 runs::
 
     prange over runs of consecutive (batch, head) sequences, one run per thread (min(torch.get_num_threads(),
     numba's, B*H) threads); within a run, for each chunk c (rows t = c*C .. c*C + C - 1, zero rows past T)
@@ -19,7 +19,7 @@ state step this cheap, the smaller chunk does ~13% less work per token and measu
 
 (numba code in ``kda_cpu_kernel``, the scratch layout in its docstring). The inner loops are 16-lane vector code
 (``_simd``: register tiles of 8 rows x 16-32 columns, explicit FMAs), because LLVM's auto-vectorised loops
-kept their accumulators in memory (docs/profile.md, fifth pass). On CPUs without AVX-512 the sequential stages
+kept their accumulators in memory (``_simd``'s docstring). On CPUs without AVX-512 the sequential stages
 take 4 x 16 tiles and the score tiles 2-row passes instead (:func:`narrow_tiles`), which fit AVX2's 16 registers:
 the same FMAs per element in the same order, so the same bits.
 
@@ -138,9 +138,8 @@ def chunk_kda_cpu(
         finally:
             # numba's "omp" layer shares the process's OpenMP runtime with torch, and starting its pool sets that
             # runtime's thread count to NUMBA_NUM_THREADS: torch.get_num_threads() then reads 2 on 2 cores after
-            # a rank capped it at 1. Measured before this restore (tiny preset, a rank at 1 thread): every later
-            # decode step ran two OpenMP threads, one waiting at the other's barriers (CPU time 2x the wall,
-            # 28 ms instead of 17 ms a step), and each process of a deployment took both cores.
+            # a rank capped it at 1. Without this restore every later decode step ran two OpenMP threads, one
+            # waiting at the other's barriers, and each process of a deployment took both cores.
             if torch.get_num_threads() != torch_threads:
                 torch.set_num_threads(torch_threads)
     o = out if Vi == V else out[..., :V]
@@ -152,9 +151,7 @@ def narrow_tiles() -> bool:
     """Whether this CPU runs the kernel's narrow register tiles (kda_cpu_tiles.py: 4 x 16 in the sequential
     stages, 2-row passes in the score tiles): yes without AVX-512. The wide tiles hold 16 accumulators of 16 lanes,
     16 of AVX-512's 32 vector registers; on AVX2 each takes two of its 16, more than it has before an operand is
-    loaded. Measured on a Zen 3 (AVX2, 2 threads, T 4096, H 4, the two alternating, best of 8): K = 64 48 -> 80
-    GFLOP/s, K = 128 55 -> 102 (docs/profile.md, "Ninth pass"); on AVX-512 the wide tiles were measured faster
-    (4-row tiles 3-16% slower, fifth pass)."""
+    loaded: on AVX2 the narrow tiles run 1.65-1.85x faster, on AVX-512 the wide ones are faster."""
     try:
         from llvmlite import binding
         return not binding.get_host_cpu_features().get("avx512f", False)

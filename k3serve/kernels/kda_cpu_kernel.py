@@ -48,7 +48,7 @@ except ImportError:  # kda_cpu records why
 
 from .kda_cpu_tiles import _njit
 
-SIMD_SHA256 = "306fd29fb7aa7ff06d1d8e2e9ab30f37b1d5dc668d1709c6e7a049eaa36031e4"
+SIMD_SHA256 = "d8100f525d45a69ca0e70025979a651314ddd01342caa42a3a1aa2ed8c2b4e29"
 # kda_cpu_tiles.py, inlined here like _simd
 TILES_SHA256 = "06fef665b498d22306d045bef23d89b94ded2858e8f997797d96d0c9ee8b4a35"
 SUB = 16                      # rows per sub-chunk of the decayed scores (kda_torch's sub_chunk)
@@ -274,7 +274,7 @@ def solve(L, TI, X, narrow):
     TI = (I + L)^-1 row by row (forward substitution: TI_i = e_i - sum_{j<i} L_ij TI_j), each row flushed as
     soon as it is formed, then X = TI X. Forward substitution straight on X was not kept: its rows feed the
     next rows without a flush, and chains of products of tiny factors went subnormal (x86 runs those in
-    microcode; measured 2-3x slower on the unbounded gate, and at C = 64 on the bounded one). TI's flushed
+    microcode: 2-3x slower on the unbounded gate, and at C = 64 on the bounded one). TI's flushed
     entries are >= _TINY like kda_torch's flushed inverse, so X's products stay normal.
     """
     C, W = L.shape[0], X.shape[1]
@@ -337,7 +337,7 @@ def state_step(S, X, QG, KD, DEC, A, OB):
 def _sequences(s0, s1, T, H, q, k, v, g, beta, scale, final, out, C, narrow):
     """Sequences s0 .. s1 - 1 (bh = b*H + h), chunk by chunk in lockstep: chunk c of each, then chunk c + 1, so
     the rows of a token's adjacent heads are read together (one pass over memory; a head at a time re-read the
-    other heads' lines of every row, measured 1.5-2x slower at 2 threads). final: fp32 [B, H, K, V], initial
+    other heads' lines of every row, 1.5-2x slower at 2 threads). final: fp32 [B, H, K, V], initial
     states in, final states out; out: fp32 [B*T*H, Vi] (row of token t: (b*T + t)*H + h). Each sequence has its
     own state S; the per-chunk scratch is shared (every chunk rewrites what it reads, see the module docstring)."""
     K, V = final.shape[2], final.shape[3]

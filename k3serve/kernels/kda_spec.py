@@ -22,7 +22,7 @@ k_t is the L2-normalised key, g_t the log-decay, u_t the delta-rule correction, 
 projections (what the conv window keeps). Stored fp32 here (this model computes k, g in fp32), 6K x 4 B =
 768 B per head per token at K = 32, 3 KiB at K = 128. With bf16 activations (K3 serving) k, g and the raw
 inputs are bf16 and u fp32: 5K x 2 + 4K = 14K B = 1792 B at K = 128, against a 64 KiB state + 4.5 KiB windows
-per head that a snapshot per draft would copy (docs/speculative.md has the totals).
+per head that a snapshot per draft would copy (docs/speculative.md).
 
 Backends as every kernel here (``_dispatch``): "naive" (loops), "torch" (vectorised, CPU), "triton" (CUDA;
 CPU under TRITON_INTERPRET=1).

@@ -213,9 +213,8 @@ def recurrent_kda_triton(
     return _launch(_recurrent_kda_kernel, q, k, v, g, beta, scale, initial_state, output_final_state)
 
 
-# (chunk size, V block, warps) of the chunked kernel for head sizes above 64, by measurement on an H200
-# (docs/cuda.md; `k3serve.bench.cuda_sweep`, B = 8, H = 32, T = 4096, K = V = 128): 50.7 ms against 242 ms for
-# the (32, 64, 4) that smaller heads keep (not swept there). At K = 128 the per-chunk [BT, BK] fp32 and fp64
+# (chunk size, V block, warps) of the chunked kernel for head sizes above 64: the best of `k3serve.bench.cuda_sweep`
+# on a GPU (docs/cuda.md), ~5x the (32, 64, 4) that smaller heads keep (not swept). At K = 128 the per-chunk [BT, BK] fp32 and fp64
 # tiles of a 32-token chunk spill; 16-token chunks and 32-wide V blocks (twice the programs) do not.
 WIDE_HEAD_LAUNCH = (16, 32, 2)
 NARROW_HEAD_LAUNCH = (32, 64, 4)

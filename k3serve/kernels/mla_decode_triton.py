@@ -1,8 +1,8 @@
 """Triton paged MLA decode (absorbed form; math in ``mla_decode.py``), split over the context. Imported lazily.
 
 A decode step has one query token per request, so one program per (request, head block) gives a 132-SM GPU
-only B * cdiv(H, BH) programs, each walking its whole context alone: measured on an H200 at B = 32, H = 8,
-4096 tokens, that read the pages at 11 GB/s, 0.3% of the copy bandwidth. So the context is split
+only B * cdiv(H, BH) programs, each walking its whole context alone, far below the copy bandwidth (docs/cuda.md).
+So the context is split
 (flash-decoding): each program takes one span of ``tokens_per_split`` tokens of one request and one head
 block, and a second kernel merges the spans' partial softmaxes.
 

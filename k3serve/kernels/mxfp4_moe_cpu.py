@@ -89,7 +89,7 @@ def _mv_rows(xt, w4, m, acc4):
         acc0[r] = acc1[r] = acc2[r] = acc3[r] = np.float32(0.0)
     for j in range(w4.shape[1]):
         w0, w1, w2, w3 = w4[0, j], w4[1, j], w4[2, j], w4[3, j]
-        xj = xt[j]  # 1-D views: LLVM vectorises these loops (2-D indexing kept them scalar; measured 2x)
+        xj = xt[j]  # 1-D views: LLVM vectorises these loops (2-D indexing kept them scalar, 2x slower)
         for r in range(m):
             x = xj[r]
             acc0[r] += x * w0

@@ -1,13 +1,8 @@
 """The default numerics mode's fp32 CPU GEMM: oneDNN's packed GEMM or MKL (``F.linear``), chosen per call.
 
-torch's CPU ``F.linear`` runs MKL's sgemm. On CPUs that are not Intel's, MKL takes generic code paths; measured
-on an AMD EPYC (Zen 5, AVX-512, 2 cores), weights cycling through 512 MiB so none stays in cache::
-
-    one row (decode GEMV), GB/s of weight read    MKL 15-17     oneDNN packed 29-38 (2 rows: 27-33)
-    256-1024 rows (prefill), time                 MKL 1x        oneDNN packed 0.4-0.5x
-
-and on the Intel Xeon (AVX-512 + AMX) of the earlier wave oneDNN ran 16-256 rows 5-25% faster than MKL but one
-row at 1.1-1.4x MKL's GEMV time (model/packed_gemm.py). Hence ``numerics.default_gemm``:
+torch's CPU ``F.linear`` runs MKL's sgemm. On CPUs that are not Intel's, MKL takes generic code paths: there
+oneDNN's packed GEMM reads weights about twice as fast for a decode row and runs prefill-sized calls in half the
+time; on Intel CPUs oneDNN wins from a few rows on but loses the one-row GEMV. Hence ``numerics.default_gemm``:
 
     auto     oneDNN where it is the faster library: weights of 2 MiB and more at any row count, smaller ones
              from 32 rows on (``CpuGemm.takes_shape``); one-row calls stay on MKL on GenuineIntel CPUs
@@ -15,10 +10,10 @@ row at 1.1-1.4x MKL's GEMV time (model/packed_gemm.py). Hence ``numerics.default
     mkl      F.linear everywhere (the former default; no packed copies)
 
 A oneDNN call is zero-padded to a bucket of rows (``row_bucket``; one row to 2): a row of a oneDNN GEMM has the
-same bits for every row count from 2 on (measured, model/packed_gemm.py) but one row alone takes another kernel,
+same bits for every row count from 2 on (model/packed_gemm.py) but one row alone takes another kernel,
 and every new row count costs a primitive. So a decode row's oneDNN linears do not depend on how many requests
 share the step, and a plain-weight call (a dequantised MXFP4 block, ``transient``) gives the packed weight's bits
-(both measured equal from 2 rows on). Only
+(both equal from 2 rows on). Only
 fp32 CPU operands without gradients take oneDNN (training keeps ``F.linear`` and its autograd). The packed
 copies are one more copy of every fp32 weight a call has used (``PackedWeights``); ``mkl`` holds none.
 """
@@ -48,12 +43,10 @@ def cpu_vendor() -> str:
 
 
 # oneDNN's per-call cost (~20-40 us, and a zero-padded second row) loses to MKL's GEMV on weights that sit in
-# cache (measured, 2 threads, AMD: [256, 256] one row 9 vs 46 us, [512, 1024] 51 vs 67 us hot) and wins on weights
-# streamed from memory (a decode step of a model larger than the cache: [512, 1024] 105 vs 70 us cold, [4232, 1024]
-# 1044 vs 361 us). Calls of fewer than MANY_ROWS rows therefore take oneDNN for weights of at least
-# FEW_ROWS_MIN_ELEMENTS (2 MiB fp32: the bench preset's experts and projections; none of the tiny preset's), and
-# calls of MANY_ROWS rows and more, where oneDNN's kernels are faster whatever the weight (32 rows: [256, 512]
-# 57 vs 84 us, [1024, 1024] 233 vs 742 us; 512 rows 2-3x), for weights of at least MANY_ROWS_MIN_ELEMENTS.
+# cache and wins on weights streamed from memory (a decode step of a model larger than the cache). Calls of fewer
+# than MANY_ROWS rows therefore take oneDNN for weights of at least FEW_ROWS_MIN_ELEMENTS (2 MiB fp32: the bench
+# preset's experts and projections; none of the tiny preset's), and calls of MANY_ROWS rows and more, where
+# oneDNN's kernels are faster whatever the weight, for weights of at least MANY_ROWS_MIN_ELEMENTS.
 FEW_ROWS_MIN_ELEMENTS = 1 << 19
 MANY_ROWS = 32
 MANY_ROWS_MIN_ELEMENTS = 1 << 16
@@ -66,9 +59,8 @@ def row_bucket(rows: int) -> int:
         3 .. 64       -> multiple of 8
         65 ..         -> 4 steps per octave: 65..128 by 16, 129..256 by 32, ... (at most +25% rows, +12% typical)
 
-    oneDNN makes (and JIT-compiles) a primitive per row count on its first call: 0.7-8 ms per weight shape
-    (measured), which a prefill of every new length, or a test suite of many prompt lengths, paid on every call
-    (the suite ran 26 min instead of 17 with exact row counts); bucketing bounds the primitives to ~40 per weight
+    oneDNN makes (and JIT-compiles) a primitive per row count on its first call (milliseconds per weight shape),
+    which a prefill of every new length, or a test suite of many prompt lengths, would pay again; bucketing bounds the primitives to ~40 per weight
     shape up to 8192 rows. A row's bits do not depend on the call's row count from 2 rows on
     (model/packed_gemm.py), so the padding changes no value."""
     if rows <= PACKED_MIN_ROWS:

@@ -7,7 +7,7 @@ and orders that do not depend on how many rows share the call or on the TP degre
 
 ```
  rows     x [N, K] ──pad to >= 16 rows─▶ one [N, K] x [K, n] GEMM: each row has the bits of its [R, K] x [K, n]
-          tile GEMM (R = MIN_TILE .. numerics.row_tile; measured: from 16 rows on a row's bits do not depend on
+          tile GEMM (R = MIN_TILE .. numerics.row_tile; from 16 rows on a row's bits do not depend on
           the row count); weights narrower than BMM_MIN_OUT (n = 1 does depend on it): each output a row-local
           sum of elementwise products (narrow_linear), no GEMM
  columns  W [n_local, K] = units_local x [n/U, K]: one GEMM per unit (U = shard units: the largest TP)
@@ -16,7 +16,7 @@ and orders that do not depend on how many rows share the call or on the TP degre
           all-gather the partials of all U units (in rank order = unit order), then
           out = ((p_0 + p_1) + p_2) + ... + p_{U-1}     on every TP, including 1
 ```
-Measured on this CPU at one thread (tests/model/test_numerics_invariants.py): a row of a GEMM does not depend on
+Pinned at one thread (tests/model/test_numerics_invariants.py): a row of a GEMM does not depend on
 the other rows nor on its place, and from MIN_TILE rows on not on the row count either (up to 4096 rows for the
 model's shapes; 1-column weights excepted), and a batch of tiles equals separate calls; a GEMM with fewer rows
 takes another kernel (a ~1e-5 different result), and 1 vs 2 threads differ (with 2 threads the row count does
@@ -200,8 +200,8 @@ class DeterministicOps(DefaultOps):
         """x `[N, K]` (any N), w `[n, K]` -> `[N, n]` with each row's bits those of a [R, K] x [K, n] tile GEMM.
 
         Weights with at least BMM_MIN_OUT rows run as one GEMM over all N rows (zero-padded to MIN_TILE when
-        fewer): from MIN_TILE rows on a row's bits do not depend on the GEMM's row count (measured up to 4096
-        rows for the model's shapes, and equal to a bmm over tiles: tests/model/test_numerics_invariants.py),
+        fewer): from MIN_TILE rows on a row's bits do not depend on the GEMM's row count (up to 4096 rows for
+        the model's shapes, and equal to a bmm over tiles: tests/model/test_numerics_invariants.py),
         so this is the tile loop's result without the tiles. Narrower ones (a 1-head unit of b_proj), whose
         GEMM rows do change with the row count (n = 1 at 5, 6, 7 .. rows), take :func:`narrow_linear`."""
         rows, k = x.shape
@@ -255,7 +255,7 @@ class DeterministicOps(DefaultOps):
 
     def prepack_experts(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], downs: list[torch.Tensor]) -> None:
         # a decode step routes to experts it has not seen for dozens of steps: packing each on its first token
-        # made the bench preset's first ~20 deterministic steps 30-40% slower (measured)
+        # would slow the first deterministic steps by a third
         for w_a, w_b in pairs:
             if w_a.shape == w_b.shape and self.whole_packed(w_a):
                 self.packed.get_stacked((w_a, w_b))

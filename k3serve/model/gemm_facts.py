@@ -3,8 +3,8 @@
 The mode gives a row of a linear layer the bits of its ``MIN_TILE``-row tile GEMM by running every call as one
 GEMM of at least ``MIN_TILE`` rows (model/deterministic.py). That holds only if, from ``MIN_TILE`` rows on, a
 GEMM row's bits do not depend on how many rows share the call: a property of the BLAS kernels, not of the
-model. It held from 4 rows on an AVX2 Xeon and only from 16 on an AVX-512 Xeon with AMX (docs/numerics.md,
-"Fifth"); another CPU may differ again. Rather than serve tokens that silently stop being the reference's, a
+model. It held from 4 rows on an AVX2 Xeon and only from 16 on an AVX-512 Xeon with AMX (docs/numerics.md);
+another CPU may differ again. Rather than serve tokens that silently stop being the reference's, a
 deterministic model checks the fact for its own linear shapes when it is built and refuses to start where it
 does not hold (``NumericsError`` naming the shape)::
 

@@ -1,18 +1,17 @@
 """oneDNN's packed fp32 GEMM for the deterministic mode's wide linears (model/deterministic.py).
 
-MKL's fp32 GEMM gives a row the bits of its 16-row tile only from 16 rows on (docs/numerics.md, "Fifth"), so the
-mode pads a decode step's one row to 16 and pays ~3x the GEMV the default mode runs (a [1024 x 1024] weight at
-one thread: 700 us against 250 us). oneDNN's fp32 matmul (``mkldnn::_linear_pointwise``, the brgemm kernels)
-accumulates every output element over K in one fixed order whatever the row count, measured on this CPU (Intel
-Xeon, AVX-512 + AMX, oneDNN 3.12, 1 and 2 threads) for every bench / tiny preset shape and 2 .. 2053 rows::
+MKL's fp32 GEMM gives a row the bits of its 16-row tile only from 16 rows on (AVX-512 CPUs; docs/numerics.md), so
+the mode would pad a decode step's one row to 16 and pay ~3x the GEMV. oneDNN's fp32 matmul
+(``mkldnn::_linear_pointwise``, the brgemm kernels) accumulates every output element over K in one fixed order
+whatever the row count (checked for every bench / tiny preset shape, 1 and 2 threads)::
 
     rows      a row of an [M, K] x [K, n] GEMM has the same bits for every M >= 2 and at any place in x
               (M = 1 takes another kernel when K > 1024, so one row is zero-padded to PACKED_MIN_ROWS)
     columns   a column has the same bits whatever n (a weight's column slice, a stack of weights)
     packing   the weight reordered once (``_reorder_linear_weight``) gives the bits of the plain weight
 
-and it runs one row at 1.1-1.4x the GEMV and 16 .. 256 rows 5-25% faster than MKL (same harness). Each call
-costs ~20-30 us more than MKL's for small weights, so the mode uses it only for long reductions and large
+and it runs one row near the GEMV's time and many rows faster than MKL. Each call has a fixed cost that small
+weights do not repay, so the mode uses it only for long reductions and large
 fixed-shape units (``DeterministicOps.uses_packed``: ``numerics.packed_min_k``, ``numerics.packed_min_elements``,
 both decided from TP-invariant shapes). The facts are checked for the model's own shapes when it is built
 (model/gemm_facts.py) and pinned for the bench preset's shapes by tests/model/test_packed_gemm.py.
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 from k3serve.contracts.numerics import NumericsError
 
-# A one-row call takes another kernel for K > 1024 (measured), two rows and more the same one.
+# A one-row call takes another kernel for K > 1024; two rows and more the same one.
 PACKED_MIN_ROWS = 2
 
 

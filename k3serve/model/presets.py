@@ -4,7 +4,7 @@
 Attention Residuals, Stable LatentMoE with SiTU-GLU); ``tiny-linear`` the Kimi-Linear flavour (softplus gate,
 low-rank output gate, plain MLA and MoE). Both use the byte tokenizer's vocabulary (256 bytes + BOS/EOS/PAD).
 ``tiny-trained`` is ``tiny`` with narrower experts and trained weights shipped as package data (``k3serve/assets/tiny-trained``,
-made by ``k3serve train target``; README has the command and seed): :func:`write_preset_checkpoint` copies it,
+made by ``k3serve train target``; its ``train_log.json`` has the settings and seed): :func:`write_preset_checkpoint` copies it,
 every other preset is made from random values. Layer pattern for the 9-layer presets: ``[KDA x3, MLA] x2 + MLA`` (0-indexed MLA layers 3, 7, 8), the same
 shape as K3's tail where the last two layers are both MLA.
 """

@@ -2,8 +2,8 @@
 
 A Python number in a tensor op (``x / 4.0``, ``x.add_(eps)``) reaches ATen as a wrapped double 0-dim tensor, which
 TensorIterator converts to the op's dtype on every call: an ``aten::to`` with its ``_to_copy``, allocation and
-copy, four more dispatches (~3 us each time on the 2-core Xeon; a 1 x 256 division 5-6.6 us against 2.3-2.6
-with a 0-dim fp32 divisor). A decode step made ~380 such calls (docs/profile.md, "Seventh pass"). A 0-dim fp32
+copy, four more dispatches (about twice the time of a small op with a 0-dim fp32 operand); a decode step made
+~380 such calls (docs/performance.md). A 0-dim fp32
 tensor is used as it is, with the same bits: the number is rounded to fp32 once either way.
 
 The constants are cached by value (a few per model: eps, a hidden size, the SiTU betas). They are shared: never

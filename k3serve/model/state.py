@@ -1,7 +1,7 @@
 """Explicit per-request state the model forward reads and updates.
 
 KDA state: one block of fp32 values per (request, KDA layer, head), head-contiguous, so a TP rank's heads are a
-view and one head is the unit of transfer (DESIGN.md §4). S is stored **[K, V]** (key-major, as fla):
+view and one head is the unit of transfer (docs/architecture.md §7). S is stored **[K, V]** (key-major, as fla):
 
 ```
  block[b, layer, h] (block_floats = K*V + 3*(W-1)*K fp32 values):
@@ -142,8 +142,7 @@ class PagedLatentCache:
 
     Reads gather with ``index_select`` (whole pages of ``pool[:, layer]``, or those flat row ids on the `[-1, D]`
     view of the contiguous pool): advanced indexing of the 4-d pool, or of its strided ``pool[:, layer]`` view,
-    runs 3-30x slower on the CPU for the same copy (measured, one thread: 16 pages of [64, 576] from
-    ``pool[:, layer]`` 1.47 ms, ``pool[pages, layer]`` 150 us, ``index_select`` 51 us).
+    runs 3-30x slower on the CPU for the same copy.
     """
 
     pool: torch.Tensor

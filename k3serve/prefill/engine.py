@@ -57,7 +57,7 @@ class PrefillConfig:
     draft_capture: DraftCapture | None = None  # hand the drafter its start state (Handoff.draft); None: none
     numerics: Numerics = DEFAULT_NUMERICS  # deterministic: chunk ends on its grid (the workers get the same value)
     # stream the state of a prompt's last chunk layer by layer while that chunk's forward runs (channels with
-    # `layerwise`: gRPC and Mooncake; object_store exports after the forward). docs/transfer.md has the figures.
+    # `layerwise`: gRPC and Mooncake; object_store exports after the forward; docs/transfer.md).
     layerwise_export: bool = False
 
 

@@ -1,9 +1,9 @@
-"""Budget-based admission per (cluster, request class), shared by all router replicas through Redis (DESIGN.md §7).
+"""Budget-based admission per (cluster, request class), shared by all router replicas through Redis (docs/architecture.md §13).
 
 Requests are classed by *uncached* prompt tokens (``classify``), so a 1M-token prompt and a 2K one never compete
 for one budget. Each (cluster, class) has an in-flight token budget, a concurrency cap and a bounded FIFO queue.
 All state lives in Redis and every decision is one Lua script, so budgets hold across replicas and restarts
-(DESIGN.md §2.4), and every entry carries a lease, so a crashed router leaks nothing past one TTL.
+(docs/architecture.md §2, invariant 4), and every entry carries a lease, so a crashed router leaks nothing past one TTL.
 
 Keys (``{...}`` is a Redis Cluster hash tag: all keys of one (cluster, class) share a slot; ``ns`` the namespace):
 

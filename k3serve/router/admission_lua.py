@@ -35,9 +35,8 @@ local function recovering(alive, recover, alive_ms, grace_ms)
 end
 -- Whether the host is saturated: every co-located budget of the class given from KEYS[first] on, as (lease, q,
 -- tix) triples, has a line (queue entries or held places) or all its maxc rooms taken (maxc 0: only a line counts).
--- True when none is given (a cluster alone on its host). (Measured alternatives, docs/architecture.md
--- "Host-saturated pace": rooms all taken alone, or some taken and a line, held outside a burst's first seconds too
--- rarely: the pace then learned was those first holds', 2-3x the next burst's, and the rooms idled.)
+-- True when none is given (a cluster alone on its host). (Stricter tests, rooms all taken alone or some taken and
+-- a line, held too rarely outside a burst's first seconds: the pace learned was those slow first holds'.)
 local function host_saturated(first, maxc)
   for i = first, #KEYS, 3 do
     if redis.call('ZCARD', KEYS[i + 1]) + redis.call('ZCARD', KEYS[i + 2]) == 0
@@ -224,18 +223,14 @@ return {now + tonumber(ARGV[2]), lost}
 # turn.shold, the mean hold of the *saturated* service: the pace at which a budget of max_concurrent rooms frees
 # places for a line (retry hints; HOLDERS adds the holds in progress). Holds released to nobody are left out of it:
 # they are the service at low load (a burst's tail, whose last requests run alone and fast), and a line only forms
-# again under load (measured: paced by every hold, the next burst's first hints were 2-4x early, ending with the
-# previous burst's fast tail; docs/architecture.md, "Saturated pace").
+# again under load (paced by every hold, a burst's first hints came 2-4x early; docs/architecture.md §13).
 # Clusters that share a host's cores slow each other, so the same holds also feed turn.hshold, the mean hold of a
 # saturated *host*, while every co-located budget is saturated too (host_saturated): the pace HOLDERS uses while
-# the host is saturated. (Measured: the cluster whose warm-up line drained last ran its last holds alone on the
-# host, 0.3 s against the 0.8 s of a burst on all clusters, and its next burst's first hints were 2.7x early;
-# docs/architecture.md, "Host-saturated pace".) A neighbour's line counts while its holders are away and its rooms
+# the host is saturated (a cluster whose line drains last runs its last holds alone on the host, fast, and would
+# make its next burst's first hints early). A neighbour's line counts while its holders are away and its rooms
 # idle, so a hold weighs in hshold by the share of the host's rooms in use at its release (all of them: 0.2, as in
-# shold): a host running few requests says little of it saturated. (Measured, replayed over recorded holds: the
-# warm-up's last holds, with 1-3 of the 6 rooms in use, left hshold at 0.29-0.41 s against 0.48-0.67 s weighed,
-# the next burst's first holds 0.9-1.9 s; stricter rules and per-load means made paces that their own slow lines
-# never corrected: docs/architecture.md, "Two paces by host load".)
+# shold): a host running few requests says little of it saturated. Stricter rules and per-load means made paces
+# that their own slow lines never corrected (docs/architecture.md §13).
 # With no co-located budget and all its rooms in use, hshold is shold.
 RELEASE = LUA_COMMON + """
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])

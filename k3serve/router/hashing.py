@@ -1,4 +1,4 @@
-"""Rendezvous (highest-random-weight) hashing of sessions onto clusters (DESIGN.md §7).
+"""Rendezvous (highest-random-weight) hashing of sessions onto clusters (docs/architecture.md §11).
 
 Each (key, cluster) pair gets a score ``xxh64(le_u32(len(key)) + key + cluster)`` (UTF-8; seed 0) and a key's
 clusters are ranked by score, highest first. Primary = rank 0, secondary = rank 1. Why HRW rather than a ring:

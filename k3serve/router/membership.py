@@ -1,4 +1,4 @@
-"""Cluster registry and health in Redis, plus the router's cached view and per-cluster circuit breaker (DESIGN.md §7).
+"""Cluster registry and health in Redis, plus the router's cached view and per-cluster circuit breaker (docs/architecture.md §11).
 
 Cluster agents write; routers read. Keys (``ns`` = deployment namespace, so tests and deployments sharing one
 Redis never collide):

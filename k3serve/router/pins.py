@@ -1,4 +1,4 @@
-"""Session pins in Redis: keep a session on the cluster that holds its cache (DESIGN.md §7).
+"""Session pins in Redis: keep a session on the cluster that holds its cache (docs/architecture.md §11).
 
     k3s:{ns}:pin:{session_key}   HASH primary, secondary ('' = none), serving, moves   -- PX ttl, refreshed on use
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # The holders' published ends are estimates made before the burst that refuses a request, so they run early; hints are
-# scaled by this factor: late rather than early. Measured under the 200-stream burst on 2 cores
-# (tests/cluster/test_router_live.py) once overdue holders and a router's not-yet-admitted streams were counted
-# (drain_wait_s, RouterService): hint / real wait 0.82-1.93 in most runs, 0.35-1.13 in the runs where the burst kept
-# refilling the queue after the estimate; 1.15 centres the runs on about 1.
+# scaled by this factor: late rather than early (under a 200-stream burst, 1.15 centred hint / real wait on
+# about 1).
 HINT_LATENESS = 1.15
 # Spread of the hints handed out together (+0-10%), so refused clients do not all come back at one instant. Kept
-# small: within one burst the waits per cluster agree to ~10% (measured), so a wider jitter alone would use up much of
-# the 2x accuracy the hint promises (it was +0-20%, which made half of one run's spread).
+# small: within one burst the waits per cluster agree to ~10%, so a wider jitter alone would use up much of the 2x
+# accuracy the hint promises.
 HINT_JITTER = 0.10
 # The holds in progress are right-censored holding times (admission_lua.HOLDERS): a holder older than the completed
 # holds make typical (their mean + TYPICAL_SPREAD x their mean absolute deviation) is taken to hold its room
@@ -38,8 +36,8 @@ def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, q
     joins.
 
     A holder past its published end is still running (its estimate ran early, as they do under a burst): it is
-    taken to end half a round from now, not now (measured in the 200-stream burst: holders 0.1-0.15 s overdue
-    made hints of one round where the wait was three). (One older than the typical completed hold has its end
+    taken to end half a round from now, not now (taken as ending now, slightly overdue holders made hints of one
+    round where the wait was three). (One older than the typical completed hold has its end
     moved by admission_lua.HOLDERS to no earlier than admission + ``CENSORED_FACTOR`` x its age before it gets here.)
 
     Behind a line (``queued`` > 0) of a budget that binds by its concurrency cap, with a measured ``turnover_s``
@@ -48,8 +46,7 @@ def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, q
     place comes free after ``n = count + queued + 1 - max_concurrent`` more places have, at that pace, counted from
     the last admission ``since_turn_s`` ago (the next place is due one turnover after it, or is overdue: n x
     turnover less the part of it already gone, at most one). Measured holding times count what the published
-    durations miss (a router or cluster slowed by the burst itself: built from the published durations alone,
-    hints behind a line ran at 0.65 of the real wait, median, 200-stream burst on 2 cores), and unlike the
+    durations miss (a router or cluster slowed by the burst itself), and unlike the
     interval between admissions they are not set by the hints themselves (tickets.py, "Pace").
 
     ``held_ends_ms``: per holder, the end its hold is expected to reach (admission_lua.HOLDERS; -1: unknown, it
@@ -57,11 +54,11 @@ def drain_wait_s(now_ms: int, holders: Sequence[tuple[int, int]], queued: int, q
     completed holds make typical, ``CENSORED_FACTOR`` x its age. Behind a line, the place is then no sooner free
     than the room of the ``min(n, count)``-th of the holders to end, plus a pace for each place beyond the holders:
     the completed holds' pace says how fast the places behind turn over, the holds in progress say when the rooms
-    they hold come free. (Measured: the censored estimate as the pace of all the places behind, the mean of the
-    holders' whole holds, made the line move at that pace after the burst's first seconds, 39% busy.) With no
+    they hold come free. (The censored estimate as the pace of every place behind made the line move at that slow
+    pace after the burst's first seconds, its rooms idle.) With no
     line ahead, the ends in ``holders`` decide; AdmissionRefusals.line_view gives each holder the later of its
-    published end and this bound (measured at a burst's onset: the published ends alone hinted the first place
-    0.2 s for a wait of 0.9 s).
+    published end and this bound (at a burst's onset the published ends alone hint the first place far too
+    early).
     """
     count = len(holders)
     if (turnover_s > 0 and queued > 0

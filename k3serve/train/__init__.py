@@ -1,4 +1,4 @@
-"""Training at tiny scale (DESIGN.md §12): target pretraining on a local corpus with the serving model's layers.
+"""Training at tiny scale (docs/architecture.md §16): target pretraining on a local corpus with the serving model's layers.
 
 ``corpus`` finds and splits the text, ``params`` holds the trainable tensors under their checkpoint names,
 ``step`` is the differentiable loss, ``balance`` the MoE bias update, ``schedule`` the learning rate,

@@ -1,4 +1,4 @@
-"""``k3serve train drafter``: train an EAGLE-3 drafter for a frozen target (DESIGN.md §10, docs/eagle3.md).
+"""``k3serve train drafter``: train an EAGLE-3 drafter for a frozen target (docs/speculative.md, EAGLE-3).
 
 Per step: one target forward (no autograd) over a batch of corpus windows gives its distributions p and the
 features the drafter fuses; the drafter is unrolled for ``ttt_steps`` on its own output features (training-time

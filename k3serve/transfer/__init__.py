@@ -1,5 +1,5 @@
 """State channels between a prefill group and a decode group (contracts/channel.py), and the gRPC and Mooncake
-transfer planes, resharded on the path (DESIGN.md §6, §9).
+transfer planes, resharded on the path (docs/architecture.md §4, §14).
 
 ```
  plan.py / chunks.py   pure plan: head spans P -> D, round-robin MLA page ranges, chunk byte offsets

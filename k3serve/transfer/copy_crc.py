@@ -11,8 +11,6 @@ reads it again (it no longer fits in L2) and writes the destination. Cut into L2
 the CRC reads what the copy just wrote, from L2: one pass over memory, and the CRC is over the exact bytes that
 are placed (a copy that went wrong fails the check like a bad wire). Both calls release the GIL (numpy's copy
 and google_crc32c's C loop), so a receiver's handler thread can read the next message meanwhile.
-Measured on this machine (AMD EPYC, 1 MiB L2 per core, 256 MiB through 4 MiB chunks, one thread):
-CRC then copy 0.42 s/GB, blocked at 1 MiB 0.32 s/GB (copy alone 0.26, CRC alone 0.10).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from __future__ import annotations
 import google_crc32c
 import numpy as np
 
-# 512 KiB: half the L2 of the machines measured, so one block of source and destination stay there
+# 512 KiB: half a typical 1 MiB L2, so one block of source and destination stay there
 PLACE_BLOCK_BYTES = 512 << 10
 
 

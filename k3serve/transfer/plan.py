@@ -1,4 +1,4 @@
-"""Who sends what to whom: the pure P -> D resharding plan for KDA heads and MLA pages (DESIGN.md §6).
+"""Who sends what to whom: the pure P -> D resharding plan for KDA heads and MLA pages (docs/architecture.md §14).
 
 ```
  H heads, prefill TP = P, decode TP = D          e.g. H = 8, P = 2, D = 4

@@ -47,7 +47,7 @@ class ReceiverConfig:
     limits: StagingLimits = StagingLimits()
     max_workers: int = 16  # concurrent streams served
     # a stream's chunks copied + CRC'd on placement workers beside its handler thread at once (placer.py); 0:
-    # inline in the handler thread (measured side by side on 2 shared cores, 2 was no gain: docs/transfer.md)
+    # inline in the handler thread (no gain where no core is idle: docs/transfer.md)
     place_depth: int = 0
     gc_interval_s: float = 1.0  # how often idle transfers are expired
 

@@ -56,7 +56,7 @@ class SenderConfig:
     stream_timeout_s: float = 60.0  # deadline of one Push attempt (from its open to its ack)
     rpc_timeout_s: float = 5.0  # deadline of Cancel / Status
     # CRC32C of the source on the sender's CRC workers, ahead of the streams; off: inline in the stream thread
-    # (measured side by side on 2 shared cores it was no gain: docs/transfer.md "Fourth pass")
+    # (no gain where no core is idle: docs/transfer.md)
     crc_ahead: bool = False
 
     def __post_init__(self) -> None:

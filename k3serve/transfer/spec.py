@@ -108,9 +108,8 @@ class StateGeometry:
                    num_tokens, cfg.mla_latent_dim, cfg.torch_dtype)
 
 
-# A chunk's payload size (one gRPC message each). Chosen by CPU seconds per GB, measured side by side with the
-# bare gRPC baseline at the same message size (docs/transfer.md): 4 MiB cut our cost over bare gRPC-Python
-# from 0.40-0.65 to 0.16-0.40 CPU s/GB against 1 MiB (per-message Python work on both ends, fewer messages).
+# A chunk's payload size (one gRPC message each). Chosen by CPU seconds per GB against the bare gRPC baseline at
+# the same message size (docs/transfer.md): 4 MiB has a quarter of 1 MiB's per-message Python work on both ends.
 # The receivers' StagingLimits.max_chunk_bytes (4 MiB by default) must be at least this.
 DEFAULT_CHUNK_BYTES = 4 << 20
 

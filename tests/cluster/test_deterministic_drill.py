@@ -20,7 +20,10 @@ def det_deployment():
     from k3serve.cluster.deployment import Deployment
 
     base = load_deploy("configs/local.yaml")
-    deploy = dataclasses.replace(base, numerics=DETERMINISTIC, clusters=dataclasses.replace(base.clusters, count=3))
+    # two clusters: c0 killed, its sessions resume on c1; no rebuild: the drill checks the resume, not the rejoin
+    # (test_failover_drills.py covers that), so it does not wait for one
+    deploy = dataclasses.replace(base, numerics=DETERMINISTIC,
+                                 clusters=dataclasses.replace(base.clusters, count=2, rebuild=False))
     dep = Deployment(deploy).start()
     yield dep
     dep.stop()

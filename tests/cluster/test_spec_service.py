@@ -23,7 +23,8 @@ def spec_deployment():
     from k3serve.cluster.deployment import Deployment
 
     base = load_deploy("configs/local.yaml")
-    clusters = dataclasses.replace(base.clusters, count=2, prefill_tp=1, decode_tp=1,
+    # no rebuild: the drill checks the failover, not the rejoin (test_failover_drills.py covers that)
+    clusters = dataclasses.replace(base.clusters, count=2, prefill_tp=1, decode_tp=1, rebuild=False,
                                    speculative=SpeculativeSpec(method="ngram", num_draft_tokens=3))
     dep = Deployment(dataclasses.replace(base, clusters=clusters, routers=1)).start()
     yield dep

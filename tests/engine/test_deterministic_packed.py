@@ -71,7 +71,9 @@ def test_batch_compositions_give_the_reference_bits(tiny_ckpt, det_ref, size):
     _assert_bitwise(det_ref, reqs, outs, logits, f"packed, batch of {size}")
 
 
-@pytest.mark.parametrize("p,d", [(2, 1), (1, 2), (4, 2)])
+# P > D and P < D on packed GEMMs; the (4, 2) resharding is test_deterministic_paths.py's (shard units have
+# TP-invariant shapes, so the GEMM library does not change with TP)
+@pytest.mark.parametrize("p,d", [(2, 1), (1, 2)])
 def test_prefill_tp_to_decode_tp_gives_the_reference_bits(tiny_ckpt, det_ref, p, d):
     reqs = _requests([1, 130, 200], 1, f"ptp{p}{d}")
     with LocalPipeline(tiny_ckpt, prefill_tp=p, decode_tp=d, numerics=PACKED) as pipe:

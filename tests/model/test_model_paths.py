@@ -1,4 +1,4 @@
-"""The model's serving paths against the reference generator (DESIGN.md invariant 1: same tokens)."""
+"""The model's serving paths against the reference generator (docs/architecture.md §2, invariant 1: same tokens)."""
 
 from __future__ import annotations
 

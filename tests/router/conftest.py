@@ -8,12 +8,14 @@ import uuid
 import pytest
 
 from k3serve.cluster.redis_server import RedisServer, connect
+from tests import tiers
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     server = RedisServer(unix_socket=True)
-    server.start(tmp_path_factory.mktemp("redis"))
+    with tiers.processes_allowed():  # the fast tier's one helper process: a real Redis, shared by the session
+        server.start(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()
 

@@ -199,7 +199,7 @@ def _hints_of_a_new_line(adm, cls, n: int) -> list[float]:
 def test_the_pace_of_places_is_the_saturated_services_mean_hold(rclient, ns):
     """A hold released while others wait in line teaches the pace of places (turn.shold); one released to nobody
     (the service at low load, a burst's fast tail) teaches only the typical hold (turn.hold): the next line's
-    hints keep the loaded service's pace (admission_lua.RELEASE, docs/architecture.md "Saturated pace")."""
+    hints keep the loaded service's pace (admission_lua.RELEASE, docs/architecture.md §13)."""
     import time
 
     from k3serve.router.admission import Admission, AdmissionRejected, ClassSpec

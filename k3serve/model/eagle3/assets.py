@@ -1,7 +1,7 @@
 """The shipped EAGLE-3 drafters: package data beside the trained target they draft for.
 
 ``k3serve/assets/tiny-trained-drafter`` (LK loss, the default) and ``tiny-trained-drafter-kl`` (the KL
-baseline, same budget), each made by the command in its ``train_log.json`` settings (README, EAGLE-3).
+baseline, same budget), each made by the command in its ``train_log.json`` settings (docs/speculative.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A drafter checkpoint directory holds ``config.json`` (this, :meth:`DrafterConfig
 ``model.safetensors`` (:mod:`k3serve.model.eagle3.weights`). The target's whole HF config is embedded, so a
 drafter is refused against any other target (:meth:`DrafterConfig.check_target`).
 
-Feature blocks (DESIGN.md §10: outputs of the 1st, 4th and last Attention-Residual blocks)::
+Feature blocks (docs/speculative.md, EAGLE-3: outputs of the 1st, 4th and last Attention-Residual blocks)::
 
     target layers   0 1 2 | 3 4 5 | 6 7 8          (tiny presets: 9 layers, attn_res_block_size 3 -> 3 blocks)
     block           0     | 1     | 2

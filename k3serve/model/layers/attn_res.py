@@ -31,7 +31,7 @@ def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: 
     q = query.float().view(-1)
     d = q.numel()
     # <q, RMSNorm(v) w> = rsqrt(mean(v^2) + eps) * <v, w q>: one product and two row reductions per source (the
-    # norm's own reduction fused), instead of a normalised copy scaled twice (docs/profile.md, "Sixth pass")
+    # norm's own reduction fused), instead of a normalised copy scaled twice
     wq = norm_weight.float() * q  # [d]
     vals = [s.float() for s in sources]
     dot = row_dot if row_dot is not None else (lambda x, v: (x * v).sum(-1))

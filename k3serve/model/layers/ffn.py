@@ -168,7 +168,7 @@ class MoE:
         that received tokens run, each with its tokens' rows in ascending order; the weighted outputs are
         summed with one ``index_add_`` in ascending expert order. That is the row set, row order and
         summation order of the former per-expert ``(ids == e).nonzero()`` loop, so results are identical,
-        without the 2 small ops per idle expert that dominated decode steps (docs/profile.md). Stacked
+        without the 2 small ops per idle expert that dominated decode steps (docs/performance.md). Stacked
         (full-precision) experts run all of the rank's runs as one grouped GEMM per matrix instead of the loop
         (moe_grouped.py; the same GEMM per run, bit-identical), or, for decode-sized runs over many experts, as
         two bmm over zero-padded runs (last-bit rounding may then differ, as with any other batch). The

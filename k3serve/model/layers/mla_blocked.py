@@ -19,7 +19,7 @@ decompressed, kept or compared::
               past a row's own change nothing, so it needs no per-block loop)
     out       out_h = (ctx_h / l_h) W_UV_h^T     one [N, rank] x [rank, v] GEMM per head over all N rows
 
-Why a row gets the same bits in every call (measured facts, tests/model/test_numerics_invariants.py): from
+Why a row gets the same bits in every call (facts pinned in tests/model/test_numerics_invariants.py): from
 MIN_TILE rows on, a GEMM row's bits do not depend on how many rows share the call, and a GEMM column's bits do
 not depend on the other columns; the score GEMM's entries are therefore those of a per-block
 ``[M, rank + rope] x [rank + rope, KB]`` GEMM for any batch, chunk or row count, and the per-block context GEMM
@@ -28,18 +28,17 @@ exact zeros to l and ctx), and the max ignores -inf, so a prefill row that also 
 gets the bits of the decode row that stops at its own block (the fold adds those blocks' exact zeros only). Every exp2 runs on whole rows of KB-multiples
 (vector code; a tensor whose size is off the vector grid is padded, as ``DeterministicOps.unary``).
 
-Why exp2: torch's CPU ``exp`` is the 1-ulp Sleef kernel, ~3x the time of its ``exp2`` (measured, one thread,
-a `[256, 8384]` score tile: 2.4 against 0.76 ms, AMD EPYC, AVX-512), and the exponentials are the largest cost of
-the softmax after the two GEMMs. Scores scaled by log2(e) once in ``qa`` (`[H, N, D]`, not the `[M, L]` scores)
+Why exp2: torch's CPU ``exp`` is the 1-ulp Sleef kernel, ~3x the time of its ``exp2``, and the exponentials are
+the largest cost of the softmax after the two GEMMs. Scores scaled by log2(e) once in ``qa`` (`[H, N, D]`, not the `[M, L]` scores)
 make ``exp2`` the same function to fp32 rounding (relative error ~ |s| 2^-24 from the extra rounding of qa, below
 the GEMM's own); every path takes it, so the bits stay one function of the position.
 
-Why absorbed (docs/numerics.md, fourth wave): the decompressed form read every request's per-head keys and
+Why absorbed (docs/numerics.md): the decompressed form read every request's per-head keys and
 values at every decode step (4 heads x (48 + 32) floats per position on the tiny preset, against the latent
 row's 80 shared by all heads) and needed a pool of decompressed blocks, each confirmed by comparing its rows;
 here a step reads each latent block once, as the default mode's paged kernel does. Prefill pays rank + rope
-score FLOPs per (head, query, key) instead of nope + rope (measured side by side:
-``python -m k3serve.bench.numerics_cpu``).
+score FLOPs per (head, query, key) instead of nope + rope (``python -m k3serve.bench.numerics_cpu`` compares
+the modes).
 
 Grouping (what is batched): requests with the same query count and block count form one group whose score and
 context GEMMs are one ``bmm`` each (a decode step: one group per block count); the keys are a view of the call's
@@ -59,8 +58,7 @@ from k3serve.model.state import blocks_of
 _SCORE_BUDGET = 1 << 22
 # Requests of at most this many queries (decode steps, verify windows) are batched with others of the same shape;
 # longer ones (prefill chunks) run alone, in row chunks of one key block of positions: a chunk sees only the
-# blocks up to its own (measured on the tiny preset, 256-token prefill, one MLA layer: 2.1 ms against 4.6 ms for
-# the whole chunk against all its blocks).
+# blocks up to its own (the causal skip halves a prefill's attention work).
 _GROUP_MAX_QUERIES = 16
 LOG2E = 1.4426950408889634  # log2(e): scores in base-2 units, the softmax's exponential is exp2 (see "Why exp2")
 
@@ -97,7 +95,7 @@ def fold_blocks(x: torch.Tensor, dim: int) -> torch.Tensor:
     only the first n0 are non-zero adds only exact zeros until the width is the power of two >= n0, so the
     result is the one a call with n0 blocks gives (x + 0 = x): a row's bits do not depend on how many blocks
     its call holds. x is summed in place (a temporary of the caller's). log2(n) whole-tensor adds instead of n - 1 adds of one block each (a Python loop of 2 ops
-    per block, the largest cost of a long prefill's attention: docs/numerics.md, "Eighth")."""
+    per block, once the largest cost of a long prefill's attention)."""
     n = x.shape[dim]
     while n > 1:
         half = 1 << ((n - 1).bit_length() - 1)  # P / 2

@@ -20,7 +20,7 @@ Two forms, same result to fp32 rounding:
   only on each block's trailing square; autograd-safe, any device.
 
 On CUDA the analogue of the flash form is a flash prefill kernel over the same two key ranges (or one kernel
-with a bottom-right causal mask); no Triton kernel exists for it yet (docs/profile.md).
+with a bottom-right causal mask); no Triton kernel exists for it yet.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def absorbed_is_cheaper(t: int, nope: int, rope: int, rank: int) -> bool:
     decompressed ``2 t (nope + rope)`` + ``2 (nope + rope) rank`` (the padded decompression GEMM), so by FLOPs
     absorbed wins below ``t = (nope + rope) rank / (rank - nope)`` (96 on the tiny preset). It also skips the
     decompression's writes and gives the flash kernel ``t * H`` query rows per key block instead of ``t``:
-    measured on the tiny preset (one thread, start = 8192) the crossover is near 3x the FLOP bound (t = 32:
-    5.3 vs 11.0 ms, 128: 23 vs 32 ms, 512: 78 vs 71 ms), so the bound is scaled by 3."""
+    in time the crossover sits near 3x the FLOP bound (tiny preset, 8192-token prefix), so the bound is scaled
+    by 3."""
     return rank <= nope or t * (rank - nope) < 3 * (nope + rope) * rank
 
 

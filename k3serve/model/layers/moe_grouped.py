@@ -2,7 +2,7 @@
 
 A decode step of the bench preset at batch 32 activates nearly every expert with a few rows each; the per-expert
 loop then issued 3 small GEMMs, a gate and a gather per active expert and MoE layer (~100 ops per layer), and
-under 2 OpenMP threads on a loaded machine every one of them paid a thread rendezvous (docs/profile.md). Here a
+under 2 OpenMP threads every one of them paid a thread rendezvous (docs/performance.md). Here a
 rank's experts are stacked once at load and the sorted rows run through ``F.grouped_mm``: 2 GEMM calls and one
 gate per MoE layer, whatever the number of active experts. The CPU ``grouped_mm`` still runs one ``mm`` (one
 OpenMP region) per group, so when many experts are active (``PADDED_MIN_ACTIVE``, a decode batch of ~8 and more)
@@ -15,7 +15,7 @@ the runs are zero-padded to the longest and multiplied with 3 ``bmm`` instead (:
 
 Each expert's gate and up weights are stacked as one `[2 I, e_in]` matrix (``W13[e]`` = [W1[e]; W3[e]]): one GEMM
 where there were two, and a decode step's ``glu`` runs once over all its rows. A column of a CPU GEMM has the same
-bits whatever the other columns of the call (measured for MKL and oneDNN, tests/model/test_numerics_invariants.py,
+bits whatever the other columns of the call (MKL and oneDNN, pinned in tests/model/test_numerics_invariants.py,
 tests/model/test_moe_grouped.py), so ``g`` and ``u`` are the separate GEMMs' values bit for bit.
 
 On the CPU, ``grouped_mm`` runs each group as one ``mm`` of that group's rows, which is the GEMM the loop's
@@ -39,10 +39,9 @@ from k3serve.model.layers.expert_weights import DenseLinear
 from k3serve.model.layers.norm import glu
 
 
-# Active experts from which the padded bmm form is used. Measured on the bench preset (32 experts x [256, 512]),
-# 2 OpenMP threads at load ~12 on the 2-core machine, one MoE layer: at batch 8 (21 active) grouped 168 ms vs padded
-# 75 ms, at batch 32 (30 active) 891 vs 197 ms; at batch 1 (4 active) grouped 7.7 ms vs padded 29 ms. With one
-# thread padded is 1.3-1.7x slower than grouped (it reads idle experts of the span and multiplies padding rows).
+# Active experts from which the padded bmm form is used: with most experts active (bench preset, batch 8 and up,
+# 2 threads) padded ran 2-4x faster than grouped (one OpenMP region per group); with few active, or one thread,
+# padded is slower (it reads idle experts of the span and multiplies padding rows).
 PADDED_MIN_ACTIVE = 8
 # Longest run the padded form takes: decode-sized runs are weight-bandwidth bound, so padding rows cost no time;
 # prefill runs (hundreds of rows, compute bound) would pay for the padding, and keep the grouped form.
@@ -156,7 +155,7 @@ def looped_experts(z_sorted: torch.Tensor, counts: list[int], stacked: StackedEx
     ops None: each run's gate | up is the ``mm`` grouped_mm issues for it (bit-identical), written into one
     `[n, 2 I]` buffer, then one ``glu`` over all the rows (elementwise: the same bits as per run) and each run's
     down ``mm``; used when most of a span's experts are idle, whose empty groups grouped_mm would still visit
-    (measured, bench preset at batch 1, 4 of 32 experts active: ~12% of the layer's expert time). ops
+    (~12% of the layer's expert time at batch 1 on the bench preset). ops
     (model/deterministic.DefaultOps on oneDNN, model/cpu_gemm.py): the gate and up as one
     ``ops.whole_linear_pair``, the down ``ops.whole_linear``, on the packed weights."""
     out, at = torch.empty_like(z_sorted), 0

@@ -18,7 +18,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in fp32; returns x's dtype. x `[..., n]`, weight `[n]`."""
     xf = x.float()
     # mean(x^2) as |x|^2 / n: the norm's reduction reads x once, where x.pow(2).mean() first wrote a full-size
-    # square (45% of a [4096, 256] norm's time at one thread; docs/profile.md, "Sixth pass")
+    # square (nearly half a prefill-sized norm's time)
     n, eps_t = fp32(xf.shape[-1]), fp32(eps)  # 0-dim fp32 operands: no per-call scalar conversion (scalars.py)
     if torch.is_grad_enabled():
         ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square() / n

@@ -1,4 +1,4 @@
-"""Row-stacked input projections for decode steps (docs/profile.md, "Second pass").
+"""Row-stacked input projections for decode steps (docs/performance.md).
 
 Several projections of the same input ``x`` (a KDA layer's q, k, v, gates; an MLA layer's latent, query and gate
 projections) run as one GEMV over their weights stacked by rows: one OpenMP region per layer instead of one per
@@ -12,7 +12,7 @@ for M > 1 the wider output may round the last bit differently, like any other ch
 
 Numerics mode ``deterministic`` uses the stack for every call (prefill, decode, verify), through
 ``ops.linear``'s fixed row tiles: from MIN_TILE rows on, an output column of a GEMM has the same bits whatever
-the other columns of the call (measured for the model's shapes, tests/model/test_numerics_invariants.py), so each
+the other columns of the call (pinned for the model's shapes, tests/model/test_numerics_invariants.py), so each
 projection's columns do not depend on the stack, on the batch, nor on the TP degree (each rank stacks its own
 column slices; the stack stays wider than the bmm floor on every TP). A projection whose units are narrower
 than the bmm floor (KDA's 1-head ``b_proj`` units) keeps its own GEMMs there: a 1-column GEMM rounds

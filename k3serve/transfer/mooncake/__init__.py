@@ -1,4 +1,4 @@
-"""The Mooncake data plane (DESIGN.md §9): gRPC keeps control, Mooncake Transfer Engine writes the payload.
+"""The Mooncake data plane (docs/architecture.md §4, docs/transfer.md): gRPC keeps control, Mooncake Transfer Engine writes the payload.
 
 ```
  plane.py     MooncakeConfig, DataPlane (one TransferEngine per process; regions registered once)

@@ -1,0 +1,56 @@
+"""`k3serve bench record` / `bench report`: a real bench's JSON saved with its command and host, rendered into
+the figures page; docs/results.md is exactly what the committed records render to."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from k3serve.bench.report import ReportError, load_records, render
+from k3serve.cli.main import app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow  # a real bench run: minutes on a loaded 2-core host
+def test_record_saves_the_bench_json_with_its_command_and_report_renders_it(tmp_path):
+    runner = CliRunner()
+    got = runner.invoke(app, ["bench", "record", "--out", str(tmp_path), "kernels", "--tokens", "64", "--heads",
+                              "1", "--head-dim", "16", "--repeats", "1", "--threads", "1"])
+    assert got.exit_code == 0, got.output
+    (path,) = tmp_path.glob("*.json")
+    record = json.loads(path.read_text())
+    assert record["command"] == "k3serve bench kernels --tokens 64 --heads 1 --head-dim 16 --repeats 1 --threads 1 --json"
+    assert record["bench"] == "kernels" and record["host"]["cores"] >= 1 and "load_avg_1m_after" in record["host"]
+    assert record["result"]["sizes"]["T"] == 64 and record["result"]["chunk_tokens_per_s"] > 0
+    page = runner.invoke(app, ["bench", "report", "--json-dir", str(tmp_path)])
+    assert page.exit_code == 0, page.output
+    row = next(line for line in page.output.splitlines() if line.startswith(f"| `{record['command']}`"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    header = next(line for line in page.output.splitlines() if line.startswith("| command |"))
+    col = [c.strip() for c in header.strip("|").split("|")].index("chunk tok/s")
+    assert cells[col] == f"{record['result']['chunk_tokens_per_s']:,.0f}" or \
+        cells[col] == f"{record['result']['chunk_tokens_per_s']:.3g}"
+    assert "## kernels" in page.output
+
+
+def test_a_record_missing_a_field_is_refused_naming_file_and_field(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"version": 1, "bench": "decode", "command": "c", "host": {}}))
+    with pytest.raises(ReportError, match=r"x\.json: missing field 'recorded'"):
+        load_records(tmp_path)
+    got = CliRunner().invoke(app, ["bench", "report", "--json-dir", str(tmp_path / "nope")])
+    assert got.exit_code == 2 and "--json-dir" in got.output
+
+
+def test_a_bench_that_is_not_a_bench_is_refused(tmp_path):
+    got = CliRunner().invoke(app, ["bench", "record", "--out", str(tmp_path), "report"])
+    assert got.exit_code == 2 and "not a bench" in got.output and not list(tmp_path.iterdir())
+
+
+def test_docs_results_is_what_the_committed_records_render_to():
+    records = load_records(ROOT / "bench_results")
+    assert records, "bench_results/ holds the records docs/results.md is made from"
+    assert (ROOT / "docs" / "results.md").read_text() == render(records, "bench_results")
