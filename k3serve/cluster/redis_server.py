@@ -1,4 +1,4 @@
-"""A private redis-server for tests and for ``k3serve serve`` when no ``REDIS_URL`` is given (DESIGN.md §8).
+"""A private redis-server for tests and for ``k3serve serve`` when no ``REDIS_URL`` is given (docs/architecture.md §11, docs/security.md).
 
 The server is ephemeral by construction: no RDB snapshots, no AOF, its files live in a directory we own, and it
 listens on 127.0.0.1 (a port the OS picked, or ``port=``) or on a unix socket only (mode 700). It requires a

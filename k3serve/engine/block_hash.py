@@ -1,4 +1,4 @@
-"""Chained block hashes: the identity of a prompt prefix in the hybrid prefix cache (DESIGN.md §5, §15).
+"""Chained block hashes: the identity of a prompt prefix in the hybrid prefix cache (docs/architecture.md §9, docs/security.md).
 
     key      = prefix_key(model_fingerprint(config), deployment secret)      32 bytes, per deployment and model
     hash_-1  = BLAKE2b-64(key, "salt" + utf8(tenant salt))
