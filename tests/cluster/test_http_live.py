@@ -218,7 +218,7 @@ def test_metrics_parse_and_count_time_to_first_token(dep, model):
 
 
 def test_the_docs_examples_run_copy_pasted(dep, tmp_path):
-    """docs/http.md's curl and openai examples, against this deployment's endpoints file."""
+    """README.md's curl and openai examples, against this deployment's endpoints file."""
     import re
     import subprocess
     import sys
@@ -226,7 +226,7 @@ def test_the_docs_examples_run_copy_pasted(dep, tmp_path):
 
     endpoints = tmp_path / "k3serve.json"
     endpoints.write_text(json.dumps({"routers": dep.router_addresses, "http": dep.http_addresses}))
-    doc = Path("docs/http.md").read_text().split("## Examples", 1)[1]
+    doc = Path("README.md").read_text().split("## HTTP (OpenAI-compatible)", 1)[1].split("\n## ", 1)[0]
     bash, py = (re.search(rf"```{lang}\n(.*?)```", doc, re.S).group(1).replace("/tmp/k3serve.json", str(endpoints))
                 for lang in ("bash", "python"))
     out = subprocess.run(["bash", "-c", bash], capture_output=True, text=True, timeout=120, check=True).stdout
