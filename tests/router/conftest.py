@@ -9,6 +9,7 @@ import pytest
 
 from k3serve.cluster.redis_server import RedisServer, connect
 from tests import tiers
+from tests.router.fake_cluster import Rig
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +46,11 @@ def new_client(redis_server):
 @pytest.fixture
 def ns() -> str:
     return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def rig(redis_server, ns):
+    """Fake cluster fronts and routers over the session's redis-server (fake_cluster.py); all closed at teardown."""
+    r = Rig(redis_server.url, ns)
+    yield r
+    r.close()

@@ -23,7 +23,7 @@ from k3serve.router.membership import BreakerConfig, CircuitBreaker, Membership,
 from k3serve.router.pins import PinStore
 from k3serve.router.server import RouterService, start_router_server
 from k3serve.router.validate import ModelLimits
-from k3serve.v1 import router_pb2_grpc
+from k3serve.v1 import router_pb2 as pb, router_pb2_grpc
 
 SECRET = "s" * 32
 
@@ -142,3 +142,19 @@ class Rig:
 def default_classes() -> list[ClassSpec]:
     return [ClassSpec("short", 4096, inflight_token_budget=100_000, max_concurrent=16, queue_limit=8, max_wait_s=2.0),
             ClassSpec("long", None, inflight_token_budget=1 << 30, max_concurrent=1, queue_limit=0, max_wait_s=0.0)]
+
+
+def generate(stub, timeout=30, metadata=None, **fields):
+    """One Generate call to the end: (every token id, the last message)."""
+    fields.setdefault("sampling", pb.SamplingParams(max_tokens=5, ignore_eos=True))
+    msgs = list(stub.Generate(pb.GenerateRequest(**fields), timeout=timeout, metadata=metadata))
+    return [t for m in msgs for t in m.token_ids], msgs[-1]
+
+
+def rpc_error(fn) -> grpc.RpcError:
+    """The gRPC error ``fn()`` raises (it must raise one)."""
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e
+    raise AssertionError("expected a gRPC error")

@@ -28,13 +28,6 @@ from tests.router.fake_cluster import SECRET, Behaviour, Rig, default_classes, e
 MODEL = "tiny-test"
 
 
-@pytest.fixture
-def rig(redis_server, ns):
-    r = Rig(redis_server.url, ns)
-    yield r
-    r.close()
-
-
 def _door(rig: Rig, api_keys=(), max_streams: int = 16):
     client = connect(rig.url, timeout_s=2.0)
     view = MembershipView(Membership(client, rig.ns, SECRET), refresh_interval_s=0.1,

@@ -15,25 +15,7 @@ from k3serve.router.admission import ClassSpec
 from k3serve.router.membership import ClusterState
 from k3serve.v1 import router_pb2 as pb
 from tests.router.fake_cluster import SECRET, Behaviour, Rig, expected_tokens
-
-
-@pytest.fixture
-def rig(redis_server, ns):
-    r = Rig(redis_server.url, ns)
-    yield r
-    r.close()
-
-
-def _run(stub, timeout=30, metadata=None, **fields):
-    fields.setdefault("sampling", pb.SamplingParams(max_tokens=5, ignore_eos=True))
-    msgs = list(stub.Generate(pb.GenerateRequest(**fields), timeout=timeout, metadata=metadata))
-    return [t for m in msgs for t in m.token_ids], msgs[-1]
-
-
-def _rpc_error(fn) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as err:
-        fn()
-    return err.value
+from tests.router.fake_cluster import generate as _run, rpc_error as _rpc_error
 
 
 def _states(svc) -> dict[str, ClusterState]:
