@@ -44,6 +44,8 @@ SLOW: dict[str, str] = {
     "tests/router/test_hashing.py::test_rank_is_deterministic_across_processes": "fresh interpreters",
     "tests/transfer/test_mooncake_procs.py": "Mooncake engines in worker processes",
     "tests/bench/test_bench_smoke.py": "runs whole benches",
+    "tests/bench/test_cuda_check_cpu.py::test_model_part_on_the_cpu_compares_equal_paths_as_equal":
+        "the CUDA check's model part (generations)",
     "tests/bench/test_bench_spec.py": "runs a whole bench",
     "tests/bench/test_numerics_cpu.py": "runs a whole bench",
     "tests/kernels/test_bench_kernels.py": "runs a whole bench",
