@@ -110,7 +110,7 @@ class DrillClient:
                     return
                 rec.router_retries += 1
                 rec.retry_reasons.append(str(e)[:200])
-                router = (router + 1) % len(self.stubs)
+                router = (router + 1) % (len(self.http_addresses) if http else len(self.stubs))
                 time.sleep(0.2)
 
     def _grpc_attempt(self, rec: RequestRecord, router: int, request_id: str, timeout_s: float) -> None:

@@ -199,6 +199,7 @@ def test_redis_outage_keeps_serving_and_recovers(deployment):
 
     # the first router replica was killed above; the drill client falls back to the survivor
     deployment.router_addresses = deployment.router_addresses[1:]
+    deployment.http_addresses = deployment.http_addresses[1:]
     out = run_drill(deployment, Fault("redis"), at_s=1.0, sessions=6, turns=3, max_tokens=12, seed=7)
     assert out["failed"] == 0 and out["mismatches"] == 0
     # Redis is back (empty): heartbeats re-register every cluster without a restart
