@@ -108,6 +108,15 @@ class Sim:
         self.pages.decref(hit.pages)
         return hit
 
+    def drain(self, held) -> None:
+        """Release the held hits, finish every running request and clear the cache: all pools back to full."""
+        for hit in held:
+            self.cache.release(hit)
+            self.pages.decref(hit.pages)
+        for rid in list(self.running):
+            self.finish(rid)
+        self.cache.clear()
+
     def full(self) -> bool:
         return self.pages.num_free == self.pages.capacity and self.slots.num_free == self.slots.capacity
 
@@ -489,12 +498,7 @@ def test_randomised_sessions_keep_invariants(seed, scheme):
         elif not held:
             sim.cache.clear()
         _check_ownership(sim, held)
-    for hit in held:
-        sim.cache.release(hit)
-        sim.pages.decref(hit.pages)
-    for rid in list(sim.running):
-        sim.finish(rid)
-    sim.cache.clear()
+    sim.drain(held)
     assert sim.full()
 
 

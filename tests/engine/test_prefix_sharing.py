@@ -117,10 +117,5 @@ def test_eviction_fuzz_many_identities_share_prefixes(seed):
                             slots_needed=rng.randrange(sim.slots.capacity + 1))
         _check_ownership(sim, held)
     assert sim.cache.stats()["hits"] > 0 and sim.cache.stats()["evicted_checkpoints"] > 0
-    for hit in held:
-        sim.cache.release(hit)
-        sim.pages.decref(hit.pages)
-    for rid in list(sim.running):
-        sim.finish(rid)
-    sim.cache.clear()
+    sim.drain(held)
     assert sim.full()
