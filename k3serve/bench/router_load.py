@@ -141,7 +141,6 @@ def start_router(deployment, ns: str, classes: list[ClassSpec], max_streams: int
     from k3serve.cluster.redis_server import connect
     from k3serve.model.checkpoint import load_config
     from k3serve.router.gate import AdmissionGate
-    from k3serve.router.hosts import co_located
     from k3serve.router.membership import Membership, MembershipView
     from k3serve.router.pins import PinStore
     from k3serve.router.server import RouterService, start_router_server
@@ -152,8 +151,7 @@ def start_router(deployment, ns: str, classes: list[ClassSpec], max_streams: int
     cfg = load_config(deployment.checkpoint)
     client = connect(deployment.redis_url)
     view = MembershipView(Membership(client, d.control.namespace, d.secret), refresh_interval_s=0.2)
-    gate = AdmissionGate(client, ns, classes, policy=d.clusters.prefix_policy(), config=config,
-                         co_located=co_located(view))
+    gate = AdmissionGate(client, ns, classes, policy=d.clusters.prefix_policy(), config=config)
     svc = RouterService(view, PinStore(client, ns), ModelLimits(cfg.vocab_size, cfg.max_position_embeddings,
                                                                 cfg.vocab_size == BYTE_VOCAB_SIZE),
                         d.secret, gate=gate, max_streams=max_streams)

@@ -61,11 +61,9 @@ class RouterActor:
                               breaker=CircuitBreaker(BreakerConfig(cool_down_s=ctl.suspect_cooldown_s)))
         limits = ModelLimits(cfg.vocab_size, cfg.max_position_embeddings, cfg.vocab_size == BYTE_VOCAB_SIZE)
         from k3serve.router.gate import AdmissionGate
-        from k3serve.router.hosts import co_located
 
         gate = AdmissionGate(client, ctl.namespace, admission_classes(d.request_classes), enabled=d.admission,
-                             policy=d.clusters.prefix_policy(), context_ttl_s=ctl.pin_ttl_s,
-                             co_located=co_located(view))
+                             policy=d.clusters.prefix_policy(), context_ttl_s=ctl.pin_ttl_s)
         from k3serve.router.metrics import RouterMetrics
 
         # the service is built after its metrics: the gauges read its status cache at scrape time (no Redis read)
@@ -110,8 +108,7 @@ class RouterActor:
 
     def counters(self) -> dict:
         gate = self.service.gate
-        return {**self.service.counters, **{f"admission.{k}": v for k, v in gate.counters.items()},
-                "admission.unknown_tickets": gate.admission.unknown_tickets}
+        return {**self.service.counters, **{f"admission.{k}": v for k, v in gate.counters.items()}}
 
     def learned_durations(self, cls: str) -> tuple[float, float]:
         """(TTFT, time per output token) the retry hints of class ``cls`` are paced by (router/progress.py)."""

@@ -2,175 +2,201 @@
 
 Requests are classed by *uncached* prompt tokens (``classify``), so a 1M-token prompt and a 2K one never compete
 for one budget. Each (cluster, class) has an in-flight token budget, a concurrency cap and a bounded FIFO queue.
-All state lives in Redis and every decision is one Lua script, so budgets hold across replicas and restarts
-(docs/architecture.md §2, invariant 4), and every entry carries a lease, so a crashed router leaks nothing past one TTL.
+All state lives in Redis and every decision is one Lua script (admission_lua.py), so budgets hold across replicas
+and restarts (docs/architecture.md §2, invariant 4); every entry carries a lease, so a crashed router leaks
+nothing past one TTL.
 
 Keys (``{...}`` is a Redis Cluster hash tag: all keys of one (cluster, class) share a slot; ``ns`` the namespace):
 
     k3s:{ns}:adm:{CLUSTER/CLASS}:lease   ZSET  request_id -> lease expiry (Redis ms)     in-flight reservations
     k3s:{ns}:adm:{CLUSTER/CLASS}:tok     HASH  request_id -> tokens
+    k3s:{ns}:adm:{CLUSTER/CLASS}:end     HASH  request_id -> expected end (Redis ms)        retry-after source
     k3s:{ns}:adm:{CLUSTER/CLASS}:q       ZSET  request_id -> arrival sequence number     waiters, FIFO
     k3s:{ns}:adm:{CLUSTER/CLASS}:qlease  ZSET  request_id -> waiter lease expiry (ms)
     k3s:{ns}:adm:{CLUSTER/CLASS}:qtok    HASH  request_id -> tokens wanted
     k3s:{ns}:adm:{CLUSTER/CLASS}:seq     STRING arrival counter
-    k3s:{ns}:adm:{CLUSTER/CLASS}:end     HASH  request_id -> expected end (Redis ms)        retry-after source
-    k3s:{ns}:adm:{CLUSTER/CLASS}:tix     ZSET  ticket -> place (same counter as q)          held places (tickets)
-    k3s:{ns}:adm:{CLUSTER/CLASS}:tixexp  ZSET  ticket -> expiry (ms): hinted moment + grace
-    k3s:{ns}:adm:{CLUSTER/CLASS}:tixtok  HASH  ticket -> tokens
-    k3s:{ns}:adm:{CLUSTER/CLASS}:tixat   HASH  ticket -> "issued ms:hinted ms"
-    k3s:{ns}:adm:{CLUSTER/CLASS}:tixfree HASH  ticket -> first moment (ms) its place was seen free
-    k3s:{ns}:adm:{CLUSTER/CLASS}:tixlent HASH  ticket -> borrower request_id: its room is lent (Lending)
-    k3s:{ns}:adm:{CLUSTER/CLASS}:tixhere ZSET  ticket -> presence expiry (ms): its holder is back, polling
-    k3s:{ns}:adm:{CLUSTER/CLASS}:turn    HASH  last admission ms, ewma of intervals while the line is not empty,
-                                               mean holding time ms (admission to release) and its mean absolute
-                                               deviation: the pace of places
-    k3s:{ns}:adm:{CLUSTER/CLASS}:since   HASH  request_id -> admission ms: a hold in progress (its age)
     k3s:{ns}:adm:alive                   STRING PX a few renew intervals, refreshed by every router's renewer
     k3s:{ns}:adm:recover                 STRING PX grace: present = Redis lost its state, no new admissions
 
+The rule, evaluated atomically after purging expired leases and waiters: a request of t tokens is admitted iff
+nothing is in flight or ahead of it, or (in-flight tokens + the waiters' ahead + t <= budget and in-flight count +
+waiters ahead < max_concurrent). A request larger than the whole budget is admitted only when it would run alone
+(else it could never run); once the head of the line cannot fit, nothing passes it, so nobody waits forever behind
+smaller ones. Only live waiters (polling, their leases renewed) count as ahead: a refused request holds nothing,
+so a class with room never refuses (capacity never sits idle behind a refusal). Otherwise the request joins the
+queue if it holds fewer than ``queue_limit``, polls (with jitter) up to ``max_wait_s``, and is refused with
+``AdmissionRejected`` (gRPC RESOURCE_EXHAUSTED) and a retry-after from the expected drain time (retry_hint.py).
+
 Reservations are held, or their holder knows it lost them. A renewal that finds its lease gone (Redis flushed,
-restarted, paused past the lease, or the renewer stalled) re-asserts it: the request is still running, so its
-tokens are in use whatever Redis forgot. For the others not to be admitted into that hole before every router
-has re-asserted, a missing ``alive`` key (Redis lost state, or nobody reached it for longer than its TTL) opens a
-``recover`` window of one grace period in which only re-assertions get in; new requests wait (or are refused
-with the grace as hint). A router's gate creates ``alive`` when it starts, so a fresh deployment does not wait.
-
-The admission rule, evaluated atomically with Redis's own clock after purging expired leases and waiters:
-
-* ``fits(t)``: nothing of the class is in flight, or (in-flight tokens + t <= budget and count < max_concurrent).
-  So a request larger than the whole class budget is admitted only when it would run alone; without that
-  exception it could never run at all. While it runs, it alone may exceed the budget.
-* No overtaking that delays anyone ahead: a request is admitted only if it fits with everything ahead of it in
-  line (queue waiters and held places, see Tickets) counted as taken; a newcomer is behind all of them. Once the
-  head cannot fit (say, an oversized request waiting for the class to drain), nothing passes it, in-flight work
-  drains and the head gets in: no request waits forever behind a stream of smaller ones. Classes keep sizes
-  similar, so FIFO within a class costs little. (It was "the head still fits after it", which let a request
-  pass the second waiter for the moment before that one polled: measured as held places that were free for a
-  few milliseconds.)
-* A request that does not get in joins the queue if it is shorter than ``queue_limit``; a waiter re-polls
-  (with jitter) and renews its waiter lease each time, up to ``max_wait_s``; then ``AdmissionRejected`` with a
-  retry hint (gRPC ``RESOURCE_EXHAUSTED``).
-
-Tickets: a refused client's place in line is held for it (router/tickets.py has the design): held places ahead
-of a request count as taken, and a refusal's hint is when its place is expected to come free. Lending (same
-place): a request present now may pass held places whose holders are away and are hinted to come back after it is
-expected to end (``AdmissionConfig.lend_margin`` x its expected duration); it is admitted only if the room is there
-now, so budgets are never exceeded, and a holder back while its borrower overruns waits for the next room.
-
-The class specs are passed with each call, so all router replicas must run with the same specs.
+restarted, paused past the lease) re-asserts it: the request is still running, so its tokens are in use whatever
+Redis forgot. For nobody to be admitted into that hole before every router has re-asserted, a missing ``alive``
+key opens a ``recover`` window of one grace period in which only re-assertions get in. A router's gate creates
+``alive`` when it starts, so a fresh deployment does not wait. The class specs are passed with each call, so all
+router replicas must run with the same specs.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import redis
 
-from k3serve.router.admission_lua import (DROP_TICKET as _DROP_TICKET, HOLDERS as _HOLDERS, REASSERT as _REASSERT,
-                                          REFUSE as _REFUSE, RELEASE as _RELEASE, RENEW as _RENEW, RESERVE as _RESERVE,
-                                          SET_HINT as _SET_HINT, STATS as _STATS, TICKET_KEYS as _TICKET_KEYS,
-                                          TOUCH as _TOUCH, TRY as _TRY, WAIT as _WAIT)
-from k3serve.router.retry_hint import HINT_JITTER, HINT_LATENESS, drain_wait_s  # noqa: F401 (re-exported)
-from k3serve.router.admission_refusals import MIN_RETRY_AFTER_S, AdmissionRefusals  # noqa: F401 (re-exported)
-from k3serve.router.tickets import Ticket, TicketWait, new_ticket_id
-from k3serve.router.admission_types import (  # noqa: F401 (re-exported)
-    AdmissionConfig, AdmissionRejected, ClassLoad, ClassSpec, RecoveryGuard, Reservation, classify, validate_classes)
+from k3serve.router import admission_lua as lua
 from k3serve.router.membership import check_id, key_prefix, ttl_ms
-
-__all__ = [
-    "ClassSpec",
-    "classify",
-    "validate_classes",
-    "Reservation",
-    "ClassLoad",
-    "AdmissionRejected",
-    "AdmissionConfig",
-    "Admission",
-    "RecoveryGuard",
-    "drain_wait_s",
-]
-
+from k3serve.router.retry_hint import HINT_JITTER, HINT_LATENESS, MIN_RETRY_AFTER_S, drain_wait_s
 
 _OK, _NO, _QUEUED, _FULL = 1, 0, 2, 3
 
 
-class Admission(AdmissionRefusals):
-    """Admission control over one Redis, under one deployment namespace. No state of its own beyond the client
-    and a jitter RNG: any number of instances and router processes share budgets through Redis. Thread-safe as
-    far as the redis-py client is (its connection pool is)."""
+@dataclass(frozen=True)
+class ClassSpec:
+    """A request class. ``max_uncached_tokens`` is the class's upper bound (inclusive; None = no bound).
+    Budget and caps apply per (cluster, class). ``queue_limit`` 0 means no waiting: reject at once."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        namespace: str,
-        config: AdmissionConfig = AdmissionConfig(),
-        rng: random.Random | None = None,
-        sleep=time.sleep,
-        clock=time.monotonic,
-        guard: RecoveryGuard | None = None,
-        co_located: Callable[[str], Sequence[str]] | None = None,
-    ) -> None:
-        """``co_located(cluster)``: the other clusters on that cluster's host (``router.hosts.co_located``),
-        whose budgets of a class are read with its own for the host-saturated pace (RELEASE, HOLDERS); None: every
-        cluster alone on its host."""
-        self._r = client
-        self.co_located = co_located or (lambda cluster: ())
+    name: str
+    max_uncached_tokens: int | None
+    inflight_token_budget: int
+    max_concurrent: int
+    queue_limit: int
+    max_wait_s: float
+
+    def __post_init__(self) -> None:
+        check_id("class name", self.name)
+        if self.max_uncached_tokens is not None and self.max_uncached_tokens < 0:
+            raise ValueError(f"class {self.name}: max_uncached_tokens must be >= 0")
+        if self.inflight_token_budget <= 0 or self.max_concurrent <= 0:
+            raise ValueError(f"class {self.name}: inflight_token_budget and max_concurrent must be > 0")
+        if self.queue_limit < 0 or self.max_wait_s < 0:
+            raise ValueError(f"class {self.name}: queue_limit and max_wait_s must be >= 0")
+
+
+def validate_classes(classes: Sequence[ClassSpec]) -> None:
+    """ValueError unless there is at least one class, names are unique and at most one class is unbounded."""
+    if not classes:
+        raise ValueError("at least one request class is needed")
+    names = [c.name for c in classes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate class names: {names}")
+    if sum(c.max_uncached_tokens is None for c in classes) > 1:
+        raise ValueError("at most one class may have max_uncached_tokens=None")
+
+
+def classify(uncached_tokens: int, classes: Sequence[ClassSpec]) -> ClassSpec:
+    """The class with the smallest ``max_uncached_tokens`` >= ``uncached_tokens``; else the unbounded class;
+    else (longer than every bound) the class with the largest bound, so every request has a class."""
+    validate_classes(classes)
+    if uncached_tokens < 0:
+        raise ValueError(f"uncached_tokens must be >= 0, got {uncached_tokens}")
+    bounded = sorted((c for c in classes if c.max_uncached_tokens is not None), key=lambda c: c.max_uncached_tokens)
+    for c in bounded:
+        if uncached_tokens <= c.max_uncached_tokens:
+            return c
+    unbounded = [c for c in classes if c.max_uncached_tokens is None]
+    return unbounded[0] if unbounded else bounded[-1]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Tokens held in one (cluster, class) budget until released or the lease (Redis time) expires."""
+
+    cluster: str
+    cls: str
+    request_id: str
+    tokens: int
+    expires_at: float  # Redis server time, epoch seconds
+    lease_ttl_s: float
+
+
+@dataclass(frozen=True)
+class ClassLoad:
+    tokens: int  # in-flight tokens
+    count: int  # in-flight requests
+    queued: int  # waiters
+
+
+class AdmissionRejected(Exception):
+    """Not admitted: ``reason`` is "queue_full", "timeout", "over_budget" (no waiting allowed), "refused" (turned
+    away before admission, e.g. at a router's stream limit) or "cancelled". Map to gRPC RESOURCE_EXHAUSTED with
+    ``retry_after_s`` as the hint."""
+
+    def __init__(self, retry_after_s: float, message: str, reason: str = "timeout", cluster: str = "",
+                 cls: str = "") -> None:
+        super().__init__(message)
+        self.retry_after_s, self.message, self.reason = retry_after_s, message, reason
+        self.cluster, self.cls = cluster, cls
+
+
+@dataclass(frozen=True)
+class RecoveryGuard:
+    """The state-loss guard (module docstring). ``alive_ttl_s`` must exceed the renewers' beat with margin;
+    ``grace_s`` must cover one beat of every router, so that all of them re-assert before new work gets in."""
+
+    alive_ttl_s: float
+    grace_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.grace_s <= self.alive_ttl_s:
+            raise ValueError(f"need 0 < grace_s <= alive_ttl_s, got {self}")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Waiters poll every U(poll_min_s, poll_max_s) seconds (jitter keeps replicas from polling in lock-step); a
+    waiter that stops polling (crashed router) leaves the queue ``queue_lease_s`` later."""
+
+    poll_min_s: float = 0.005
+    poll_max_s: float = 0.03
+    queue_lease_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.poll_min_s <= self.poll_max_s:
+            raise ValueError(f"need 0 < poll_min_s <= poll_max_s, got {self}")
+        if self.queue_lease_s <= self.poll_max_s:
+            raise ValueError("queue_lease_s must exceed poll_max_s, or live waiters would expire between polls")
+
+
+class Admission:
+    """Admission control over one Redis, under one deployment namespace. No state of its own beyond the client
+    and a jitter RNG: any number of instances and router processes share budgets through Redis."""
+
+    def __init__(self, client: redis.Redis, namespace: str, config: AdmissionConfig = AdmissionConfig(),
+                 rng: random.Random | None = None, sleep=time.sleep, clock=time.monotonic,
+                 guard: RecoveryGuard | None = None) -> None:
+        self._r, self.config, self.guard = client, config, guard
         self.prefix = key_prefix(namespace)
-        self.guard = guard
         self._guard_keys = [f"{self.prefix}adm:alive", f"{self.prefix}adm:recover"]
-        self.config = config
         self._rng = rng if rng is not None else random.Random()
         self._rng_lock = threading.Lock()
-        self._sleep = sleep
-        self._clock = clock
+        self._sleep, self._clock = sleep, clock
         self._recovering = False  # what the last reserve call saw (for the rejection's hint)
-        self.unknown_tickets = 0  # tickets presented that Redis did not know (expired, forged, flushed)
-        self._reserve = client.register_script(_RESERVE)
-        self._renew = client.register_script(_RENEW)
-        self._reassert = client.register_script(_REASSERT)
-        self._touch = client.register_script(_TOUCH)
-        self._stats = client.register_script(_STATS)
-        self._holders = client.register_script(_HOLDERS)
-        self._set_hint = client.register_script(_SET_HINT)
-        self._drop_ticket = client.register_script(_DROP_TICKET)
-        self._release = client.register_script(_RELEASE)
+        self._scripts = {name: client.register_script(getattr(lua, name))
+                         for name in ("RESERVE", "RENEW", "REASSERT", "RELEASE", "TOUCH", "STATS", "HOLDERS")}
 
-    # ------------------------------------------------------------------------------------------- keys
     def keys(self, cluster: str, cls: str) -> dict[str, str]:
-        """The sixteen keys of one (cluster, class) budget, by role."""
+        """The keys of one (cluster, class) budget, by role (module docstring)."""
         check_id("cluster id", cluster)
         check_id("class name", cls)
         base = f"{self.prefix}adm:{{{cluster}/{cls}}}:"
-        return {k: base + k
-                for k in ("lease", "tok", "q", "qlease", "qtok", "seq", "end", *_TICKET_KEYS, "turn", "since")}
+        return {k: base + k for k in ("lease", "tok", "end", "q", "qlease", "qtok", "seq")}
 
-    def _host_keys(self, cluster: str, cls: str) -> list[str]:
-        """(lease, q, tix) of ``cls``'s budget on every cluster co-located with ``cluster`` (RELEASE, HOLDERS)."""
-        out = []
-        for other in self.co_located(cluster):
-            k = self.keys(other, cls)
-            out += [k["lease"], k["q"], k["tix"]]
-        return out
+    def _k(self, cluster: str, cls: str, n: int) -> list[str]:
+        """The first ``n`` keys in RESERVE's order (3: a lease's, 6: with the queue's)."""
+        return list(self.keys(cluster, cls).values())[:n]
 
-    def _tkeys(self, cluster: str, cls: str) -> list[str]:
-        k = self.keys(cluster, cls)
-        return [k[n] for n in _TICKET_KEYS]
-
-    # ---------------------------------------------------------------------------------- reservations
     def _guard_args(self) -> tuple[list[str], list[int]]:
         if self.guard is None:
             return ["", ""], [0, 0]
         return self._guard_keys, [ttl_ms(self.guard.alive_ttl_s), ttl_ms(self.guard.grace_s)]
 
-    def _call_reserve(self, cluster, cls: ClassSpec, request_id, tokens, lease_ttl_s, mode, expected_s=0.0,
-                      ticket_id: str = "", issue: bool = True):
-        """One RESERVE call: (status, reservation or None, queue length, ticket id held after it ('' none),
-        presented ticket state 0 none / 1 honoured / 2 unknown)."""
+    # ---------------------------------------------------------------------------------- reservations
+    def _call_reserve(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int, lease_ttl_s: float,
+                      mode: int, expected_s: float = 0.0) -> tuple[int, Reservation | None, int]:
+        """One RESERVE call: (status, reservation or None, queue length)."""
         try:
             tokens = operator.index(tokens)  # ints, numpy ints; not floats
         except TypeError:
@@ -179,82 +205,42 @@ class Admission(AdmissionRefusals):
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         if not request_id:
             raise ValueError("empty request_id")
-        k = self.keys(cluster, cls.name)
         gkeys, gargs = self._guard_args()
-        cfg = self.config
-        raw = self._reserve(
-            keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["seq"], k["end"],
-                  *(k[n] for n in _TICKET_KEYS), k["turn"], *gkeys, k["since"]],
+        status, expiry_ms, qlen, recovering = (int(x) for x in self._scripts["RESERVE"](
+            keys=[*self._k(cluster, cls.name, 7), *gkeys],
             args=[request_id, tokens, cls.inflight_token_budget, cls.max_concurrent, ttl_ms(lease_ttl_s), mode,
-                  cls.queue_limit, ttl_ms(cfg.queue_lease_s), int(max(expected_s, 0.0) * 1000), *gargs,
-                  ticket_id, new_ticket_id() if issue else "", ttl_ms(cfg.ticket_unhinted_s), cfg.ticket_limit,
-                  repr(float(cfg.lend_margin))],
-        )  # fmt: skip
-        status, _sum, _count, qlen, expiry_ms, recovering = (int(x) for x in raw[:6])
-        held, lent_from = (x.decode() if isinstance(x, bytes) else str(x) for x in (raw[6], raw[11]))
-        tstate, issued, hinted, free = (int(x) for x in raw[7:11])
-        res = None
-        if status == _OK:
-            waited = TicketWait(issued / 1000.0, hinted / 1000.0, free / 1000.0) if tstate == 1 else None
-            res = Reservation(cluster, cls.name, request_id, tokens, expiry_ms / 1000.0, lease_ttl_s, waited,
-                              lent_from, admitted_ms=expiry_ms - ttl_ms(lease_ttl_s))
+                  cls.queue_limit, ttl_ms(self.config.queue_lease_s), int(max(expected_s, 0.0) * 1000), *gargs]))
         self._recovering = bool(recovering)
-        return status, res, qlen, held, tstate
+        res = Reservation(cluster, cls.name, request_id, tokens, expiry_ms / 1000.0, lease_ttl_s) \
+            if status == _OK else None
+        return status, res, qlen
 
-    def try_reserve(
-        self, cluster: str, cls: ClassSpec, request_id: str, tokens: int, lease_ttl_s: float
-    ) -> Reservation | None:
+    def try_reserve(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int,
+                    lease_ttl_s: float) -> Reservation | None:
         """Reserve ``tokens`` of ``cls``'s budget on ``cluster`` now, or None (never waits, never queues).
-
         Idempotent per ``request_id``: calling again while the reservation is held renews it and returns it."""
-        _, res, _, _, _ = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, _TRY, issue=False)
-        return res
+        return self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, lua.TRY)[1]
 
-    def reserve_or_wait(
-        self,
-        cluster: str,
-        cls: ClassSpec,
-        request_id: str,
-        tokens: int,
-        lease_ttl_s: float,
-        *,
-        max_wait_s: float | None = None,
-        cancel: threading.Event | None = None,
-        expected_s: float = 0.0,
-        ticket_id: str = "",
-    ) -> Reservation:
+    def reserve_or_wait(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int, lease_ttl_s: float, *,
+                        max_wait_s: float | None = None, cancel: threading.Event | None = None,
+                        expected_s: float = 0.0) -> Reservation:
         """Reserve, waiting in the class queue up to ``max_wait_s`` (default ``cls.max_wait_s``). ``expected_s``:
-        how long the request is expected to hold the reservation (published as its expected end, for hints; a
-        request with one may be lent the room of a held place whose holder comes back after it, module docstring;
-        the reservation's ``lent_from`` names that place).
-        ``ticket_id``: the id of a retry ticket of this (cluster, class) the request came back with: it is admitted
-        into that place when it is free; back early, it waits in its place if that is among the next
-        ``max_concurrent`` to come free (``_wait_in_place``), else it is refused ("early") with a fresh hint and the
-        same place (an id Redis
-        does not know: as a newcomer, ``unknown_tickets`` counts it).
+        how long the request is expected to hold the reservation (published as its expected end, for hints).
 
         Raises AdmissionRejected: "queue_full" when the queue already holds ``queue_limit`` waiters, "timeout"
-        after the wait, "over_budget" when waiting is disabled (max wait 0), "cancelled" when ``cancel`` is set;
-        all but "cancelled" carry a ticket for the request's place in line (module docstring, "Tickets").
-        The waiter leaves the queue on every exit path (and its lease clears it if this process dies).
-        """
+        after the wait, "over_budget" when waiting is disabled (max wait 0), "cancelled" when ``cancel`` is set.
+        The waiter leaves the queue on every exit path (and its lease clears it if this process dies)."""
         wait = cls.max_wait_s if max_wait_s is None else max_wait_s
-        mode = _WAIT if wait > 0 else _TRY
-        status, res, qlen, held, tstate = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, mode,
-                                                             expected_s, ticket_id)
-        if tstate == 2:
-            self.unknown_tickets += 1  # plain int bumps are fine for a diagnostic count under the GIL
+        mode = lua.WAIT if wait > 0 else lua.TRY
+        status, res, qlen = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, mode, expected_s)
         if status == _OK:
             return res
-        rej = functools.partial(self._rejected, cluster, cls, tokens, expected_s=expected_s)
-        if status == _NO and tstate == 1:
-            return self._wait_in_place(cluster, cls, request_id, tokens, lease_ttl_s, expected_s, held,
-                                       wait, cancel)
         if status == _NO:
-            raise rej("over_budget", f"{cls.name} on {cluster}: over budget and no waiting allowed", ticket_id=held)
+            raise self.rejected(cluster, cls, tokens, "over_budget",
+                                f"{cls.name} on {cluster}: over budget and no waiting allowed", expected_s)
         if status == _FULL:
-            raise rej("queue_full", f"{cls.name} on {cluster}: queue full ({qlen} waiting)", ticket_id=held)
-        # a plain waiter (ticket holders do not wait); on timeout its queue place becomes its ticket
+            raise self.rejected(cluster, cls, tokens, "queue_full",
+                                f"{cls.name} on {cluster}: queue full ({qlen} waiting)", expected_s)
         deadline = self._clock() + wait
         try:
             while True:
@@ -263,147 +249,121 @@ class Admission(AdmissionRefusals):
                     raise AdmissionRejected(0.0, f"{request_id} cancelled while queued for {cls.name}", "cancelled",
                                             cluster, cls.name)
                 if now >= deadline:
-                    _, _, qlen, held, _ = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, _REFUSE,
-                                                             expected_s)
-                    raise rej("timeout", f"{cls.name} on {cluster}: not admitted within {wait:.3g}s ({qlen} waiting)",
-                              ticket_id=held)
+                    self._leave_queue(cluster, cls.name, request_id)  # the hint counts only those still waiting
+                    raise self.rejected(cluster, cls, tokens, "timeout",
+                                        f"{cls.name} on {cluster}: not admitted within {wait:.3g}s "
+                                        f"({max(qlen - 1, 0)} waiting)", expected_s)
                 self._sleep(min(self._jitter(), deadline - now))
-                status, res, qlen, held, _ = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, _WAIT,
-                                                                expected_s)
+                status, res, qlen = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, lua.WAIT,
+                                                       expected_s)
                 if status == _OK:
                     return res
-                # _FULL here means our waiter lease lapsed (a stall longer than queue_lease_s) and the queue filled
-                # meanwhile: give up like any other newcomer would (with a place at the end of the line).
+                # _FULL: our waiter lease lapsed (a stall past queue_lease_s) and the queue filled meanwhile
                 if status == _FULL:
-                    raise rej("queue_full", f"{cls.name} on {cluster}: lost its place in a full queue", ticket_id=held)
+                    raise self.rejected(cluster, cls, tokens, "queue_full",
+                                        f"{cls.name} on {cluster}: lost its place in a full queue", expected_s)
         except BaseException:
             self._leave_queue(cluster, cls.name, request_id)
             raise
-
-    def _wait_in_place(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int, lease_ttl_s: float,
-                       expected_s: float, ticket_id: str, wait_s: float,
-                       cancel: threading.Event | None) -> Reservation:
-        """A ticket holder back before its place is free: it polls in its place (nobody behind can pass it) while
-        the place is among the next ``max_concurrent`` to come free or is expected to come free within
-        ``config.ticket_wait_s`` (re-checked every quarter of that), for at most ``wait_s`` in all; otherwise it is
-        refused ("early") with a fresh hint and the same place. Bounded, because a waiting stream holds a router
-        thread (with unbounded waits, early returners filled a router's stream slots while a holder whose place
-        was free was turned away): at most about ``max_concurrent`` holders per budget wait at once. (Re-hints
-        this close to the front were the least accurate: their waits are short, so small errors are large.)"""
-        step = self.config.ticket_wait_s / 4
-        start = self._clock()
-        check_at = start
-        while True:
-            now = self._clock()
-            if cancel is not None and cancel.is_set():
-                raise AdmissionRejected(0.0, f"{request_id} cancelled while back early for {cls.name}", "cancelled",
-                                        cluster, cls.name, Ticket(cluster, cls.name, ticket_id))
-            if now >= check_at:
-                try:
-                    soon, before = self.line_view(cluster, cls, tokens, expected_s, ticket_id=ticket_id)
-                except (redis.RedisError, OSError):
-                    soon, before = float("inf"), cls.max_concurrent + 1
-                near = before <= cls.max_concurrent or soon <= self.config.ticket_wait_s
-                if not near or now - start >= wait_s:
-                    raise self._rejected(cluster, cls, tokens, "early",
-                                         f"{cls.name} on {cluster}: back before its place in line is free",
-                                         expected_s=expected_s, ticket_id=ticket_id)
-                check_at = now + step
-            self._sleep(self._jitter())
-            status, res, _, held, tstate = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, _TRY,
-                                                              expected_s, ticket_id)
-            if status == _OK:
-                return res
-            if tstate != 1:  # its place lapsed meanwhile (a stall past its life): refused like a newcomer
-                raise self._rejected(cluster, cls, tokens, "early", f"{cls.name} on {cluster}: lost its place",
-                                     expected_s=expected_s, ticket_id=held)
 
     def renew(self, reservation: Reservation, lease_ttl_s: float | None = None) -> Reservation | None:
         """Extend the lease by ``lease_ttl_s`` (default: the reservation's) from now; None when the lease was
         already gone (expired or released): the caller no longer holds budget and should re-reserve or fail."""
         ttl = reservation.lease_ttl_s if lease_ttl_s is None else lease_ttl_s
-        k = self.keys(reservation.cluster, reservation.cls)
-        expiry = int(self._renew(keys=[k["lease"], k["tok"], k["end"], k["since"]],
-                                 args=[reservation.request_id, ttl_ms(ttl)]))
-        if expiry == 0:
-            return None
-        return Reservation(reservation.cluster, reservation.cls, reservation.request_id, reservation.tokens,
-                           expiry / 1000.0, ttl)  # fmt: skip
+        return self.renew_many([reservation], ttl)[0]
 
-    def renew_many(self, reservations: Sequence[Reservation]) -> list[Reservation | None]:
+    def renew_many(self, reservations: Sequence[Reservation],
+                   lease_ttl_s: float | None = None) -> list[Reservation | None]:
         """``renew`` for every reservation a router holds, in one round trip (a pipeline of script calls)."""
         pipe = self._r.pipeline(transaction=False)
         for r in reservations:
-            k = self.keys(r.cluster, r.cls)
-            self._renew(keys=[k["lease"], k["tok"], k["end"], k["since"]], args=[r.request_id, ttl_ms(r.lease_ttl_s)],
-                        client=pipe)
-        out: list[Reservation | None] = []
-        for r, expiry in zip(reservations, pipe.execute(), strict=True):
-            expiry = int(expiry)
-            out.append(
-                None if expiry == 0 else Reservation(r.cluster, r.cls, r.request_id, r.tokens, expiry / 1000.0,
-                                                     r.lease_ttl_s)  # fmt: skip
-            )
-        return out
+            self._scripts["RENEW"](keys=self._k(r.cluster, r.cls, 3),
+                                   args=[r.request_id, ttl_ms(lease_ttl_s or r.lease_ttl_s)], client=pipe)
+        return [None if int(expiry) == 0 else
+                Reservation(r.cluster, r.cls, r.request_id, r.tokens, int(expiry) / 1000.0, lease_ttl_s or r.lease_ttl_s)
+                for r, expiry in zip(reservations, pipe.execute(), strict=True)]
 
     def reassert_many(self, held: Sequence[tuple[Reservation, float]]) -> list[tuple[Reservation, bool]]:
         """Renew the leases of running requests (reservation, expected remaining seconds) in one round trip, and
         put back any that Redis lost (flushed, restarted, paused past the lease): (new reservation, lost)."""
         pipe = self._r.pipeline(transaction=False)
         for r, remaining_s in held:
-            k = self.keys(r.cluster, r.cls)
-            self._reassert(keys=[k["lease"], k["tok"], k["end"], k["since"]],
-                           args=[r.request_id, ttl_ms(r.lease_ttl_s), r.tokens, int(max(remaining_s, 0) * 1000)],
-                           client=pipe)  # fmt: skip
-        out = []
-        for (r, _), (expiry, lost) in zip(held, pipe.execute(), strict=True):
-            new = Reservation(r.cluster, r.cls, r.request_id, r.tokens, int(expiry) / 1000.0, r.lease_ttl_s)
-            out.append((new, bool(int(lost))))
-        return out
+            self._scripts["REASSERT"](keys=self._k(r.cluster, r.cls, 3),
+                                      args=[r.request_id, ttl_ms(r.lease_ttl_s), r.tokens,
+                                            int(max(remaining_s, 0) * 1000)], client=pipe)
+        return [(Reservation(r.cluster, r.cls, r.request_id, r.tokens, int(expiry) / 1000.0, r.lease_ttl_s),
+                 bool(int(lost))) for (r, _), (expiry, lost) in zip(held, pipe.execute(), strict=True)]
 
     def touch(self) -> bool:
         """The renewer's beat of the state-loss guard; True while Redis is recovering (no guard: False)."""
         if self.guard is None:
             return False
-        return bool(int(self._touch(keys=self._guard_keys, args=self._guard_args()[1])))
+        return bool(int(self._scripts["TOUCH"](keys=self._guard_keys, args=self._guard_args()[1])))
 
-    def release(self, reservation: Reservation, max_concurrent: int = 0) -> bool:
+    def release(self, reservation: Reservation) -> bool:
         """Return the tokens to the budget. Idempotent: True if this call released them, False if they were
-        already gone (released before, or the lease expired). The reservation as admitted (``admitted_ms`` set)
-        also reports how long it held its room (the budget's mean holding time, RELEASE); ``max_concurrent``, its
-        class's cap, says when a co-located budget without a line is saturated all the same (0: never)."""
-        k = self.keys(reservation.cluster, reservation.cls)
-        keys = [k["lease"], k["tok"], k["end"], k["turn"], k["since"], k["q"], k["tix"],
-                *self._host_keys(reservation.cluster, reservation.cls)]
-        return bool(int(self._release(keys=keys, args=[reservation.request_id, reservation.admitted_ms,
-                                                       max(int(max_concurrent), 0)])))
+        already gone (released before, or the lease expired)."""
+        return bool(int(self._scripts["RELEASE"](keys=self._k(reservation.cluster, reservation.cls, 3),
+                                                 args=[reservation.request_id])))
 
     # ---------------------------------------------------------------------------------------- reads
-    def stats(self, cluster: str, cls: str, spec: ClassSpec | None = None) -> ClassLoad:
-        """In-flight tokens and requests, queue length and held places of one (cluster, class), expired leases,
-        waiters and tickets purged first (with ``spec``, held places that came free are stamped, see RESERVE)."""
-        return self.stats_many([(cluster, cls)], {cls: spec} if spec else None)[0]
+    def stats(self, cluster: str, cls: str) -> ClassLoad:
+        """In-flight tokens and requests and queue length of one (cluster, class), expired entries purged first."""
+        return self.stats_many([(cluster, cls)])[0]
 
-    def stats_many(self, pairs: Sequence[tuple[str, str]],
-                   specs: dict[str, ClassSpec] | None = None) -> list[ClassLoad]:
+    def stats_many(self, pairs: Sequence[tuple[str, str]]) -> list[ClassLoad]:
         """``stats`` of many (cluster, class) pairs in one round trip (status and metrics read them all)."""
         pipe = self._r.pipeline(transaction=False)
         for cluster, cls in pairs:
-            self.stats_on(pipe, cluster, cls, (specs or {}).get(cls))
+            self.stats_on(pipe, cluster, cls)
         return [ClassLoad(*(int(x) for x in row)) for row in pipe.execute()]
 
-    def stats_on(self, pipe, cluster: str, cls: str, spec: ClassSpec | None = None) -> None:
-        """Queue ``stats`` of one (cluster, class) on a caller's pipeline: its row (``ClassLoad``'s fields) comes
-        back among the pipeline's replies, so a monitor can read the raw keys atomically beside it."""
-        k = self.keys(cluster, cls)
-        self._stats(keys=[k["lease"], k["tok"], k["q"], k["qlease"], k["qtok"], k["end"],
-                          *(k[n] for n in _TICKET_KEYS), k["since"]],
-                    args=[spec.inflight_token_budget, spec.max_concurrent] if spec else [0, 0], client=pipe)
+    def stats_on(self, pipe, cluster: str, cls: str) -> None:
+        """Queue ``stats`` of one (cluster, class) on a caller's pipeline (its row is ``ClassLoad``'s fields), so
+        a monitor can read the raw keys atomically beside it."""
+        self._scripts["STATS"](keys=self._k(cluster, cls, 6), client=pipe)
 
     def inflight(self, cluster: str, cls: str) -> tuple[int, int]:
         """(in-flight tokens, in-flight requests) of one (cluster, class)."""
         s = self.stats(cluster, cls)
         return s.tokens, s.count
+
+    def retry_after(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0,
+                    unseen: tuple[int, int] = (0, 0)) -> float:
+        """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls) behind its waiters, from the holders'
+        published ends. ``unseen`` = (requests, tokens) ahead of it that Redis does not show yet (a router's
+        streams that hold a stream slot but have not reached admission): counted as waiters ahead."""
+        raw = [int(x) for x in self._scripts["HOLDERS"](keys=self._k(cluster, cls.name, 6))]
+        now, queued, queued_tokens = raw[:3]
+        # a holder that published no end (a caller without a duration estimate): the class turns over in about
+        # max_wait_s
+        unknown = now + int(max(cls.max_wait_s, 0.1) * 1000)
+        holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[3::2], raw[4::2])]
+        return drain_wait_s(now, holders, queued + unseen[0], queued_tokens + unseen[1], tokens,
+                            cls.inflight_token_budget, cls.max_concurrent, round_s)
+
+    def rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
+                 expected_s: float = 0.0, unseen: tuple[int, int] = (0, 0),
+                 at_least_s: float = 0.0) -> AdmissionRejected:
+        """The refusal with its hint: the expected drain time (not before ``at_least_s``), scaled late and
+        jittered +0-``HINT_JITTER``; the recovery grace while Redis recovers from a state loss."""
+        if self._recovering and self.guard is not None:
+            return AdmissionRejected(self.guard.grace_s, f"{message} (admission state recovering after a Redis loss)",
+                                     reason, cluster, cls.name)
+        try:
+            hint = self.retry_after(cluster, cls, tokens, round_s=expected_s, unseen=unseen)
+        except (redis.RedisError, OSError):
+            hint = max(cls.max_wait_s, 0.1)  # no holders to read: the queue turns over in about max_wait_s
+        with self._rng_lock:
+            hint = max(hint, at_least_s, MIN_RETRY_AFTER_S) * HINT_LATENESS * self._rng.uniform(1.0, 1.0 + HINT_JITTER)
+        return AdmissionRejected(round(hint, 3), message, reason, cluster, cls.name)
+
+    def refuse(self, cluster: str, cls: ClassSpec, tokens: int, message: str, *, expected_s: float = 0.0,
+               at_least_s: float = 0.0, unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
+        """The refusal of a request turned away before admission (a router at its stream limit): when this budget
+        is expected to have room for it, not before ``at_least_s`` (the router's own reason to refuse)."""
+        self._recovering = False
+        return self.rejected(cluster, cls, tokens, "refused", message, expected_s, unseen, at_least_s)
 
     # ------------------------------------------------------------------------------------- internals
     def _leave_queue(self, cluster: str, cls: str, request_id: str) -> None:

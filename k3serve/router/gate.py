@@ -7,8 +7,8 @@
             extends and that stops strictly before its end (the engine needs the last token's logits)
  class    = classify(uncached)               e.g. short <= 4096 < long
  reserve  = (cluster, class) budget in Redis: wait in the class queue up to max_wait_s, else
-            RESOURCE_EXHAUSTED with a retry-after hint and a retry ticket (a place in line, held in Redis; the hint
-            is when it comes free); leases renewed (and re-asserted if Redis lost them) while the request streams
+            RESOURCE_EXHAUSTED with a retry-after hint (the expected drain time); leases renewed (and re-asserted
+            if Redis lost them) while the request streams
 ```
 A warm 1M-token session with a 2K-token turn is therefore a short request. Eviction on the cluster is not
 visible here: an evicted checkpoint makes the estimate low by what was evicted (the engine chunks long prefills
@@ -24,7 +24,7 @@ import struct
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import redis
 import xxhash
@@ -34,7 +34,6 @@ from k3serve.router.admission import (Admission, AdmissionConfig, AdmissionRejec
                                       Reservation, classify)
 from k3serve.router.membership import key_prefix
 from k3serve.router.metrics import Counters
-from k3serve.router.tickets import Ticket
 
 log = logging.getLogger(__name__)
 
@@ -52,28 +51,23 @@ class _Held:
 class AdmissionGate:
     """Admission for one router process. ``renew_interval_s`` (default min(lease/3, 0.5 s)) is the renewer's beat;
     with ``recovery`` the state-loss guard holds new admissions for three beats after Redis lost its state;
-    ``config`` the waiting, ticket and lending behaviour (``AdmissionConfig``'s defaults when None);
-    ``co_located(cluster)`` the other clusters on its host (``router.hosts.co_located``; None: each alone)."""
+    ``config`` the waiting behaviour (``AdmissionConfig``'s defaults when None)."""
 
     def __init__(self, client: redis.Redis, namespace: str, classes: Sequence[ClassSpec], *, enabled: bool = True,
                  lease_ttl_s: float = 10.0, policy: PrefixCachePolicy | None = None, context_ttl_s: float = 3600.0,
                  renew_interval_s: float | None = None, recovery: bool = True,
-                 config: AdmissionConfig | None = None,
-                 co_located: Callable[[str], Sequence[str]] | None = None) -> None:
+                 config: AdmissionConfig | None = None) -> None:
         self.client, self.classes, self.enabled = client, list(classes), enabled
         self.policy = policy or PrefixCachePolicy()
         self.lease_ttl_s, self.context_ttl_s = lease_ttl_s, context_ttl_s
         self.renew_interval_s = renew_interval_s or min(lease_ttl_s / 3, 0.5)
         guard = RecoveryGuard(alive_ttl_s=6 * self.renew_interval_s, grace_s=3 * self.renew_interval_s) \
             if recovery else None
-        self.admission = Admission(client, namespace, config or AdmissionConfig(), guard=guard,
-                                   co_located=co_located)
-        self._specs = {c.name: c for c in self.classes}
+        self.admission = Admission(client, namespace, config or AdmissionConfig(), guard=guard)
         self._prefix = key_prefix(namespace)
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
-        self.counters = Counters("bypassed", "reasserted", "tickets_issued", "tickets_honoured", "tickets_moved",
-                                 "lent")
+        self.counters = Counters("bypassed", "reasserted")
         if guard is not None:
             try:  # a fresh router on a fresh Redis: nothing to recover, so no grace to wait out
                 client.set(f"{self._prefix}adm:alive", "1", px=int(guard.alive_ttl_s * 1000), nx=True)
@@ -120,33 +114,17 @@ class AdmissionGate:
         return classify(uncached, self.classes)
 
     # ------------------------------------------------------------------------------------------ reservations
-    def _ticket_here(self, ticket: Ticket | None, cluster: str, cls: ClassSpec) -> str:
-        """The id of ``ticket`` if it holds a place in (cluster, cls); else '' (and a ticket of another budget is
-        given up: the request no longer goes there, so its place there would only block the line)."""
-        if ticket is None:
-            return ""
-        if (ticket.cluster, ticket.cls) == (cluster, cls.name):
-            return ticket.id
-        self.counters.inc("tickets_moved")
-        self.admission.drop_ticket(ticket)
-        return ""
-
     def _refused(self, e: AdmissionRejected) -> AdmissionRejected:
         self.counters.inc(f"rejected:{e.cls}")
-        if e.ticket is not None:
-            self.counters.inc("tickets_issued")
         return e
 
     def admit(self, cluster: str, request_id: str, uncached: int, cancel: threading.Event | None = None,
-              remaining_s: Callable[[], float] | None = None, cls: ClassSpec | None = None,
-              ticket: Ticket | None = None) -> Reservation | None:
+              remaining_s: Callable[[], float] | None = None, cls: ClassSpec | None = None) -> Reservation | None:
         """Reserve ``uncached`` tokens of the request's class (or ``cls``) on ``cluster``; None when budgets are
-        off. ``remaining_s`` is the request's expected remaining time (its published expected end); ``ticket``
-        the retry ticket the client came back with (its held place, if it is one of this budget).
+        off. ``remaining_s`` is the request's expected remaining time (its published expected end).
 
         Each call reserves under its own id (``request_id`` + a random suffix), so two requests that share a
-        client-chosen id never share one reservation. Raises AdmissionRejected (queue full, or waited max_wait_s),
-        with a ticket for the request's place in line.
+        client-chosen id never share one reservation. Raises AdmissionRejected (queue full, or waited max_wait_s).
         """
         if not self.enabled:
             return None
@@ -156,12 +134,7 @@ class AdmissionGate:
         remaining = remaining_s or (lambda: 0.0)
         try:
             res = self.admission.reserve_or_wait(cluster, cls, rid, tokens, self.lease_ttl_s, cancel=cancel,
-                                                 expected_s=remaining(),
-                                                 ticket_id=self._ticket_here(ticket, cluster, cls))
-            if res.waited is not None:
-                self.counters.inc("tickets_honoured")
-            if res.lent_from:
-                self.counters.inc("lent")  # admitted into the room of a held place whose holder is away
+                                                 expected_s=remaining())
         except AdmissionRejected as e:
             raise self._refused(e) from None
         except (redis.RedisError, OSError) as e:
@@ -174,27 +147,16 @@ class AdmissionGate:
             self._held[rid] = _Held(res, remaining)
         return res
 
-    def holds(self, ticket: Ticket | None) -> bool:
-        """Whether ``ticket`` holds a place now (False without one, with budgets off, or with Redis unusable)."""
-        if ticket is None or not self.enabled:
-            return False
+    def refuse(self, cluster: str, cls: ClassSpec, uncached: int, message: str, *, expected_s: float = 0.0,
+               at_least_s: float = 0.0, unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
+        """The refusal of a request turned away before admission (a router at its stream limit), hinted when
+        (cluster, cls) is expected to have room for it, not before ``at_least_s`` (Admission.refuse). Redis
+        unusable: the hint is ``at_least_s``."""
         try:
-            return self.admission.holds(ticket)
-        except (redis.RedisError, OSError):
-            return False
-
-    def refuse(self, cluster: str, cls: ClassSpec, request_id: str, uncached: int, message: str, *,
-               ticket: Ticket | None = None, expected_s: float = 0.0, at_least_s: float = 0.0,
-               unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
-        """The refusal of a request turned away before admission (a router at its stream limit): a place in the
-        line of (cluster, cls) (the ticket's, if it holds one there) and the hint for it (without a place: not
-        before ``at_least_s``; Admission.refuse). Redis unusable: the hint is ``at_least_s``, no ticket."""
-        try:
-            rej = self.admission.refuse(cluster, cls, f"{request_id}#{uuid.uuid4().hex[:12]}", max(uncached, 1),
-                                        message, ticket_id=self._ticket_here(ticket, cluster, cls),
-                                        expected_s=expected_s, at_least_s=at_least_s, unseen=unseen)
+            rej = self.admission.refuse(cluster, cls, max(uncached, 1), message, expected_s=expected_s,
+                                        at_least_s=at_least_s, unseen=unseen)
         except (redis.RedisError, OSError) as e:
-            log.info("refusal without a ticket (Redis: %s: %s)", type(e).__name__, e)
+            log.info("refusal hinted by the router alone (Redis: %s: %s)", type(e).__name__, e)
             rej = AdmissionRejected(max(at_least_s, 0.05), message, "refused", cluster, cls.name)
         return self._refused(rej)
 
@@ -207,8 +169,7 @@ class AdmissionGate:
             return None
         with self._lock:
             held = self._held.pop(res.request_id, None)
-        # it goes on holding a room (elsewhere): not an end of its hold, so it does not teach the budget's pace
-        self._release_in_redis(replace(res, admitted_ms=0))
+        self._release_in_redis(res)
         new = Reservation(cluster, res.cls, res.request_id, res.tokens, 0.0, res.lease_ttl_s)
         remaining = held.remaining_s if held else (lambda: 0.0)
         with self._lock:
@@ -228,8 +189,7 @@ class AdmissionGate:
 
     def _release_in_redis(self, res: Reservation) -> None:
         try:
-            spec = self._specs.get(res.cls)
-            self.admission.release(res, spec.max_concurrent if spec is not None else 0)
+            self.admission.release(res)
         except (redis.RedisError, OSError) as e:
             log.info("release of %s deferred to its lease (Redis: %s)", res.request_id, type(e).__name__)
 
@@ -274,19 +234,17 @@ class AdmissionGate:
         """Per class: in-flight tokens, requests and queued waiters summed over `clusters` (one round trip)."""
         pairs = [(c, cls.name) for cls in self.classes for c in clusters]
         try:
-            loads = self.admission.stats_many(pairs, {c.name: c for c in self.classes})
+            loads = self.admission.stats_many(pairs)
         except (redis.RedisError, OSError) as e:
             log.info("class stats unavailable (Redis: %s)", type(e).__name__)
             loads = []
-        out = {cls.name: {"inflight_tokens": 0, "inflight_requests": 0, "queued": 0, "held": 0, "lent": 0,
+        out = {cls.name: {"inflight_tokens": 0, "inflight_requests": 0, "queued": 0,
                           "rejected": self.counters[f"rejected:{cls.name}"]} for cls in self.classes}
         for (_, name), load in zip(pairs, loads):
             st = out[name]
             st["inflight_tokens"] += load.tokens
             st["inflight_requests"] += load.count
             st["queued"] += load.queued
-            st["held"] += load.held
-            st["lent"] += load.lent
         return out
 
     def close(self) -> None:

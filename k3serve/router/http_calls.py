@@ -17,7 +17,6 @@ import grpc
 
 from k3serve.router.server import RequestRecord, RouterService
 from k3serve.router.stop_strings import StopMatcher
-from k3serve.router.tickets import Ticket
 from k3serve.router.validate import ValidRequest
 
 log = logging.getLogger(__name__)
@@ -106,14 +105,14 @@ class Call:
     ctx: CallContext = field(default_factory=CallContext)
 
 
-def drive(service: RouterService, call: Call, api_key: str, ticket: Ticket | None, stops: tuple[str, ...],
+def drive(service: RouterService, call: Call, api_key: str, stops: tuple[str, ...],
           emit: Callable[[object], None]) -> None:
     """Run one choice to its end on this thread, emitting ``Piece``s and at most one ``Failed``; returns when the
     request has left the router (slot, reservation and cluster call released)."""
     record = RequestRecord()
     matcher = StopMatcher(stops) if stops else None
     streamed = 0
-    gen = service.serve_request(call.req, api_key, call.ctx, ticket, record)
+    gen = service.serve_request(call.req, api_key, call.ctx, record)
     try:
         for msg in gen:
             streamed += len(msg.token_ids)

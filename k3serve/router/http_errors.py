@@ -53,14 +53,12 @@ def param_of(message: str, prompt_param: str = "prompt") -> str | None:
 
 def from_status(code: grpc.StatusCode, details: str, trailers: tuple = (), prompt_param: str = "prompt") -> ApiError:
     """The router's abort (code, details, trailing metadata) as an ApiError; 429 gets Retry-After (whole seconds,
-    rounded up, as RFC 9110 wants) and the exact hint and ticket beside it."""
+    rounded up, as RFC 9110 wants) and the exact hint beside it."""
     status, type_ = HTTP_OF.get(code, (500, "server_error"))
     md = dict(trailers)
     headers = {}
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry-after-s" in md:
         hint = float(md["retry-after-s"])
         headers = {"Retry-After": str(max(1, math.ceil(hint))), "X-Retry-After-S": md["retry-after-s"]}
-        if "retry-ticket" in md:
-            headers["X-Retry-Ticket"] = md["retry-ticket"]
     param = param_of(details, prompt_param) if code == grpc.StatusCode.INVALID_ARGUMENT else None
     return ApiError(status, details, param, type_, re.sub(r"\W+", "_", code.name.lower()), headers)

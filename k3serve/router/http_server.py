@@ -29,14 +29,12 @@ from k3serve.router.http_calls import Call, Failed, Piece, drive
 from k3serve.router.http_errors import ApiError, bad, from_status, param_of
 from k3serve.router.openai_requests import Plan, parse
 from k3serve.router.server import HEADROOM_THREADS, MAX_MESSAGE_BYTES, RouterService
-from k3serve.router.tickets import MalformedTicket, parse_ticket
 from k3serve.router.validate import InvalidRequest
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = MAX_MESSAGE_BYTES  # the gRPC door's message limit
 SESSION_HEADER = "X-Session-Id"
-TICKET_HEADER = "X-Retry-Ticket"
 DISCONNECT_POLL_S = 0.25  # how often a waiting call looks whether its client is still connected
 
 
@@ -165,9 +163,9 @@ class HttpDoor:
                 if request.transport is None or request.transport.is_closing():
                     raise ClientGone from None
 
-    def _run(self, call: Call, api_key: str, ticket, plan: Plan, emit) -> None:
+    def _run(self, call: Call, api_key: str, plan: Plan, emit) -> None:
         try:
-            drive(self.service, call, api_key, ticket, plan.stops, emit)
+            drive(self.service, call, api_key, plan.stops, emit)
         finally:
             emit(_Done(call.index))
 
@@ -198,10 +196,6 @@ class HttpDoor:
         api_key = self._api_key(request)
         body = await self._body(request)
         session = request.headers.get(SESSION_HEADER, "")
-        try:
-            ticket = parse_ticket(request.headers[TICKET_HEADER]) if request.headers.get(TICKET_HEADER) else None
-        except MalformedTicket as e:
-            raise bad(TICKET_HEADER, str(e)) from None
         plan = parse(body, chat, self.model, self.template, session)
         if plan.stops and self.template is None:
             raise bad("stop", "stop strings need a tokenizer; this model takes token ids (use stop_token_ids)")
@@ -219,8 +213,8 @@ class HttpDoor:
         def emit(event) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        for c in calls:  # a retry ticket is one request's place: the first choice's
-            self._pool.submit(self._run, c, api_key, ticket if c.index == 0 else None, plan, emit)
+        for c in calls:
+            self._pool.submit(self._run, c, api_key, plan, emit)
         finished = False
         try:
             out = await (self._stream(request, plan, calls, queue) if plan.stream

@@ -19,7 +19,6 @@ log = logging.getLogger(__name__)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
-ACCURACY_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 
 
 class Counters(Mapping[str, int]):
@@ -60,10 +59,6 @@ class _ClassCollector:
         reqs = GaugeMetricFamily("k3serve_class_inflight_requests", "admitted requests in flight", labels=["cls"])
         queued = GaugeMetricFamily("k3serve_class_queued_requests", "requests waiting in the class queue",
                                    labels=["cls"])
-        held = GaugeMetricFamily("k3serve_class_held_places", "places in line held for refused requests (tickets)",
-                                 labels=["cls"])
-        lent = GaugeMetricFamily("k3serve_class_lent_places", "held places whose room is lent to a request in flight "
-                                 "while their holders are away (tickets.py, Lending)", labels=["cls"])
         try:
             stats = self._stats()
         except (redis.RedisError, OSError) as e:  # Redis down: scrape what we have
@@ -73,9 +68,7 @@ class _ClassCollector:
             tokens.add_metric([cls], s["inflight_tokens"])
             reqs.add_metric([cls], s["inflight_requests"])
             queued.add_metric([cls], s["queued"])
-            held.add_metric([cls], s.get("held", 0))
-            lent.add_metric([cls], s.get("lent", 0))
-        yield from (tokens, reqs, queued, held, lent)
+        yield from (tokens, reqs, queued)
 
 
 class _ClusterCollector:
@@ -119,9 +112,6 @@ class RouterMetrics:
         self.rejections = Counter("k3serve_admission_rejections", "RESOURCE_EXHAUSTED by class", ["cls"], registry=r)
         self.admission_wait = Histogram("k3serve_admission_wait_seconds", "time to a reservation", ["cls"],
                                         buckets=TTFT_BUCKETS, registry=r)
-        self.hint_accuracy = Histogram(
-            "k3serve_retry_hint_accuracy", "retry-after hint / real wait until the ticket's place came free "
-            "(1: exact), per request that came back on its ticket", ["cls"], buckets=ACCURACY_BUCKETS, registry=r)
         self.ttft = Histogram("k3serve_ttft_seconds", "request arrival to first token", buckets=TTFT_BUCKETS,
                               registry=r)
         # conventional serving metrics (the names vLLM and SGLang export, under k3serve_), both doors alike

@@ -5,9 +5,9 @@ replicas make the same decisions. Per request:
 
 ```
  decode (tolerant: bad UTF-8 is INVALID_ARGUMENT) ─▶ API key ─▶ validate ─▶ tenant salt, cache identity
-   ─▶ stream slot (else RESOURCE_EXHAUSTED + retry-after + retry-ticket) ─▶ pin (HRW, pending TTL)
-   ─▶ admit on the serving cluster (class from the uncached estimate for *that* cluster; a retry-ticket it came
-   back with is its held place) ─▶ confirm pin ─▶ stream (relay.py)
+   ─▶ stream slot (else RESOURCE_EXHAUSTED + retry-after) ─▶ pin (HRW, pending TTL)
+   ─▶ admit on the serving cluster (class from the uncached estimate for *that* cluster) ─▶ confirm pin
+   ─▶ stream (relay.py)
                                                       │ transport/cluster fault: breaker marks it suspect,
                                                       ▼ pin moves to the next survivor in HRW order
           resubmit prompt + tokens already streamed, max_tokens - streamed, same seed, same class and reservation
@@ -54,8 +54,6 @@ from k3serve.router.progress import DurationModel, StreamProgress
 from k3serve.router.relay import Attempts, Ending, Target, stream_attempt
 from k3serve.router.slots import StreamSlots
 from k3serve.router.status_cache import STATUS_INTERVAL_S, StatusCache
-from k3serve.router.tickets import METADATA_KEY as TICKET_KEY
-from k3serve.router.tickets import MalformedTicket, Ticket, parse_ticket
 from k3serve.router.tenancy import cache_identity, scoped_request_id, tenant_id, tenant_salt
 from k3serve.router.validate import InvalidRequest, ModelLimits, ValidRequest, validate_generate
 from k3serve.router.wire import Undecodable, tolerant
@@ -75,7 +73,7 @@ class RequestRecord:
 MAX_MESSAGE_BYTES = 4 << 20
 HEADROOM_THREADS = 16  # gRPC threads beyond max_streams: health, status and quick rejections always answer
 # Calls gRPC holds for a thread beyond the pool before it refuses them itself (maximum_concurrent_rpcs, the flood
-# backstop). Its refusal carries no retry-after nor ticket, so it sits above any burst the router's own limit should
+# backstop). Its refusal carries no retry-after, so it sits above any burst the router's own limit should
 # answer: 200 clients arriving within 0.2 s at two routers of 24 threads had reached a backstop of 4x the pool. A quick
 # refusal takes ~1-5 ms of the router's GIL, so the last of 1024 waits a few seconds for its hint, within any sane
 # client deadline; memory per held call is a few KB.
@@ -104,7 +102,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.durations = durations or DurationModel()
         self.placer = placer or AnonymousPlacer(PrefixMap(view.membership._r, view.membership.namespace),
                                                 prefix_key(0, secret), self.policy.block_size)
-        self.slots = StreamSlots(max_streams, ticket_extra=HEADROOM_THREADS // 2)
+        self.slots = StreamSlots(max_streams)
         self.quota = KeyQuota(quota or QuotaLimits.resolve(0, 0, max_streams, len(self._keys)))
         self._channels: dict[str, tuple[str, grpc.Channel]] = {}
         self._lock = threading.Lock()
@@ -151,11 +149,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         api_key = self._check_api_key(context)
         try:
             req = self.validated(request)
-            ticket = self._presented_ticket(context)
-        except (InvalidRequest, MalformedTicket) as e:
+        except InvalidRequest as e:
             self.counters.inc("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        yield from self.serve_request(req, api_key, context, ticket)
+        yield from self.serve_request(req, api_key, context)
 
     def validated(self, request: router_pb2.GenerateRequest) -> ValidRequest:
         """The one validation of a public request (both doors); an unset seed becomes a random one, so unseeded
@@ -182,7 +179,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         """Taking requests: not draining and at least one routable cluster (the HTTP door's /health)."""
         return not self.draining and bool(self._routable())
 
-    def serve_request(self, req: ValidRequest, api_key: str, context, ticket: Ticket | None = None,
+    def serve_request(self, req: ValidRequest, api_key: str, context,
                       record: RequestRecord | None = None) -> Iterator[router_pb2.GenerateResponse]:
         """The request path both doors call (gRPC Generate, the HTTP door's calls): drain, stream slot, pin,
         admission, failover, metrics. ``context`` is a grpc.ServicerContext or one that behaves as one
@@ -198,7 +195,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         started = last = time.monotonic()
         generated = 0
         try:
-            for msg in self._generate(req, api_key, context, ticket, record):
+            for msg in self._generate(req, api_key, context, record):
                 now = time.monotonic()
                 if msg.token_ids:
                     if not generated:
@@ -325,33 +322,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except ValueError:
             return None
 
-    @staticmethod
-    def _presented_ticket(context) -> Ticket | None:
-        """The ``retry-ticket`` request metadata (tickets.py); MalformedTicket when it is not well formed."""
-        text = dict(context.invocation_metadata()).get(TICKET_KEY, "")
-        return parse_ticket(text) if text else None
-
-    def _reject(self, context, hint_s: float, by: str, message: str, ticket: Ticket | None = None) -> None:
+    def _reject(self, context, hint_s: float, by: str, message: str) -> None:
         self.counters.inc("rejected")
         self.metrics.refusals.labels(by=by.split(":")[0]).inc()
-        md = [("retry-after-s", f"{hint_s:.3f}"), ("k3serve-rejected-by", by)]
-        if ticket is not None:  # the place held for this request: come back with it (request metadata)
-            md.append((TICKET_KEY, str(ticket)))
-        context.set_trailing_metadata(tuple(md))
+        context.set_trailing_metadata((("retry-after-s", f"{hint_s:.3f}"), ("k3serve-rejected-by", by)))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry after {hint_s:.2f}s")
 
-    def _generate(self, req: ValidRequest, api_key: str, context, ticket: Ticket | None = None,
-                  record: RequestRecord | None = None) -> Iterator[router_pb2.GenerateResponse]:
+    def _generate(self, req: ValidRequest, api_key: str, context, record: RequestRecord | None = None) -> Iterator[router_pb2.GenerateResponse]:
         tenant = tenant_id(self._secret, api_key)  # from here on the request's id is scoped by its tenant
         req = dataclasses.replace(req, request_id=scoped_request_id(tenant, req.request_id), tenant=tenant)
         try:
             with self.quota.stream(tenant):
-                yield from self._generate_held(req, api_key, context, ticket, record)
+                yield from self._generate_held(req, api_key, context, record)
         except QuotaExceeded as e:
             self._reject(context, self.slots.retry_after_s(), "key", str(e))
 
-    def _generate_held(self, req: ValidRequest, api_key: str, context, ticket: Ticket | None,
-                       record: RequestRecord | None) -> Iterator[router_pb2.GenerateResponse]:
+    def _generate_held(self, req: ValidRequest, api_key: str, context, record: RequestRecord | None) -> Iterator[router_pb2.GenerateResponse]:
         salt = tenant_salt(self._secret, api_key, req.cache_salt)
         key = cache_identity(req.session_id, req.prompt_ids, salt, self.policy.block_size)
         try:
@@ -366,34 +352,28 @@ class RouterService(router_pb2_grpc.RouterServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy cluster; retry later")
         progress = StreamProgress("", req.sampling.max_tokens, self.durations)
         progress.pending_on = serving
-        holder = self.gate is not None and self.gate.holds(ticket)  # a real, held place: may take a ticket slot
-        if not self.slots.try_acquire(progress, ticket=holder):
-            # it gets a place in the line of the admission budget it would join (a ticket), and the hint is when
-            # that place comes free: coming back on its ticket, it may take one of the router's ticket slots.
-            # Without a place (ticket limit, Redis down) the hint is the later of that budget's drain time and the
-            # median end of this router's streams (when slots free here)
+        if not self.slots.try_acquire(progress):
+            # the hint is the later of the median end of this router's streams (when slots free here) and the
+            # drain time of the admission budget it would join
             hint, by, message = self.slots.retry_after_s(), "router", \
                 f"this router serves {self.slots.max_streams} streams at most"
-            held = None
             if self.gate is not None and self.gate.enabled:
                 uncached = self._uncached(key, req, serving, salt)
                 cls = self.gate.request_class(uncached)
                 progress.cls = cls.name
-                # without a ticket (limit reached), this router's streams bound there that Redis does not show yet
-                # are waiters ahead
+                # this router's streams bound there that Redis does not show yet are waiters ahead
                 ahead = self.slots.pending_on(serving)
-                rej = self.gate.refuse(serving, cls, req.request_id, uncached, message, ticket=ticket,
-                                       expected_s=progress.remaining_s(), at_least_s=hint,
-                                       unseen=(ahead, ahead * uncached))
-                hint, held, by = rej.retry_after_s, rej.ticket, f"router:{serving}/{cls.name}"
-            self._reject(context, hint, by, message, held)
+                rej = self.gate.refuse(serving, cls, uncached, message, expected_s=progress.remaining_s(),
+                                       at_least_s=hint, unseen=(ahead, ahead * uncached))
+                hint, by = rej.retry_after_s, f"router:{serving}/{cls.name}"
+            self._reject(context, hint, by, message)
         try:
-            yield from self._serve(req, key, salt, serving, progress, context, ticket, record)
+            yield from self._serve(req, key, salt, serving, progress, context, record)
         finally:
             self.slots.release(progress)
 
     def _serve(self, req: ValidRequest, key: str, salt: str, cluster: str, progress: StreamProgress, context,
-               ticket: Ticket | None = None, record: RequestRecord | None = None):
+               record: RequestRecord | None = None):
         cancelled = threading.Event()
         context.add_callback(cancelled.set)
         st = Attempts()
@@ -401,7 +381,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             record.attempts = st
         tried: set[str] = set()
         anonymous = not req.session_id
-        res = self._admit(cluster, req, key, progress, cancelled, context, ticket, salt=salt)
+        res = self._admit(cluster, req, key, progress, cancelled, context, salt=salt)
         if not anonymous:
             self.pins.confirm(key)
         try:
@@ -446,7 +426,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self.gate.release(res)
 
     def _admit(self, cluster: str, req: ValidRequest, key: str, progress: StreamProgress,
-               cancelled: threading.Event, context, ticket: Ticket | None = None, *, salt: str = ""):
+               cancelled: threading.Event, context, *, salt: str = ""):
         if self.gate is None:
             return None
         uncached = self._uncached(key, req, cluster, salt)
@@ -456,16 +436,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         progress.pending_on = ""  # from here Redis counts it (queued or holding)
         try:
             with self.quota.queued(req.tenant):
-                res = self.gate.admit(cluster, req.request_id, uncached, cancelled, progress.remaining_s, cls,
-                                      ticket)
+                res = self.gate.admit(cluster, req.request_id, uncached, cancelled, progress.remaining_s, cls)
         except QuotaExceeded as e:
             self._reject(context, self.slots.retry_after_s(), "key", str(e))
         except AdmissionRejected as e:
             self.metrics.rejections.labels(cls=cls.name).inc()
-            self._reject(context, e.retry_after_s, f"admission:{e.cluster}/{e.cls}", e.message, e.ticket)
+            self._reject(context, e.retry_after_s, f"admission:{e.cluster}/{e.cls}", e.message)
         self.metrics.admission_wait.labels(cls=cls.name).observe(time.monotonic() - t)
-        if res is not None and res.waited is not None:  # came back on a ticket: how true was its hint?
-            self.metrics.hint_accuracy.labels(cls=cls.name).observe(res.waited.accuracy())
         progress.started = time.monotonic()  # time to first token is learned from admission on
         return res
 
@@ -557,7 +534,7 @@ def start_router_server(service: RouterService, host: str = "127.0.0.1", port: i
     """Serve the router, the standard health service and reflection; returns (server, "host:port").
 
     The pool has ``max_streams`` + HEADROOM_THREADS threads: streams over ``max_streams`` are refused at once
-    with a hint and a ticket, so calls wait for a thread only as long as those refusals take. gRPC itself refuses
+    with a hint, so calls wait for a thread only as long as those refusals take. gRPC itself refuses
     calls beyond the pool + PENDING_RPCS (a backstop against a flood, without a hint)."""
     workers = service.slots.max_streams + HEADROOM_THREADS
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="router"),

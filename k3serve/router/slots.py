@@ -12,30 +12,22 @@ from __future__ import annotations
 
 import threading
 
-from k3serve.router.retry_hint import HINT_LATENESS
+from k3serve.router.retry_hint import HINT_LATENESS, MIN_RETRY_AFTER_S
 from k3serve.router.progress import StreamProgress
 
-MIN_HINT_S = 0.05
 
 
 class StreamSlots:
-    """``ticket_extra``: slots beyond ``max_streams`` that only requests coming back with a retry ticket that holds
-    a place may take. A ticket holder's place in the admission line was kept for it, and it was told to come back
-    when the place is free; a router full of newcomers that are about to be refused (they only hold a slot for one
-    Lua call) must not turn it away again. So ``max_streams`` bounds first attempts, and a refused client's wait
-    is its place's, not this router's. Bounded, and within the server's thread headroom (server.py), so health
-    and status still answer."""
-
-    def __init__(self, max_streams: int, ticket_extra: int = 0) -> None:
-        if max_streams < 1 or ticket_extra < 0:
-            raise ValueError(f"need max_streams >= 1 and ticket_extra >= 0, got {max_streams}, {ticket_extra}")
-        self.max_streams, self.ticket_extra = max_streams, ticket_extra
+    def __init__(self, max_streams: int) -> None:
+        if max_streams < 1:
+            raise ValueError(f"need max_streams >= 1, got {max_streams}")
+        self.max_streams = max_streams
         self._lock = threading.Lock()
         self._active: set[StreamProgress] = set()
 
-    def try_acquire(self, progress: StreamProgress, ticket: bool = False) -> bool:
+    def try_acquire(self, progress: StreamProgress) -> bool:
         with self._lock:
-            if len(self._active) >= self.max_streams + (self.ticket_extra if ticket else 0):
+            if len(self._active) >= self.max_streams:
                 return False
             self._active.add(progress)
             return True
@@ -60,4 +52,4 @@ class StreamSlots:
         with self._lock:
             active = sorted(p.remaining_s() for p in self._active)
         # scaled late like admission's hints (HINT_LATENESS, router/retry_hint.py): the estimates run early in a burst
-        return max(active[len(active) // 2] * HINT_LATENESS if active else 0.0, MIN_HINT_S)
+        return max(active[len(active) // 2] * HINT_LATENESS if active else 0.0, MIN_RETRY_AFTER_S)

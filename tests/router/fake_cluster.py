@@ -18,7 +18,6 @@ from k3serve.cluster.redis_server import connect
 from k3serve.internal.v1 import cluster_pb2, cluster_pb2_grpc
 from k3serve.router.admission import ClassSpec
 from k3serve.router.gate import AdmissionGate
-from k3serve.router.hosts import co_located
 from k3serve.router.membership import BreakerConfig, CircuitBreaker, Membership, MembershipView
 from k3serve.router.pins import PinStore
 from k3serve.router.server import RouterService, start_router_server
@@ -124,7 +123,7 @@ class Rig:
         gate = None
         if admission:
             gate = AdmissionGate(client, self.ns, classes or default_classes(), lease_ttl_s=3.0,
-                                 renew_interval_s=0.2, co_located=co_located(view))
+                                 renew_interval_s=0.2)
         svc = RouterService(view, PinStore(client, self.ns), ModelLimits(1000, 100_000, False), SECRET,
                             gate=gate, **service_kw)
         server, addr = start_router_server(svc)

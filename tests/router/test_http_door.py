@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from k3serve.cluster.redis_server import connect
 from k3serve.router.chat_template import ChatTemplate
 from k3serve.router.gate import AdmissionGate
-from k3serve.router.hosts import co_located
 from k3serve.router.http_server import HttpDoor
 from k3serve.router.membership import BreakerConfig, CircuitBreaker, Membership, MembershipView
 from k3serve.router.pins import PinStore
@@ -32,8 +31,7 @@ def _door(rig: Rig, api_keys=(), max_streams: int = 16):
     client = connect(rig.url, timeout_s=2.0)
     view = MembershipView(Membership(client, rig.ns, SECRET), refresh_interval_s=0.1,
                           breaker=CircuitBreaker(BreakerConfig(cool_down_s=30.0)))
-    gate = AdmissionGate(client, rig.ns, default_classes(), lease_ttl_s=3.0, renew_interval_s=0.2,
-                         co_located=co_located(view))
+    gate = AdmissionGate(client, rig.ns, default_classes(), lease_ttl_s=3.0, renew_interval_s=0.2)
     svc = RouterService(view, PinStore(client, rig.ns), ModelLimits(BYTE_VOCAB_SIZE, 4096, True), SECRET,
                         api_keys, gate=gate, max_streams=max_streams)
     door = HttpDoor(svc, MODEL, ChatTemplate())
