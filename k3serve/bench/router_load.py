@@ -1,18 +1,17 @@
 """``k3serve bench router-load``: two router replicas under a burst of concurrent streams at a service sized for
 far fewer, and the harness the router's live load test shares.
 
-Every client follows the retry-after hint of each RESOURCE_EXHAUSTED with its retry ticket until it completes. A
-monitor samples every (cluster, "short") budget from Redis every 20 ms (in flight, queue, held places, lends) and
-probes both routers' health and ``ClusterStatus`` every 0.2 s. From the samples each hint is compared with the
-moment its place really came free::
+Every client follows the retry-after hint of each RESOURCE_EXHAUSTED until it completes. A monitor samples every
+(cluster, "short") budget from Redis every 20 ms (in flight, queue) and probes both routers' health and
+``ClusterStatus`` every 0.2 s. From the samples each hint is compared with the moment its budget next had a room
+for a newcomer (a room free and nobody waiting)::
 
-    refusal at t_err, hint h                      place free at t_free (first sample where it is)
+    refusal at t_err, hint h                      room at t_free (first sample with one)
     |-------------- h --------------|             ratio = max(h, floor) / max(t_free - t_err, floor)
     |------------- measured wait -------------|   within 2x: 0.5 <= ratio <= 2
 
-What is behaviour (``tests/cluster/test_router_live.py`` asserts it): every stream completes, every refusal
-carries a ticket, no ticket lapses, every refused place comes free, in-flight requests and tokens never exceed the
-budget and the line never promises more rooms than it has, health and status answer throughout. What is timing
+What is behaviour (``tests/cluster/test_router_live.py`` asserts it): every stream completes, in-flight requests
+and tokens never exceed the budget, health and status answer throughout. What is timing
 (this bench reports it, the test only prints it): the hint/wait ratios, the budgets' busy fraction, how late the
 clients themselves came back. Those are figures of the host: on a shared 2-core machine the load generator, the
 routers and the service compete for the same cores, and one host measured 63% of hints within 2x where another
@@ -41,7 +40,7 @@ from typing import Callable
 import grpc
 
 from k3serve.bench.router_load_monitor import Monitor
-from k3serve.router.admission import AdmissionConfig, ClassSpec
+from k3serve.router.admission import ClassSpec
 from k3serve.v1 import router_pb2 as pb
 from k3serve.v1 import router_pb2_grpc
 
@@ -60,7 +59,6 @@ class LoadSetup:
     max_concurrent: int = 2
     queue: int = 2
     router_streams: int = 8
-    ticket_grace_s: float = AdmissionConfig().ticket_grace_s
     onset_s: float = 4.0  # hints handed out this long after the burst began are also counted apart
     floor_s: float = 0.1  # waits and hints below this compare as this (sampling granularity, minimum hint)
     max_attempts: int = 40  # per client
@@ -68,13 +66,17 @@ class LoadSetup:
 
 @dataclass(frozen=True)
 class Refusal:
-    """One RESOURCE_EXHAUSTED a client got: when (monotonic), the hint, who refused, the ticket, the message."""
+    """One RESOURCE_EXHAUSTED a client got: when (monotonic), the hint, who refused, the message."""
 
     at: float
     hint_s: float
     rejected_by: str
-    ticket: str
     details: str
+
+    @property
+    def cluster(self) -> str:
+        """The cluster whose budget it would have joined ("" for a refusal by the router alone)."""
+        return self.rejected_by.split(":", 1)[1].split("/")[0] if ":" in self.rejected_by else ""
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,6 @@ class LoadOutcome:
     elapsed_s: float
     started: float  # monotonic time the burst began
     monitor: Monitor
-    lapsed_tickets: int  # tickets presented that Redis no longer knew, over both routers
-    tickets_honoured: int
-    lent_admissions: int
     lateness_s: list[float]  # per retry: how long after its hinted moment the client sent it (its own delay)
     learned: dict = field(default_factory=dict)  # the routers' learned durations after the warm-up and the burst
 
@@ -107,16 +106,21 @@ class LoadOutcome:
         return [x for r in self.results for x in r.refusals]
 
     def waits(self) -> list[tuple[Refusal, float | None]]:
-        """Each refusal with its measured wait (seconds until its place was free; None: never seen free)."""
+        """Each refusal with a cluster and its measured wait (seconds until its budget had a room; None: never)."""
         out = []
         for x in self.refusals:
-            free = self.monitor.free_at(x.ticket.split("/")[2], x.at) if x.ticket else None
-            out.append((x, None if free is None else free - x.at))
+            if x.cluster:
+                free = self.monitor.room_at(x.cluster, x.at)
+                out.append((x, None if free is None else free - x.at))
         return out
 
+    def refused_with_room(self) -> int:
+        """Refusals whose budget's last sample before them showed a room for a newcomer (the sample is up to 20 ms
+        old: a room taken since shows here too, so this bounds refusals of a budget with room from above)."""
+        return sum(self.monitor.room_before(x.cluster, x.at) for x in self.refusals if x.cluster)
+
     def busy(self) -> float:
-        """The budgets' busy fraction during the burst (sampled in flight / budget): places left empty while their
-        holders had not come back show here, not in the hint ratios."""
+        """The budgets' busy fraction during the burst (sampled in flight / budget)."""
         during = [loads for t, loads in self.monitor.samples if self.started <= t <= self.started + self.elapsed_s]
         if not during:
             return 0.0
@@ -135,7 +139,7 @@ class LoadOutcome:
         return load_figures(self)
 
 
-def start_router(deployment, ns: str, classes: list[ClassSpec], max_streams: int, config: AdmissionConfig):
+def start_router(deployment, ns: str, classes: list[ClassSpec], max_streams: int):
     """A router replica of ``deployment`` in this process (real RouterService and gRPC server) under admission
     namespace ``ns``: (service, server, address)."""
     from k3serve.cluster.redis_server import connect
@@ -151,7 +155,7 @@ def start_router(deployment, ns: str, classes: list[ClassSpec], max_streams: int
     cfg = load_config(deployment.checkpoint)
     client = connect(deployment.redis_url)
     view = MembershipView(Membership(client, d.control.namespace, d.secret), refresh_interval_s=0.2)
-    gate = AdmissionGate(client, ns, classes, policy=d.clusters.prefix_policy(), config=config)
+    gate = AdmissionGate(client, ns, classes, policy=d.clusters.prefix_policy())
     svc = RouterService(view, PinStore(client, ns), ModelLimits(cfg.vocab_size, cfg.max_position_embeddings,
                                                                 cfg.vocab_size == BYTE_VOCAB_SIZE),
                         d.secret, gate=gate, max_streams=max_streams)
@@ -161,12 +165,10 @@ def start_router(deployment, ns: str, classes: list[ClassSpec], max_streams: int
 
 @dataclass(frozen=True)
 class RouterTargets:
-    """The two routers a burst runs against: their addresses, and what they counted (summed over both:
-    ``unknown_tickets`` (lapsed or lost), ``tickets_honoured``, ``lent``) and learned (the durations their hints
-    are paced by)."""
+    """The two routers a burst runs against: their addresses and what they learned (the durations their hints
+    are computed from)."""
 
     addresses: list[str]
-    counters: Callable[[], dict[str, int]]
     learned: Callable[[], str]
 
 
@@ -189,26 +191,20 @@ def _classes(setup: LoadSetup) -> list[ClassSpec]:
 
 def run_load(deployment, setup: LoadSetup = LoadSetup()) -> LoadOutcome:
     """Two router replicas of ``deployment`` started in this process (fresh admission namespace, ``setup``'s
-    classes and ticket grace) under ``setup``'s warm-up and burst; the routers are stopped before it returns.
+    classes) under ``setup``'s warm-up and burst; the routers are stopped before it returns.
     In-process routers share this process (and its GIL) with the clients and the monitor: the behaviour is the
     deployment's, the timing is not (:func:`run_router_load_bench` measures against router processes)."""
     from k3serve.cluster.redis_server import connect
 
     ns = "load" + uuid.uuid4().hex[:8]
-    config = AdmissionConfig(ticket_grace_s=setup.ticket_grace_s)
-    routers = [start_router(deployment, ns, _classes(setup), setup.router_streams, config) for _ in range(2)]
-
-    def counters() -> dict[str, int]:
-        return {"unknown_tickets": sum(svc.gate.admission.unknown_tickets for svc, _, _ in routers),
-                "tickets_honoured": sum(svc.gate.counters["tickets_honoured"] for svc, _, _ in routers),
-                "lent": sum(svc.gate.counters["lent"] for svc, _, _ in routers)}
+    routers = [start_router(deployment, ns, _classes(setup), setup.router_streams) for _ in range(2)]
 
     def learned() -> str:
         d = routers[0][0].durations
         return f"ttft {d.ttft_s('short'):.2f}s + tpot {d.tpot_s():.3f}s"
 
     try:
-        targets = RouterTargets([addr for _, _, addr in routers], counters, learned)
+        targets = RouterTargets([addr for _, _, addr in routers], learned)
         return _burst(targets, routers[0][0].gate.admission, connect(deployment.redis_url, timeout_s=10.0),
                       sorted(deployment.cluster_endpoints), setup)
     finally:
@@ -225,12 +221,10 @@ def _burst(targets: RouterTargets, admission, client, clusters: list[str], setup
 
     def one(i: int, phase: str) -> StreamResult:
         refusals: list[Refusal] = []
-        ticket = ""
         for _ in range(setup.max_attempts):
             req = pb.GenerateRequest(session_id=f"{phase}-{i}", prompt_text=f"load {phase} {i}", sampling=sp)
             try:
-                msgs = list(stubs[i % len(stubs)].Generate(req, timeout=90,
-                                                           metadata=(("retry-ticket", ticket),) if ticket else None))
+                msgs = list(stubs[i % len(stubs)].Generate(req, timeout=90))
                 return StreamResult("ok", sum(len(m.token_ids) for m in msgs), msgs[-1].finish_reason,
                                     tuple(refusals))
             except grpc.RpcError as e:
@@ -239,8 +233,7 @@ def _burst(targets: RouterTargets, admission, client, clusters: list[str], setup
                     return StreamResult(e.code().name, 0, e.details() or "", tuple(refusals))
                 md = dict(e.trailing_metadata() or ())
                 hint = float(md.get("retry-after-s", "nan"))
-                ticket = md.get("retry-ticket", "")
-                refusals.append(Refusal(at, hint, md.get("k3serve-rejected-by", ""), ticket, e.details() or ""))
+                refusals.append(Refusal(at, hint, md.get("k3serve-rejected-by", ""), e.details() or ""))
                 time.sleep(hint if hint == hint else 1.0)  # (a NaN hint is counted as a refusal without one)
                 lateness.append(time.monotonic() - (at + hint))
         return StreamResult("RESOURCE_EXHAUSTED", 0, "attempts exhausted", tuple(refusals))
@@ -264,15 +257,12 @@ def _burst(targets: RouterTargets, admission, client, clusters: list[str], setup
         learned_at["after_burst"] = targets.learned()
     finally:
         mon.stop()
-    c = targets.counters()
-    return LoadOutcome(setup, results, elapsed, t0, mon, lapsed_tickets=c["unknown_tickets"],
-                       tickets_honoured=c["tickets_honoured"], lent_admissions=c["lent"], lateness_s=lateness,
-                       learned=learned_at)
+    return LoadOutcome(setup, results, elapsed, t0, mon, lateness_s=lateness, learned=learned_at)
 
 
 def load_deploy_config(base, setup: LoadSetup):
     """``base`` (a DeployConfig) with two router processes whose admission classes and stream limit are
-    ``setup``'s (the ticket grace stays the deployment default: what users get)."""
+    ``setup``'s."""
     return replace(base, routers=2, admission=True, request_classes=_request_classes(setup),
                    control=replace(base.control, router_max_streams=setup.router_streams))
 
@@ -285,18 +275,13 @@ def run_load_on_router_processes(dep, setup: LoadSetup) -> LoadOutcome:
     from k3serve.cluster.redis_server import connect
     from k3serve.router.admission import Admission
 
-    def counters() -> dict[str, int]:
-        per = ray.get([r.counters.remote() for r in dep.routers], timeout=60)
-        return {k: sum(int(c.get(f"admission.{k}", 0)) for c in per)
-                for k in ("unknown_tickets", "tickets_honoured", "lent")}
-
     def learned() -> str:
         ttft, tpot = ray.get(dep.routers[0].learned_durations.remote("short"), timeout=60)
         return f"ttft {ttft:.2f}s + tpot {tpot:.3f}s"
 
     client = connect(dep.redis_url, timeout_s=10.0)
     admission = Admission(client, dep.deploy.control.namespace)  # the routers' key layout and stats script
-    return _burst(RouterTargets(list(dep.router_addresses), counters, learned), admission, client,
+    return _burst(RouterTargets(list(dep.router_addresses), learned), admission, client,
                   sorted(dep.cluster_endpoints), setup)
 
 
@@ -308,9 +293,6 @@ def run_router_load_bench(config: str = "configs/local.yaml", setup: LoadSetup =
     from k3serve.cluster.deploy import load_deploy
     from k3serve.cluster.deployment import Deployment
 
-    if setup.ticket_grace_s != AdmissionConfig().ticket_grace_s:
-        raise ValueError("ticket_grace_s: router processes take the deployment default "
-                         f"({AdmissionConfig().ticket_grace_s} s); only in-process routers (run_load) take another")
     with Deployment(load_deploy_config(load_deploy(config), setup)) as dep:
         outcome = run_load_on_router_processes(dep, setup)
     return {**outcome.figures(), "routers": "two router processes (RouterActor)", "setup": asdict(setup)}

@@ -1,9 +1,7 @@
 """The router load burst's monitor (k3serve/bench/router_load.py): every (cluster, "short") budget sampled from
 Redis every 20 ms, atomically per sample, and the routers' health and ``ClusterStatus`` probed every 0.2 s.
 
-Whether a held place (a retry ticket's) is free is computed here from the raw samples by the line rule of
-router/admission.py, independently of the Lua script's own stamps: the monitor checks the script, it does not
-read it back.
+A hint is compared with the first sampled moment its budget had a free room and nobody waiting for it.
 """
 
 from __future__ import annotations
@@ -23,26 +21,15 @@ from k3serve.v1 import router_pb2_grpc
 
 @dataclass(frozen=True)
 class Line:
-    """One sampled (cluster, "short") budget: in flight, held places (ticket -> place), queue places, the held
-    places lent to a borrower in flight (ticket -> borrower) and the tickets whose holders are back."""
+    """One sampled (cluster, "short") budget: in flight and waiting."""
 
     count: int
     tokens: int
-    tix: dict
-    q: list
-    lent: dict
-    back: set
+    queued: int
 
-    def free(self, ticket_id: str, max_concurrent: int) -> bool:
-        """Whether the ticket's place is free, by the line rule of router/admission.py computed from the raw sample
-        (not from the Lua script's own stamps): in flight (less the place's own borrower) + everything before it
-        in line < ``max_concurrent``, where a held place lent to a borrower in flight while its holder is away
-        counts as no place (its borrower is in flight)."""
-        place = self.tix[ticket_id]
-        ahead = sum(p < place and not (tid in self.lent and tid not in self.back) for tid, p in self.tix.items())
-        ahead += sum(p < place for p in self.q)
-        taken = self.count - (ticket_id in self.lent) + ahead
-        return taken == 0 or taken < max_concurrent
+    def room(self, max_concurrent: int) -> bool:
+        """Whether a newcomer would find a room: one is free and nobody waits for it."""
+        return self.count < max_concurrent and self.queued == 0
 
 
 class Monitor:
@@ -54,9 +41,6 @@ class Monitor:
         layout and stats script); ``spec``: the sampled "short" class; ``addrs``: the routers to probe."""
         self.client, self.admission, self.spec, self.clusters, self.addrs = client, admission, spec, clusters, addrs
         self.samples: list[tuple[float, dict[str, Line]]] = []
-        self.places: dict[str, tuple[str, float]] = {}  # ticket id -> (cluster, place), once seen
-        self.lends: set[tuple[str, str]] = set()  # (ticket, borrower) pairs seen
-        self.overrun: dict[str, list[float]] = {}  # ticket -> sampled moments its holder was back, borrower running
         self.probe_failures: list[str] = []
         self.sample_failures: list[str] = []
         self.probes = 0
@@ -66,41 +50,19 @@ class Monitor:
             t.start()
 
     def _sample(self) -> None:
-        adm = self.admission
         while not self._stop.wait(0.02):
-            t = time.monotonic()  # the state is read during the call: stamp it with the call's midpoint, so a slow
-            pipe = self.client.pipeline(transaction=True)  # Redis never makes a wait look longer than it was
-            pipe.time()
+            t = time.monotonic()  # the state is read during the call: stamp it with the call's midpoint
+            pipe = self.client.pipeline(transaction=True)
             for c in self.clusters:
-                k = adm.keys(c, "short")
-                adm.stats_on(pipe, c, "short", self.spec)
-                pipe.zrange(k["tix"], 0, -1, withscores=True)
-                pipe.zrange(k["q"], 0, -1, withscores=True)
-                pipe.zrange(k["lease"], 0, -1)
-                pipe.hgetall(k["tixlent"])
-                pipe.zrange(k["tixhere"], 0, -1, withscores=True)
+                self.admission.stats_on(pipe, c, "short")
             try:
                 out = pipe.execute()
             except (redis.RedisError, OSError) as e:  # a missed sample, counted: the next one reads the state anew
                 self.sample_failures.append(repr(e))
                 continue
             mid = (t + time.monotonic()) / 2
-            sec, usec = out[0]
-            now_ms = sec * 1000 + usec // 1000
-            loads = {}
-            for j, c in enumerate(self.clusters):
-                (tokens, count, *_), tix, q, lease, lent, here = out[1 + 6 * j: 7 + 6 * j]
-                tix, lease = dict(tix), set(lease)  # (the client decodes responses: str)
-                live = {tid: b for tid, b in lent.items() if b in lease and tid in tix}
-                back = {tid for tid, until in here if until > now_ms}
-                loads[c] = Line(int(count), int(tokens), tix, [p for _, p in q], live, back)
-                for tid, place in tix.items():
-                    self.places.setdefault(tid, (c, place))
-                for tid, b in live.items():
-                    self.lends.add((tid, b))
-                    if tid in back:  # its holder is back while its borrower still runs: the borrower overran
-                        self.overrun.setdefault(tid, []).append(mid)
-            self.samples.append((mid, loads))
+            self.samples.append((mid, {c: Line(int(count), int(tokens), int(queued))
+                                       for c, (tokens, count, queued) in zip(self.clusters, out)}))
 
     def _probe(self) -> None:
         channels = [grpc.insecure_channel(a) for a in self.addrs]
@@ -115,29 +77,15 @@ class Monitor:
                 except grpc.RpcError as e:
                     self.probe_failures.append(repr(e))
 
-    def free_at(self, ticket_id: str, since: float) -> float | None:
-        """The first sampled moment after ``since`` at which the ticket's place is free, or it is no longer held
-        (its holder got in); None if never seen."""
-        if ticket_id not in self.places:
-            return None
-        cluster = self.places[ticket_id][0]
-        for t, loads in self.samples:
-            line = loads[cluster]
-            if t >= since and (ticket_id not in line.tix or line.free(ticket_id, self.spec.max_concurrent)):
-                return t
-        return None
+    def room_at(self, cluster: str, since: float) -> float | None:
+        """The first sampled moment after ``since`` at which ``cluster``'s budget had a room for a newcomer."""
+        return next((t for t, loads in self.samples
+                     if t >= since and loads[cluster].room(self.spec.max_concurrent)), None)
 
-    def admitted_at(self, ticket_id: str, since: float) -> float | None:
-        """The first sampled moment after ``since`` at which the ticket is no longer held (its holder got in)."""
-        cluster = self.places[ticket_id][0]
-        return next((t for t, loads in self.samples if t >= since and ticket_id not in loads[cluster].tix), None)
-
-    def claimed(self) -> int:
-        """The most rooms claimed at once on one cluster: in flight + free held places whose room is not in flight
-        already (lent to their own borrower). The line never promises more rooms than the budget has."""
-        mc = self.spec.max_concurrent
-        return max((line.count + sum(line.free(tid, mc) and tid not in line.lent for tid in line.tix)
-                    for _, loads in self.samples for line in loads.values()), default=0)
+    def room_before(self, cluster: str, at: float) -> bool:
+        """Whether the last sample before ``at`` showed ``cluster``'s budget with a room for a newcomer."""
+        last = [loads[cluster] for t, loads in self.samples if t < at][-1:]
+        return bool(last) and last[0].room(self.spec.max_concurrent)
 
     def stop(self) -> None:
         self._stop.set()

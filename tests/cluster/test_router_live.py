@@ -137,23 +137,15 @@ def test_anonymous_conversations_under_one_system_prompt_spread_and_hit(deployme
 
 
 # ------------------------------------------------------------------------------------------------ load
-# A held place lapses this long after its hinted moment (AdmissionConfig's default, what deployments get, is 2 s).
-# Here 200 client threads, two routers and the monitor share one process on 2 cores; on a slow host a ticket lapsed
-# once with the default, its cause not pinned (in the next run there the clients sent their retries at most 0.89 s
-# past their hints; the routers' own delay in that crowded process is not measured), so the grace covers such
-# harness delays and the assertion prints the clients' lateness.
-TICKET_GRACE_S = 6.0
-
-
 def test_load_two_routers_200_streams(deployment):
     """200 clients at once at two routers sized for 3 x (2 in flight + 2 queued) (k3serve/bench/router_load.py);
-    a refused client sleeps its hint and comes back with its ticket, until it completes. Asserted: the behaviour.
-    The timing figures (each hint against the moment its place really came free, the budgets' busy fraction) are
+    a refused client sleeps its hint and comes back, until it completes. Asserted: the behaviour.
+    The timing figures (each hint against the moment its budget next had a room, the budgets' busy fraction) are
     printed; ``k3serve bench router-load --json`` measures them after a warm-up burst (issue #19's "every hint
     within 2x" is reported there, not asserted: it is a figure of the host)."""
     from k3serve.bench.router_load import TOKEN_BUDGET, LoadSetup, run_load
 
-    setup = LoadSetup(streams=200, warmup_streams=0, ticket_grace_s=TICKET_GRACE_S)
+    setup = LoadSetup(streams=200, warmup_streams=0)
     out = run_load(deployment, setup)
     fig = out.figures()
     print("\nload:", json.dumps(fig))
@@ -162,15 +154,52 @@ def test_load_two_routers_200_streams(deployment):
     assert not bad, bad[:3]  # every stream completed, after however many refusals
     # the service really was oversubscribed, at both limits: the routers' stream limit and the admission budget
     assert 0 < fig["refused_at_router_stream_limit"] < fig["refusals"], fig
-    assert fig["refusals_without_ticket"] == 0  # every refused client had a place held
-    assert out.lapsed_tickets == 0, (out.lapsed_tickets, sorted(out.lateness_s)[-5:])  # none lapsed or was lost
-    assert fig["hints"]["place_never_seen_free"] == 0  # every held place came free
-    # budgets never exceeded (sampled from Redis), and the line never promised more rooms than there are
+    # budgets never exceeded (sampled from Redis)
     assert len(out.monitor.samples) > 100, fig
     assert fig["max_in_flight_per_cluster"] <= setup.max_concurrent, fig
-    assert fig["rooms_claimed_max"] <= setup.max_concurrent, fig
     assert fig["max_in_flight_tokens_per_cluster"] <= TOKEN_BUDGET
     assert not out.monitor.probe_failures, out.monitor.probe_failures[:3]  # health and status answered throughout
+
+
+def test_after_a_burst_of_clients_that_never_return_new_requests_are_admitted(deployment):
+    """Issue 49, as a client saw it: the short class at 2 per cluster with a queue of 4, two routers of 8 streams,
+    120 streams at once whose refused clients never come back; then new requests, one at a time and six together,
+    are all admitted (the rooms are free: a refusal then would leave capacity idle behind it)."""
+    import uuid
+
+    from k3serve.bench.router_load import LoadSetup, _classes, start_router
+    from tests.router.test_refused_clients_gone import burst_of_absent_clients
+
+    ns = "gone" + uuid.uuid4().hex[:8]
+    routers = [start_router(deployment, ns, _classes(LoadSetup(max_concurrent=2, queue=4)), 8) for _ in range(2)]
+    try:
+        stubs = [_stub(addr) for _, _, addr in routers]
+        served, refused = burst_of_absent_clients(stubs, 120, max_tokens=8)
+        assert served + refused == 120 and refused > 60, (served, refused)
+        sp = pb.SamplingParams(max_tokens=4, ignore_eos=True)
+        for i in range(6):
+            _, last = _collect(stubs[i % 2], pb.GenerateRequest(session_id=f"after-{i}", prompt_text=f"after {i}",
+                                                                 sampling=sp))
+            assert last.finish_reason == "length"
+        errors: list = []
+
+        def one(i: int) -> None:
+            try:
+                _collect(stubs[i % 2], pb.GenerateRequest(session_id=f"together-{i}", prompt_text=f"t {i}",
+                                                          sampling=sp))
+            except grpc.RpcError as e:
+                errors.append((e.code(), e.details()))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+    finally:
+        for svc, server, _ in routers:
+            server.stop(0)
+            svc.close()
 
 
 def test_the_bench_path_reads_router_processes(deployment):
@@ -180,6 +209,6 @@ def test_the_bench_path_reads_router_processes(deployment):
 
     out = run_load_on_router_processes(deployment, LoadSetup(streams=8, warmup_streams=0, max_concurrent=32))
     fig = out.figures()
-    assert fig["completed"] == 8 and fig["refusals"] == 0 and fig["lapsed_tickets"] == 0, fig
+    assert fig["completed"] == 8 and fig["refusals"] == 0, fig
     assert fig["probes"] > 0 and fig["probe_failures"] == 0 and fig["monitor_samples"] > 0, fig
     assert fig["learned_durations"]["after_burst"].startswith("ttft "), fig

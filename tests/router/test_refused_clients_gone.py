@@ -18,7 +18,7 @@ SMALL = [ClassSpec("short", 4096, inflight_token_budget=100_000, max_concurrent=
 
 def burst_of_absent_clients(stubs, n: int, max_tokens: int) -> tuple[int, int]:
     """``n`` streams at once over ``stubs``; a refused client never comes back. (served, refused with a hint)."""
-    served, refused, lock = [0], [0], threading.Lock()
+    served, refused, other, lock = [0], [0], [], threading.Lock()
 
     def one(i: int) -> None:
         try:
@@ -27,16 +27,19 @@ def burst_of_absent_clients(stubs, n: int, max_tokens: int) -> tuple[int, int]:
             with lock:
                 served[0] += 1
         except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
-            assert float(dict(e.trailing_metadata())["retry-after-s"]) > 0
             with lock:
-                refused[0] += 1
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and float(
+                        dict(e.trailing_metadata())["retry-after-s"]) > 0:
+                    refused[0] += 1
+                else:
+                    other.append((e.code(), e.details()))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
+    assert not other, other[:3]
     return served[0], refused[0]
 
 

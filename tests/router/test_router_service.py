@@ -55,7 +55,7 @@ def test_a_stalled_stream_fails_over_without_gap_or_duplicate(rig):
 
 
 # ------------------------------------------------------------------- 4: bounded concurrency, honest hint
-def test_streams_over_the_router_limit_are_refused_with_a_ticket_and_health_answers(rig):
+def test_streams_over_the_router_limit_are_refused_with_a_hint_and_health_answers(rig):
     rig.add_cluster("c0", Behaviour(delay_s=0.05))
     svc, stub = rig.add_router(max_streams=3)
     _run(stub, session_id="warm", prompt_token_ids=[1])  # the duration model learns this cluster's pace
@@ -64,14 +64,13 @@ def test_streams_over_the_router_limit_are_refused_with_a_ticket_and_health_answ
 
     def one(i):
         md = None
-        for _ in range(5):  # a refused client follows the hint with its ticket
+        for _ in range(10):  # a refused client follows the hint
             try:
-                results.append(_run(stub, metadata=md, session_id=f"s{i}", prompt_token_ids=[i + 1],
+                results.append(_run(stub, session_id=f"s{i}", prompt_token_ids=[i + 1],
                                     sampling=pb.SamplingParams(max_tokens=20, ignore_eos=True))[1].finish_reason)
                 return
             except grpc.RpcError as e:
                 refusals.append((e.code(), dict(e.trailing_metadata() or ())))
-                md = (("retry-ticket", refusals[-1][1].get("retry-ticket", "")),)
                 time.sleep(float(refusals[-1][1].get("retry-after-s", "1")))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
@@ -81,24 +80,17 @@ def test_streams_over_the_router_limit_are_refused_with_a_ticket_and_health_answ
     time.sleep(0.2)
     health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
-    # a forged ticket holds no place: it gets no ticket slot, and is refused at the router like any newcomer
-    forged = _rpc_error(lambda: _run(stub, metadata=(("retry-ticket", "c0/short/" + "0" * 24),),
-                                     prompt_token_ids=[9]))
-    assert dict(forged.trailing_metadata())["k3serve-rejected-by"].startswith("router")
     for t in threads:
-        t.join(30)
-    assert results == ["length"] * 8 and refusals  # every refused client got in on its ticket
+        t.join(60)
+    assert results == ["length"] * 8 and refusals  # every refused client got in by following its hint
     for code, md in refusals:
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and md["k3serve-rejected-by"].startswith("router")
-        # the budget (16 in flight) has room: the place is free at once, and a holder coming back on its ticket
-        # takes one of the router's ticket slots, so the hint is not the router's ~1 s
-        assert md["retry-ticket"] and float(md["retry-after-s"]) < 0.3
-    assert svc.gate.counters["tickets_honoured"] >= 1
+        assert float(md["retry-after-s"]) > 0
 
 
 def test_a_flood_of_concurrent_calls_is_refused_by_the_router_with_hints_not_by_grpc(rig):
     """150 calls at once at a router of 2 streams (a pool of 18 threads): every call beyond what it serves is
-    refused by the router's own limit (or admission's), with a retry-after and a ticket. gRPC's backstop
+    refused by the router's own limit (or admission's), with a retry-after. gRPC's backstop
     (``maximum_concurrent_rpcs``) sits above such a burst: its refusal ("Concurrent RPC limit exceeded!") carries
     no hint, and it used to fire at 4x the pool (seen in the 200-stream bench: up to 5 hint-less refusals)."""
     rig.add_cluster("c0", Behaviour(delay_s=0.05))
@@ -117,7 +109,7 @@ def test_a_flood_of_concurrent_calls_is_refused_by_the_router_with_hints_not_by_
     for code, details, md in refused:  # the router's stream limit, or (on a loaded host) admission's wait
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
         assert md.get("k3serve-rejected-by", "").startswith(("router", "admission")), details
-        assert float(md["retry-after-s"]) >= 0 and md.get("retry-ticket"), details
+        assert float(md["retry-after-s"]) >= 0, details
     assert any(md["k3serve-rejected-by"].startswith("router") for _, _, md in refused)
 
 
@@ -223,7 +215,7 @@ def test_retry_after_is_the_expected_drain_time_of_the_holder(rig):
     assert measured / 2 <= hint <= 2 * measured, (hint, measured)
 
 
-def test_a_refused_client_gets_a_ticket_that_holds_its_place_on_any_router(rig):
+def test_a_refused_client_holds_no_room_on_any_router(rig):
     rig.add_cluster("c0", Behaviour(delay_s=0.05))
     classes = [ClassSpec("short", None, inflight_token_budget=100, max_concurrent=1, queue_limit=0, max_wait_s=0)]
     svc_a, a = rig.add_router(classes)
@@ -234,17 +226,12 @@ def test_a_refused_client_gets_a_ticket_that_holds_its_place_on_any_router(rig):
     time.sleep(0.3)
     err = _rpc_error(lambda: _run(a, session_id="second", prompt_token_ids=[2]))
     md = dict(err.trailing_metadata())
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and md["retry-ticket"].startswith("c0/short/")
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and float(md["retry-after-s"]) > 0
+    assert md["k3serve-rejected-by"] == "admission:c0/short"
     holder.join(20)
-    # the holder is done, but its room is held for "second": a newcomer is refused, with a place behind it
-    late = _rpc_error(lambda: _run(b, session_id="third", prompt_token_ids=[3]))
-    assert late.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert dict(late.trailing_metadata())["retry-ticket"] != md["retry-ticket"]
-    tokens, _ = _run(b, metadata=(("retry-ticket", md["retry-ticket"]),), session_id="second", prompt_token_ids=[2])
-    assert tokens == expected_tokens(5) and svc_b.gate.counters["tickets_honoured"] == 1
-    assert svc_b.metrics.hint_accuracy.labels(cls="short")._sum.get() > 0  # how true the hint was, exported
-    bad = _rpc_error(lambda: _run(b, metadata=(("retry-ticket", "c0/short/not-hex"),), prompt_token_ids=[2]))
-    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "retry-ticket" in bad.details()
+    # the holder is done and "second" has not come back: the room goes to whoever comes next, on any router
+    tokens, _ = _run(b, session_id="third", prompt_token_ids=[3])
+    assert tokens == expected_tokens(5)
 
 
 # ------------------------------------------------------------------ 9: anonymous conversations' identity
