@@ -233,7 +233,7 @@ class DecodeEngine:
 
     def _propose(self, run: _Decoding):
         h, sp = run.handoff, self.config.speculative
-        limit = spec.draft_limit(len(run.generated), h.params.max_tokens, run.next_position,
+        limit = spec.draft_limit(run.num_new, h.params.max_tokens, run.next_position,
                                  self.cfg.max_position_embeddings, sp.num_draft_tokens)
         return spec.propose(run.session, h.prompt_ids + tuple(run.generated), limit)
 

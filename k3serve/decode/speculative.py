@@ -52,10 +52,12 @@ class Draft:
     window: tuple[int, ...] = field(default=())
 
 
-def draft_limit(generated: int, max_tokens: int, position: int, max_positions: int, k: int) -> int:
+def draft_limit(new: int, max_tokens: int, position: int, max_positions: int, k: int) -> int:
     """Drafts a request may verify this step: emits at most drafts + 1 tokens within max_tokens, and every
-    emitted token's position stays below the context (the last allowed position is max_positions - 1)."""
-    return max(0, min(k, max_tokens - generated - 1, max_positions - 2 - position))
+    emitted token's position stays below the context (the last allowed position is max_positions - 1).
+    ``new``: tokens generated that max_tokens counts; after a failover, less the replayed ones still to be fed
+    (negative while replaying: a step's first tokens feed the replay, only the rest are new)."""
+    return max(0, min(k, max_tokens - new - 1, max_positions - 2 - position))
 
 
 def propose(session: DraftSession, context: Sequence[int], limit: int) -> DraftProposal:

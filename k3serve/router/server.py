@@ -9,7 +9,7 @@ replicas make the same decisions. Per request:
    ─▶ admit on the serving cluster (class from the uncached estimate for *that* cluster) ─▶ confirm pin
    ─▶ stream (relay.py)
                                                       │ transport/cluster fault: breaker marks it suspect,
-                                                      ▼ pin moves to the next survivor in HRW order
+                                                      ▼ pin moves to its secondary, else the next in HRW order
           resubmit prompt + tokens already streamed, max_tokens - streamed, same seed, same class and reservation
 ```
 Randomness is keyed by (seed, absolute position), so the resumed stream continues exactly as an
@@ -308,11 +308,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self._channels[cluster_id] = cached
         return cluster_pb2_grpc.ClusterStub(cached[1])
 
-    def _next_cluster(self, key: str, tried: set[str]) -> str | None:
-        for c in rank_clusters(key, self._routable()):
-            if c not in tried:
-                return c
-        return None
+    def _fail_over(self, key: str, cluster: str, tried: set[str]) -> str | None:
+        """Where a session's request goes after ``cluster`` failed, and its pin with it: the pin's stored secondary
+        (chosen when the pin was made, and what every router follows), else the best untried cluster in HRW
+        order; a router that moved the pin first wins (compare-and-set on ``cluster``), and this one follows it."""
+        order = [c for c in rank_clusters(key, self._routable()) if c not in tried]
+        if not order:
+            return None
+        try:
+            pin = self.pins.get(key)
+            if pin is not None and pin.secondary in order:
+                order.insert(0, pin.secondary)
+            moved = self.pins.move(key, order[0], expected_serving=cluster)
+        except (redis.RedisError, OSError) as e:  # keep serving on the computed choice
+            log.warning("could not move pin of %s to %s (Redis: %s: %s)", key, order[0], type(e).__name__, e)
+            return order[0]
+        return moved.serving if moved is not None and moved.serving in order else order[0]
 
     def _next_anonymous(self, req: ValidRequest, salt: str, tried: set[str]) -> str | None:
         """A failover of a request without a session id: the same placement over the clusters not yet tried."""
@@ -401,18 +412,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     return
                 self.view.mark_suspect(cluster)
                 tried.add(cluster)
-                nxt = self._next_anonymous(req, salt, tried) if anonymous else self._next_cluster(key, tried)
+                nxt = self._next_anonymous(req, salt, tried) if anonymous else self._fail_over(key, cluster, tried)
                 if nxt is None:
                     context.abort(grpc.StatusCode.UNAVAILABLE,
                                   f"every cluster failed this request (tried {sorted(tried)}); retry later")
                 st.failovers += 1
                 self.counters.inc("failovers")
                 self.metrics.failovers.inc()
-                try:
-                    if not anonymous:
-                        self.pins.move(key, nxt, expected_serving=cluster)
-                except (redis.RedisError, OSError) as e:  # keep serving on the computed choice
-                    log.warning("could not move pin of %s to %s (Redis: %s: %s)", key, nxt, type(e).__name__, e)
                 if self.gate is not None and not st.streamed:
                     # the client has seen nothing: admit afresh where the request will now run
                     self.gate.release(res)

@@ -95,6 +95,27 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(tiny_ckpt, t
 def test_draft_limit_keeps_the_budget_and_the_context():
     from k3serve.decode.speculative import draft_limit
 
-    assert draft_limit(generated=3, max_tokens=10, position=50, max_positions=4096, k=7) == 6  # 6 + 1 = 7 left
-    assert draft_limit(generated=9, max_tokens=10, position=50, max_positions=4096, k=7) == 0
-    assert draft_limit(generated=1, max_tokens=99, position=90, max_positions=95, k=7) == 3  # last position 94
+    assert draft_limit(new=3, max_tokens=10, position=50, max_positions=4096, k=7) == 6  # 6 + 1 = 7 left
+    assert draft_limit(new=9, max_tokens=10, position=50, max_positions=4096, k=7) == 0
+    assert draft_limit(new=1, max_tokens=99, position=90, max_positions=95, k=7) == 3  # last position 94
+    # replaying after a failover: 5 replayed tokens still to feed and 2 new ones allowed, so 6 drafts + 1 emit
+    # at most 7 tokens (5 replayed, 2 new)
+    assert draft_limit(new=-5, max_tokens=2, position=50, max_positions=4096, k=7) == 6
+
+
+def test_a_resumed_request_speculates_on_its_new_tokens(tiny_ckpt, tiny_refs):
+    """After a failover (prompt + the 8 tokens already streamed, replayed by decode, max_tokens cut to the 4 left)
+    the draft budget counts new tokens only: the replay does not use up max_tokens, so speculation stays on."""
+    prompt = spec_prompt(40, 320, False)
+    n, k = 12, 8
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    want = tiny_refs.trace(list(prompt), params).token_ids
+    drafter = ScriptedDrafter({prompt: want[1:]}, wrong_every=0)
+    req = PrefillRequest("resumed", prompt, params.with_max_tokens(n - k), replay_ids=tuple(want[:k]))
+    with LocalPipeline(tiny_ckpt, speculative=SpecConfig(num_draft_tokens=3), drafter=drafter) as pipe:
+        out = pipe.generate([req])["resumed"]
+        assert pipe.decode.slots.num_used == 0 and pipe.decode.pages.num_used == 0
+    assert out.error is None
+    tiny_refs.check(list(prompt), params, list(want[:k]) + out.token_ids, label="resumed")
+    # 11 tokens after the first (7 replayed, 4 new) in windows of 3 drafts + 1: 3 + 3 + 2 drafts (it was 2)
+    assert out.drafted_tokens == 8 and out.verify_steps == 3, out
