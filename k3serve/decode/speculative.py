@@ -65,8 +65,7 @@ def propose(session: DraftSession, context: Sequence[int], limit: int) -> DraftP
         return DraftProposal()
     prop = session.propose(context, limit)
     if len(prop.tokens) > limit:  # a drafter that over-delivers is cut, never trusted past its budget
-        probs = prop.probs[:limit] if prop.probs is not None else None
-        prop = DraftProposal(prop.tokens[:limit], probs)
+        prop = DraftProposal(prop.tokens[:limit])
     return prop
 
 
@@ -95,7 +94,7 @@ def accept_bucket(bucket: list[Draft], logits: torch.Tensor, guard) -> list:
     out = []
     for i, d in enumerate(bucket):
         acc = guard(d.run, "sampling", accept_drafts, logits[i], d.proposal.tokens, d.run.handoff.params,
-                    d.run.next_position, d.proposal.probs)
+                    d.run.next_position)
         out.append(acc if acc is not None else FAILED_ROW)
     return out
 

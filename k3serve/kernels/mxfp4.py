@@ -196,20 +196,6 @@ def fake_quant_mxfp4(w: torch.Tensor, rule: str = "ocp") -> torch.Tensor:
     return w + (q - w).detach()
 
 
-def mxfp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
-    """MXFP8 activation fake quantisation (the K3 recipe's activations): E4M3 elements with an E8M0 scale per
-    32 consecutive values of the last dim, OCP rule 2^(floor(log2(amax)) - 8), saturating at +-448.
-    x `[..., K]`, K % 32 == 0 -> same shape and dtype (values on the MXFP8 grid)."""
-    if x.shape[-1] % GROUP:
-        raise ValueError(f"MXFP8 needs the last dim to be a multiple of {GROUP}, got {x.shape[-1]}")
-    xf = x.float()
-    blocks = xf.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    e = (torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - 8).clamp(-127, 127)
-    q = (blocks * torch.exp2(-e)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * torch.exp2(e)
-    return q.reshape(x.shape).to(x.dtype)
-
-
 # -------------------------------------------------------------------------------------------------- matmul
 def mxfp4_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                        svals: torch.Tensor | None = None) -> torch.Tensor:
@@ -286,19 +272,16 @@ def mxfp4_linear_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     return torch.cat(parts, dim=-1).to(x.dtype)
 
 
-def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, act_mxfp8: bool = False,
+def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *,
                  backend: str | None = None) -> torch.Tensor:
     """Routed-expert matmul reading packed MXFP4 weights: x `[N, K]` -> `[N, O]` in x's dtype.
 
     packed uint8 `[O, K/2]`, scales uint8 `[O, K/32]` (a ``weight_packed`` / ``weight_scale`` pair).
-    act_mxfp8: fake-quantise x to MXFP8 first (off by default; the published config has no activation scheme).
     backend: "naive" (element loops, the oracle), "torch" (row-block scratch), "triton" (dequantises in
     registers); default by device (see :mod:`k3serve.kernels._dispatch`).
     """
     if x.shape[-1] != packed.shape[-1] * 2:
         raise ValueError(f"x has {x.shape[-1]} inputs, the packed weight {packed.shape[-1] * 2}")
-    if act_mxfp8:
-        x = mxfp8_fake_quant(x)
     choice = resolve_backend(backend, x.device)
     if choice == "naive":
         from k3serve.kernels.mxfp4_naive import mxfp4_linear_naive

@@ -14,11 +14,11 @@ must rank identically, so it uses only a fixed, seedless-by-process hash (never 
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import xxhash
 
-__all__ = ["score", "rank_clusters", "primary_secondary", "pick_bounded", "session_key"]
+__all__ = ["score", "rank_clusters", "session_key"]
 
 _LEN = struct.Struct("<I")
 
@@ -41,52 +41,6 @@ def rank_clusters(key: str, clusters: Sequence[str]) -> list[str]:
     if len(set(clusters)) != len(clusters):
         raise ValueError(f"duplicate cluster ids in {list(clusters)}")
     return sorted(clusters, key=lambda c: (score(key, c), c), reverse=True)
-
-
-def primary_secondary(key: str, healthy: Sequence[str]) -> tuple[str, str | None]:
-    """(best, second best) of the healthy clusters; the secondary is None with a single cluster.
-
-    Raises ValueError when ``healthy`` is empty: there is nowhere to route.
-    """
-    if not healthy:
-        raise ValueError("no healthy clusters to route to")
-    ranked = rank_clusters(key, healthy)
-    return ranked[0], (ranked[1] if len(ranked) > 1 else None)
-
-
-def pick_bounded(
-    key: str,
-    clusters: Sequence[str],
-    loads: Mapping[str, float],
-    cap_factor: float = 1.25,
-    cost: float = 1.0,
-) -> str:
-    """HRW with bounded load: the first cluster in ``key``'s HRW order whose load after adding ``cost`` stays
-    within ``cap_factor`` times the mean load after adding it; the least loaded cluster (then HRW order) if none
-    does.
-
-    ``loads`` is token-weighted (e.g. in-flight plus queued tokens per cluster; a missing cluster counts 0) and
-    ``cost`` is this request's tokens in the same unit. The cap is ``cap_factor * (sum(loads) + cost) / n``, so
-    the chosen cluster ends within ``cap_factor`` x the new mean (and since the others do not grow, a system
-    that starts within the cap stays within it), while a key leaves its HRW choice only when that choice is
-    overloaded. The fallback matters when loads are tiny compared with
-    ``cost`` (an idle system and one big request: no cluster can be within 1.25x of a mean that the request
-    itself dominates).
-    """
-    if not clusters:
-        raise ValueError("no clusters to pick from")
-    if cap_factor < 1.0:
-        raise ValueError(f"cap_factor must be >= 1 (a cap below the mean is unsatisfiable), got {cap_factor}")
-    if cost < 0:
-        raise ValueError(f"cost must be >= 0, got {cost}")
-    ranked = rank_clusters(key, clusters)
-    cur = {c: float(loads.get(c, 0.0)) for c in ranked}
-    cap = cap_factor * (sum(cur.values()) + cost) / len(ranked)
-    for c in ranked:
-        if cur[c] + cost <= cap:
-            return c
-    # min() keeps the first of equal loads, i.e. the better HRW rank.
-    return min(ranked, key=lambda c: cur[c])
 
 
 def session_key(session_id: str, prompt_ids: Sequence[int], block_size: int = 512) -> str:

@@ -125,15 +125,6 @@ def test_fake_quant_is_the_serving_dequant_with_a_straight_through_gradient():
     assert torch.equal(w.grad, torch.ones_like(w))
 
 
-def test_mxfp8_activation_fake_quant_is_on_its_grid():
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(4, 64, generator=g) * 3
-    q = mx.mxfp8_fake_quant(x)
-    assert torch.equal(mx.mxfp8_fake_quant(q), q)  # idempotent
-    assert ((q - x).abs() <= x.abs().reshape(4, 2, 32).amax(-1).repeat_interleave(32, 1) * 2 ** -3).all()
-    assert not torch.equal(q, x)
-
-
 def _packed_case(n_out, k, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n_out, k, generator=g) * torch.exp2(torch.randint(-3, 3, (n_out, 1), generator=g).float())

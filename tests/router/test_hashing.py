@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from k3serve.router.hashing import pick_bounded, primary_secondary, rank_clusters, score, session_key
+from k3serve.router.hashing import rank_clusters, score, session_key
 
 CLUSTERS = [f"c{i}" for i in range(8)]
 REPO = Path(__file__).resolve().parents[2]
@@ -51,14 +51,11 @@ def test_rank_is_deterministic_across_processes():
     assert outs.pop().strip() == str([rank_clusters(k, CLUSTERS) for k in keys]).replace("'", '"')
 
 
-def test_rank_rejects_duplicates_and_primary_secondary_edges():
+def test_rank_rejects_duplicates_and_orders_every_cluster():
     with pytest.raises(ValueError):
         rank_clusters("k", ["c0", "c0"])
-    with pytest.raises(ValueError):
-        primary_secondary("k", [])
-    assert primary_secondary("k", ["only"]) == ("only", None)
-    p, s = primary_secondary("s:abc", CLUSTERS)
-    assert (p, s) == ("c2", "c3")
+    assert rank_clusters("k", []) == [] and rank_clusters("k", ["only"]) == ["only"]
+    assert rank_clusters("s:abc", CLUSTERS)[:2] == ["c2", "c3"]
 
 
 def test_no_concatenation_aliasing():
@@ -66,7 +63,7 @@ def test_no_concatenation_aliasing():
 
 
 def test_first_choice_is_balanced():
-    counts = collections.Counter(primary_secondary(f"s:{i}", CLUSTERS)[0] for i in range(10_000))
+    counts = collections.Counter(rank_clusters(f"s:{i}", CLUSTERS)[0] for i in range(10_000))
     assert set(counts) == set(CLUSTERS)
     assert max(counts.values()) < 1.15 * 10_000 / 8
     assert min(counts.values()) > 0.85 * 10_000 / 8
@@ -75,9 +72,9 @@ def test_first_choice_is_balanced():
 @pytest.mark.parametrize("removed", ["c0", "c3", "c7"])
 def test_removing_a_cluster_moves_only_its_sessions_and_spreads_them(removed):
     sessions = [f"s:{i}" for i in range(10_000)]
-    before = {s: primary_secondary(s, CLUSTERS) for s in sessions}
+    before = {s: rank_clusters(s, CLUSTERS)[:2] for s in sessions}
     survivors = [c for c in CLUSTERS if c != removed]
-    after = {s: primary_secondary(s, survivors)[0] for s in sessions}
+    after = {s: rank_clusters(s, survivors)[0] for s in sessions}
 
     moved = [s for s in sessions if after[s] != before[s][0]]
     assert set(moved) == {s for s in sessions if before[s][0] == removed}  # only its own sessions move
@@ -87,54 +84,6 @@ def test_removing_a_cluster_moves_only_its_sessions_and_spreads_them(removed):
     fair = len(moved) / len(survivors)
     assert set(spill) == set(survivors)  # every survivor takes some
     assert max(spill.values()) <= 1.5 * fair, (spill, fair)
-
-
-def test_bounded_load_keeps_hrw_choice_when_balanced():
-    loads = {c: 1000.0 for c in CLUSTERS}
-    for i in range(500):
-        key = f"s:{i}"
-        assert pick_bounded(key, CLUSTERS, loads, cost=10) == rank_clusters(key, CLUSTERS)[0]
-
-
-def test_bounded_load_skips_overloaded_clusters_in_hrw_order():
-    key = "s:abc"  # HRW order c2, c3, c7, ...
-    loads = {c: 100.0 for c in CLUSTERS}
-    loads["c2"] = 1000.0  # way over 1.25 x mean
-    assert pick_bounded(key, CLUSTERS, loads, cost=1) == "c3"
-    loads["c3"] = 1000.0
-    assert pick_bounded(key, CLUSTERS, loads, cost=1) == "c7"
-
-
-def test_bounded_load_falls_back_to_least_loaded():
-    # Idle system, one request much bigger than the mean it creates: nobody is within the cap.
-    assert pick_bounded("s:abc", CLUSTERS, {}, cost=1000) == "c2"  # equal loads: the HRW best
-    loads = {c: 0.0 for c in CLUSTERS}
-    loads["c2"] = 5.0
-    assert pick_bounded("s:abc", CLUSTERS, loads, cost=1000) == "c3"
-    with pytest.raises(ValueError):
-        pick_bounded("k", CLUSTERS, {}, cap_factor=0.9)
-    with pytest.raises(ValueError):
-        pick_bounded("k", [], {})
-
-
-def test_bounded_load_respects_cap_under_a_hot_key():
-    """30% of the traffic is one hot session: plain HRW would put 30% of the load on one cluster (2.4x mean);
-    with the cap every placement lands within 1.25x the mean and the final max/mean stays under the cap."""
-    rng = random.Random(1)
-    loads = {c: 0.0 for c in CLUSTERS}
-    fallbacks = 0
-    for i in range(20_000):
-        key = "s:hot" if rng.random() < 0.3 else f"s:{i}"
-        cost = float(rng.randint(1, 100))
-        c = pick_bounded(key, CLUSTERS, loads, cap_factor=1.25, cost=cost)
-        mean_after = (sum(loads.values()) + cost) / len(CLUSTERS)
-        if loads[c] + cost > 1.25 * mean_after:  # only allowed as the least-loaded fallback
-            fallbacks += 1
-            assert loads[c] == min(loads.values())
-        loads[c] += cost
-    mean = sum(loads.values()) / len(CLUSTERS)
-    assert max(loads.values()) <= 1.25 * mean
-    assert fallbacks < 50  # only while the system is nearly empty
 
 
 def test_session_key():

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from k3serve.cluster.redis_server import connect
-from k3serve.router.hashing import primary_secondary, rank_clusters
+from k3serve.router.hashing import rank_clusters
 from k3serve.router.pins import NoHealthyCluster, PinEvent, PinStore
 
 CLUSTERS = [f"c{i}" for i in range(8)]
@@ -55,7 +55,7 @@ def test_replicas_and_a_restarted_router_route_identically(new_client, ns):
             got[id(store)][s] = store.get_or_create(s, CLUSTERS).serving
     got_a, got_b = got[id(a)], got[id(b)]
     assert got_a == got_b
-    assert all(got_a[s] == primary_secondary(s, CLUSTERS)[0] for s in sessions)
+    assert all(got_a[s] == rank_clusters(s, CLUSTERS)[0] for s in sessions)
 
     # A new cluster joins and a router restarts (fresh client, fresh store): pins do not move to the newcomer.
     restarted = PinStore(new_client(), ns)

@@ -5,15 +5,12 @@ position of x_0. Every random draw for position P comes from ``position_generato
 plain sampling uses for P, so the output is a function of (prompt, sampling, drafter) and a resumed request
 continues exactly.
 
-* Deterministic drafts (``probs is None``: q is one-hot on the draft; n-gram, greedy drafters): row i draws the
-  target's own token t_i = sample_token(row i, params, p+i+1), exactly the token plain decoding would draw;
-  the draft is accepted iff t_i == x_{i+1}; the first mismatch emits t_i (the correction); all m accepted emits
-  t_m (the bonus). Greedy is the special case t_i = argmax. This is the standard rule for one-hot q: accept with
-  probability min(1, p(x)/q(x)) = p(x); on rejection t_i ~ p restricted to tokens != x, renormalised, which is
-  the residual max(0, p - q) / Z. With this coupling the tokens equal plain decoding's token for token.
-* Drafts with a distribution q (``probs`` `[m, vocab]`): at row i draw r ~ U[0, 1) from the position's generator;
-  accept iff r * q(x) < p(x); else draw the correction from max(0, p - q) normalised with the same generator
-  (its next draws). Bonus row as above. Greedy params: accept iff x == argmax (q is irrelevant).
+Drafts are taken as given (q one-hot on each draft: n-gram and greedy EAGLE-3 drafters): row i draws the target's
+own token t_i = sample_token(row i, params, p+i+1), exactly the token plain decoding would draw; the draft is
+accepted iff t_i == x_{i+1}; the first mismatch emits t_i (the correction); all m accepted emits t_m (the bonus).
+Greedy is the special case t_i = argmax. This is the standard rule for one-hot q: accept with probability
+min(1, p(x)/q(x)) = p(x); on rejection t_i ~ p restricted to tokens != x, renormalised, which is the residual
+max(0, p - q) / Z. With this coupling the tokens equal plain decoding's token for token.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.model.sampling import position_generator, sample_token, sampling_probs
+from k3serve.model.sampling import sample_token
 
 
 @dataclass(frozen=True)
@@ -35,8 +32,8 @@ class Acceptance:
     tokens: tuple[int, ...]
 
 
-def accept_drafts(logits: torch.Tensor, drafts: Sequence[int], params: SamplingParams, position: int,
-                  probs: torch.Tensor | None = None) -> Acceptance:
+def accept_drafts(logits: torch.Tensor, drafts: Sequence[int], params: SamplingParams,
+                  position: int) -> Acceptance:
     """Apply the acceptance rule to one request's verify rows.
 
     Args:
@@ -44,7 +41,6 @@ def accept_drafts(logits: torch.Tensor, drafts: Sequence[int], params: SamplingP
         drafts: the m drafted tokens x_1 .. x_m.
         params: the request's sampling parameters.
         position: absolute position of x_0 (the last committed token).
-        probs: `[m, vocab]` the drafter's q per draft, or None for deterministic drafts.
     """
     m = len(drafts)
     if logits.shape[0] != m + 1:
@@ -56,21 +52,9 @@ def accept_drafts(logits: torch.Tensor, drafts: Sequence[int], params: SamplingP
             out.append(sample_token(logits[i], params, pos))
             return Acceptance(m, tuple(out))
         x = int(drafts[i])
-        if probs is None or params.greedy:
-            t = sample_token(logits[i], params, pos)
-            if t != x:
-                out.append(t)
-                return Acceptance(i, tuple(out))
-        else:
-            p = sampling_probs(logits[i], params)
-            q = probs[i].float().cpu()
-            gen = position_generator(params.seed, pos)
-            r = float(torch.rand((), generator=gen))
-            if not r * float(q[x]) < float(p[x]):
-                residual = (p - q).clamp_min(0.0)
-                if float(residual.sum()) <= 0.0:  # p == q up to rounding: the residual is empty, p is exact
-                    residual = p
-                out.append(int(torch.multinomial(residual, 1, generator=gen).item()))
-                return Acceptance(i, tuple(out))
+        t = sample_token(logits[i], params, pos)
+        if t != x:
+            out.append(t)
+            return Acceptance(i, tuple(out))
         out.append(x)
     raise AssertionError("unreachable")  # the loop returns at i == m

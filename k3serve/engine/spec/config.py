@@ -45,11 +45,9 @@ class SpecConfig:
 
 
 def make_drafter(config: SpecConfig, model_cfg: object = None) -> Drafter:
-    """The drafter a SpecConfig names. EAGLE-3 lives in its own module (issue #13), imported only when asked."""
+    """The drafter a SpecConfig names (EAGLE-3's module is imported only when asked: it loads weights)."""
     if config.method == "ngram":
         return NgramDrafter(config.ngram)
-    try:
-        from k3serve.engine.spec.eagle3 import load_eagle3_drafter  # type: ignore[import-not-found]
-    except ImportError as e:
-        raise ValueError("speculative.method eagle3: the EAGLE-3 drafter is not part of this build") from e
+    from k3serve.engine.spec.eagle3 import load_eagle3_drafter
+
     return load_eagle3_drafter(config.drafter_dir, model_cfg)

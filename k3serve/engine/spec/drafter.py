@@ -4,7 +4,7 @@
  DecodeEngine                 Drafter (one per engine: weights, config)
    install(request) ────────▶ drafter.open(request_id, prompt_ids) ──▶ DraftSession (per-request state)
    each step:
-     session.propose(context, k) ─▶ DraftProposal(tokens x_1..x_k', probs q or None)
+     session.propose(context, k) ─▶ DraftProposal(tokens x_1..x_k')
      VerifyBatch: [x_0 | x_1 .. x_k'] at positions p .. p+k'  (x_0 = last token, not yet in the state)
      accept (engine/spec/accept.py) ─▶ a drafts accepted, one correction / bonus token t
      CommitBatch: x_0 .. x_a enter the target state
@@ -36,19 +36,11 @@ from k3serve.contracts.handoff import DraftCapture, DraftFeatures
 class DraftProposal:
     """Up to k drafted tokens for positions p+1 .. p+len(tokens) (p: the position of the last context token).
 
-    tokens: the drafts, possibly fewer than asked (none: the request is decoded plainly this step).
-    probs: the drafter's distribution q for each draft, `[len(tokens), vocab]` fp32 (each row sums to 1), or
-        None for a deterministic drafter (q is one-hot on the draft: n-gram, greedy EAGLE). With q the engine
-        applies the general rejection rule; without, the exact one-hot form (engine/spec/accept.py).
+    tokens: the drafts, possibly fewer than asked (none: the request is decoded plainly this step); the engine
+        takes them as given (q one-hot on each: engine/spec/accept.py).
     """
 
     tokens: tuple[int, ...] = ()
-    probs: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.probs is not None and tuple(self.probs.shape[:1]) != (len(self.tokens),):
-            raise ValueError(f"DraftProposal.probs must be [len(tokens)={len(self.tokens)}, vocab], "
-                             f"got {tuple(self.probs.shape)}")
 
 
 @dataclass(frozen=True)

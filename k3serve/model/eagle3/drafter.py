@@ -18,7 +18,6 @@ the weight dicts, so training passes leaves that require grad and serving passes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -130,14 +129,14 @@ class Eagle3Drafter:
 
     # --------------------------------------------------------------------------------------- serving
     @torch.inference_mode()
-    def draft(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor, k: int,
-              choose: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chain-draft k tokens for B requests from their windows.
+    def draft(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor,
+              k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain-draft k greedy tokens for B requests from their windows.
 
         tokens `[B, W]` int64, feats `[B, W, d]` fp32: the last W committed (next token, fused feature) pairs,
         right-aligned (index W-1 is the anchor, the last committed position); counts `[B]`: valid pairs (the
-        last counts[b] entries). choose(logits `[B, V]`, step) -> tokens `[B]` picks each draft (default argmax).
-        Returns (drafts `[B, k]` int64, logits `[B, k, V]` fp32, the q each draft was picked from).
+        last counts[b] entries). Returns (drafts `[B, k]` int64, the logits `[B, k, V]` fp32 each was the argmax
+        of).
         """
         b, win = tokens.shape
         if win != self.cfg.window:
@@ -158,7 +157,6 @@ class Eagle3Drafter:
             mask = (valid & (torch.arange(win, device=tokens.device) >= j - 1)).unsqueeze(1)  # [B, 1, W]
             d = self.finish(x, attend(self.query(x), k1, v1, mask, own_k, own_v))
             lg = self.logits(d[:, 0])
-            tok = lg.argmax(-1) if choose is None else choose(lg, j)
-            drafts.append(tok.long())
+            drafts.append(lg.argmax(-1).long())
             logits.append(lg)
         return torch.stack(drafts, 1), torch.stack(logits, 1)
