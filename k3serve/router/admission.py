@@ -173,7 +173,6 @@ class Admission:
         self._rng = rng if rng is not None else random.Random()
         self._rng_lock = threading.Lock()
         self._sleep, self._clock = sleep, clock
-        self._recovering = False  # what the last reserve call saw (for the rejection's hint)
         self._scripts = {name: client.register_script(getattr(lua, name))
                          for name in ("RESERVE", "RENEW", "REASSERT", "RELEASE", "TOUCH", "STATS", "HOLDERS")}
 
@@ -195,8 +194,8 @@ class Admission:
 
     # ---------------------------------------------------------------------------------- reservations
     def _call_reserve(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int, lease_ttl_s: float,
-                      mode: int, expected_s: float = 0.0) -> tuple[int, Reservation | None, int]:
-        """One RESERVE call: (status, reservation or None, queue length)."""
+                      mode: int, expected_s: float = 0.0) -> tuple[int, Reservation | None, int, bool]:
+        """One RESERVE call: (status, reservation or None, queue length, Redis recovering from a state loss)."""
         try:
             tokens = operator.index(tokens)  # ints, numpy ints; not floats
         except TypeError:
@@ -210,10 +209,9 @@ class Admission:
             keys=[*self._k(cluster, cls.name, 7), *gkeys],
             args=[request_id, tokens, cls.inflight_token_budget, cls.max_concurrent, ttl_ms(lease_ttl_s), mode,
                   cls.queue_limit, ttl_ms(self.config.queue_lease_s), int(max(expected_s, 0.0) * 1000), *gargs]))
-        self._recovering = bool(recovering)
         res = Reservation(cluster, cls.name, request_id, tokens, expiry_ms / 1000.0, lease_ttl_s) \
             if status == _OK else None
-        return status, res, qlen
+        return status, res, qlen, bool(recovering)
 
     def try_reserve(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int,
                     lease_ttl_s: float) -> Reservation | None:
@@ -232,15 +230,15 @@ class Admission:
         The waiter leaves the queue on every exit path (and its lease clears it if this process dies)."""
         wait = cls.max_wait_s if max_wait_s is None else max_wait_s
         mode = lua.WAIT if wait > 0 else lua.TRY
-        status, res, qlen = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, mode, expected_s)
+        status, res, qlen, rec = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, mode, expected_s)
         if status == _OK:
             return res
         if status == _NO:
             raise self.rejected(cluster, cls, tokens, "over_budget",
-                                f"{cls.name} on {cluster}: over budget and no waiting allowed", expected_s)
+                                f"{cls.name} on {cluster}: over budget and no waiting allowed", expected_s, rec)
         if status == _FULL:
             raise self.rejected(cluster, cls, tokens, "queue_full",
-                                f"{cls.name} on {cluster}: queue full ({qlen} waiting)", expected_s)
+                                f"{cls.name} on {cluster}: queue full ({qlen} waiting)", expected_s, rec)
         deadline = self._clock() + wait
         try:
             while True:
@@ -252,16 +250,16 @@ class Admission:
                     self._leave_queue(cluster, cls.name, request_id)  # the hint counts only those still waiting
                     raise self.rejected(cluster, cls, tokens, "timeout",
                                         f"{cls.name} on {cluster}: not admitted within {wait:.3g}s "
-                                        f"({max(qlen - 1, 0)} waiting)", expected_s)
+                                        f"({max(qlen - 1, 0)} waiting)", expected_s, rec)
                 self._sleep(min(self._jitter(), deadline - now))
-                status, res, qlen = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, lua.WAIT,
-                                                       expected_s)
+                status, res, qlen, rec = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, lua.WAIT,
+                                                            expected_s)
                 if status == _OK:
                     return res
                 # _FULL: our waiter lease lapsed (a stall past queue_lease_s) and the queue filled meanwhile
                 if status == _FULL:
                     raise self.rejected(cluster, cls, tokens, "queue_full",
-                                        f"{cls.name} on {cluster}: lost its place in a full queue", expected_s)
+                                        f"{cls.name} on {cluster}: lost its place in a full queue", expected_s, rec)
         except BaseException:
             self._leave_queue(cluster, cls.name, request_id)
             raise
@@ -279,9 +277,9 @@ class Admission:
         for r in reservations:
             self._scripts["RENEW"](keys=self._k(r.cluster, r.cls, 3),
                                    args=[r.request_id, ttl_ms(lease_ttl_s or r.lease_ttl_s)], client=pipe)
-        return [None if int(expiry) == 0 else
-                Reservation(r.cluster, r.cls, r.request_id, r.tokens, int(expiry) / 1000.0, lease_ttl_s or r.lease_ttl_s)
-                for r, expiry in zip(reservations, pipe.execute(), strict=True)]
+        return [None if int(e) == 0 else
+                Reservation(r.cluster, r.cls, r.request_id, r.tokens, int(e) / 1000.0, lease_ttl_s or r.lease_ttl_s)
+                for r, e in zip(reservations, pipe.execute(), strict=True)]
 
     def reassert_many(self, held: Sequence[tuple[Reservation, float]]) -> list[tuple[Reservation, bool]]:
         """Renew the leases of running requests (reservation, expected remaining seconds) in one round trip, and
@@ -343,11 +341,11 @@ class Admission:
                             cls.inflight_token_budget, cls.max_concurrent, round_s)
 
     def rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
-                 expected_s: float = 0.0, unseen: tuple[int, int] = (0, 0),
+                 expected_s: float = 0.0, recovering: bool = False, unseen: tuple[int, int] = (0, 0),
                  at_least_s: float = 0.0) -> AdmissionRejected:
         """The refusal with its hint: the expected drain time (not before ``at_least_s``), scaled late and
         jittered +0-``HINT_JITTER``; the recovery grace while Redis recovers from a state loss."""
-        if self._recovering and self.guard is not None:
+        if recovering and self.guard is not None:
             return AdmissionRejected(self.guard.grace_s, f"{message} (admission state recovering after a Redis loss)",
                                      reason, cluster, cls.name)
         try:
@@ -362,8 +360,7 @@ class Admission:
                at_least_s: float = 0.0, unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
         """The refusal of a request turned away before admission (a router at its stream limit): when this budget
         is expected to have room for it, not before ``at_least_s`` (the router's own reason to refuse)."""
-        self._recovering = False
-        return self.rejected(cluster, cls, tokens, "refused", message, expected_s, unseen, at_least_s)
+        return self.rejected(cluster, cls, tokens, "refused", message, expected_s, False, unseen, at_least_s)
 
     # ------------------------------------------------------------------------------------- internals
     def _leave_queue(self, cluster: str, cls: str, request_id: str) -> None:

@@ -339,7 +339,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         context.set_trailing_metadata((("retry-after-s", f"{hint_s:.3f}"), ("k3serve-rejected-by", by)))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry after {hint_s:.2f}s")
 
-    def _generate(self, req: ValidRequest, api_key: str, context, record: RequestRecord | None = None) -> Iterator[router_pb2.GenerateResponse]:
+    def _generate(self, req: ValidRequest, api_key: str, context,
+                  record: RequestRecord | None = None) -> Iterator[router_pb2.GenerateResponse]:
         tenant = tenant_id(self._secret, api_key)  # from here on the request's id is scoped by its tenant
         req = dataclasses.replace(req, request_id=scoped_request_id(tenant, req.request_id), tenant=tenant)
         try:
@@ -348,7 +349,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except QuotaExceeded as e:
             self._reject(context, self.slots.retry_after_s(), "key", str(e))
 
-    def _generate_held(self, req: ValidRequest, api_key: str, context, record: RequestRecord | None) -> Iterator[router_pb2.GenerateResponse]:
+    def _generate_held(self, req: ValidRequest, api_key: str, context,
+                       record: RequestRecord | None) -> Iterator[router_pb2.GenerateResponse]:
         salt = tenant_salt(self._secret, api_key, req.cache_salt)
         key = cache_identity(req.session_id, req.prompt_ids, salt, self.policy.block_size)
         try:
