@@ -15,6 +15,7 @@ Keys (``{...}`` is a Redis Cluster hash tag: all keys of one (cluster, class) sh
     k3s:{ns}:adm:{CLUSTER/CLASS}:qlease  ZSET  request_id -> waiter lease expiry (ms)
     k3s:{ns}:adm:{CLUSTER/CLASS}:qtok    HASH  request_id -> tokens wanted
     k3s:{ns}:adm:{CLUSTER/CLASS}:seq     STRING arrival counter
+    k3s:{ns}:adm:{CLUSTER/CLASS}:rel     ZSET  request_id -> until (ms): released, never to be re-asserted
     k3s:{ns}:adm:alive                   STRING PX a few renew intervals, refreshed by every router's renewer
     k3s:{ns}:adm:recover                 STRING PX grace: present = Redis lost its state, no new admissions
 
@@ -181,11 +182,16 @@ class Admission:
         check_id("cluster id", cluster)
         check_id("class name", cls)
         base = f"{self.prefix}adm:{{{cluster}/{cls}}}:"
-        return {k: base + k for k in ("lease", "tok", "end", "q", "qlease", "qtok", "seq")}
+        return {k: base + k for k in ("lease", "tok", "end", "q", "qlease", "qtok", "seq", "rel")}
 
     def _k(self, cluster: str, cls: str, n: int) -> list[str]:
         """The first ``n`` keys in RESERVE's order (3: a lease's, 6: with the queue's)."""
         return list(self.keys(cluster, cls).values())[:n]
+
+    def _lease_keys(self, r: Reservation) -> list[str]:
+        """lease, tok, end, rel: what RELEASE and REASSERT touch."""
+        k = self.keys(r.cluster, r.cls)
+        return [k["lease"], k["tok"], k["end"], k["rel"]]
 
     def _guard_args(self) -> tuple[list[str], list[int]]:
         if self.guard is None:
@@ -283,10 +289,11 @@ class Admission:
 
     def reassert_many(self, held: Sequence[tuple[Reservation, float]]) -> list[tuple[Reservation, bool]]:
         """Renew the leases of running requests (reservation, expected remaining seconds) in one round trip, and
-        put back any that Redis lost (flushed, restarted, paused past the lease): (new reservation, lost)."""
+        put back any that Redis lost (flushed, restarted, paused past the lease): (new reservation, lost). One
+        released meanwhile stays released (its new reservation expires at 0)."""
         pipe = self._r.pipeline(transaction=False)
         for r, remaining_s in held:
-            self._scripts["REASSERT"](keys=self._k(r.cluster, r.cls, 3),
+            self._scripts["REASSERT"](keys=self._lease_keys(r),
                                       args=[r.request_id, ttl_ms(r.lease_ttl_s), r.tokens,
                                             int(max(remaining_s, 0) * 1000)], client=pipe)
         return [(Reservation(r.cluster, r.cls, r.request_id, r.tokens, int(expiry) / 1000.0, r.lease_ttl_s),
@@ -301,8 +308,8 @@ class Admission:
     def release(self, reservation: Reservation) -> bool:
         """Return the tokens to the budget. Idempotent: True if this call released them, False if they were
         already gone (released before, or the lease expired)."""
-        return bool(int(self._scripts["RELEASE"](keys=self._k(reservation.cluster, reservation.cls, 3),
-                                                 args=[reservation.request_id])))
+        return bool(int(self._scripts["RELEASE"](keys=self._lease_keys(reservation),
+                                                 args=[reservation.request_id, ttl_ms(reservation.lease_ttl_s)])))
 
     # ---------------------------------------------------------------------------------------- reads
     def stats(self, cluster: str, cls: str) -> ClassLoad:

@@ -89,12 +89,14 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 return now + tonumber(ARGV[2])
 """
 
-# KEYS: lease, tok, end. ARGV: request_id, lease_ms, tokens, expected remaining ms. Returns {new expiry ms, 1 if the
-# lease was gone and has been put back else 0}: a running request's tokens are in use whatever Redis remembers.
+# KEYS: lease, tok, end, rel. ARGV: request_id, lease_ms, tokens, expected remaining ms. Returns {new expiry ms, 1 if
+# the lease was gone and has been put back else 0}: a running request's tokens are in use whatever Redis remembers.
+# {0, 0} for a lease released since the caller looked (rel): a renewal racing a release never resurrects it.
 REASSERT = _COMMON + """
 purge(KEYS[1], KEYS[2], KEYS[3])
 local lost = 0
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  if tonumber(redis.call('ZSCORE', KEYS[4], ARGV[1]) or '0') > now then return {0, 0} end
   lost = 1
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 end
@@ -103,11 +105,15 @@ redis.call('HSET', KEYS[3], ARGV[1], now + tonumber(ARGV[4]))
 return {now + tonumber(ARGV[2]), lost}
 """
 
-# KEYS: lease, tok, end. ARGV: request_id. Returns 1 if this call released the lease.
-RELEASE = """
+# KEYS: lease, tok, end, rel. ARGV: request_id, lease_ms. Returns 1 if this call released the lease. The release is
+# remembered for a lease's life (rel), so that a renewer that read the lease before it cannot put it back.
+RELEASE = _COMMON + """
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[2]))
 return removed
 """
 

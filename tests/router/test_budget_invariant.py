@@ -63,3 +63,21 @@ def test_budget_holds_when_redis_loses_the_leases_mid_stream(own_redis, ns, faul
     finally:
         a.close()
         b.close()
+
+
+def test_a_renewal_racing_a_release_never_puts_the_lease_back(rclient, ns):
+    """The renewer reads the held leases, a request ends and releases its lease, then the renewal runs: the lease
+    stays released (were it put back, a newcomer admitted into the freed room would make three leases of two
+    rooms until the renewer noticed; the router-load burst sampled exactly that)."""
+    adm = Admission(rclient, ns)
+    cls = CLASSES[0]
+    ended = adm.try_reserve("c0", cls, "ended", 10, 5.0)
+    running = adm.try_reserve("c0", cls, "running", 10, 5.0)
+    snapshot = [(ended, 1.0), (running, 1.0)]  # what the renewer read
+    adm.release(ended)
+    newcomer = adm.try_reserve("c0", cls, "newcomer", 10, 5.0)
+    assert newcomer is not None
+    (_, put_back), (_, lost) = adm.reassert_many(snapshot)
+    assert not put_back and not lost and adm.stats("c0", "short").count == 2
+    rclient.delete(adm.keys("c0", "short")["lease"])  # Redis forgets a running lease: that one is put back
+    assert adm.reassert_many([(running, 1.0)])[0][1] is True
