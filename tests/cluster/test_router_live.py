@@ -168,7 +168,7 @@ def test_after_a_burst_of_clients_that_never_return_new_requests_are_admitted(de
     import uuid
 
     from k3serve.bench.router_load import LoadSetup, _classes, start_router
-    from tests.router.test_refused_clients_gone import burst_of_absent_clients
+    from tests.router.test_refused_clients_gone import burst_of_absent_clients, errors_of_concurrent
 
     ns = "gone" + uuid.uuid4().hex[:8]
     routers = [start_router(deployment, ns, _classes(LoadSetup(max_concurrent=2, queue=4)), 8) for _ in range(2)]
@@ -181,21 +181,10 @@ def test_after_a_burst_of_clients_that_never_return_new_requests_are_admitted(de
             _, last = _collect(stubs[i % 2], pb.GenerateRequest(session_id=f"after-{i}", prompt_text=f"after {i}",
                                                                  sampling=sp))
             assert last.finish_reason == "length"
-        errors: list = []
-
-        def one(i: int) -> None:
-            try:
-                _collect(stubs[i % 2], pb.GenerateRequest(session_id=f"together-{i}", prompt_text=f"t {i}",
-                                                          sampling=sp))
-            except grpc.RpcError as e:
-                errors.append((e.code(), e.details()))
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        calls = [lambda i=i: _collect(stubs[i % 2], pb.GenerateRequest(session_id=f"together-{i}",
+                                                                        prompt_text=f"t {i}", sampling=sp))
+                 for i in range(6)]
+        assert not errors_of_concurrent(calls)
     finally:
         for svc, server, _ in routers:
             server.stop(0)

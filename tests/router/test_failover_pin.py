@@ -15,20 +15,20 @@ from tests.router.fake_cluster import Behaviour, expected_tokens, generate
 SP = pb.SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-def _pinned(rig, stub) -> tuple[str, list[str]]:
-    """A session served once (its pin made): (its pin key, the clusters in its current HRW order)."""
+def _pinned(rig, delay_s: float):
+    """Three clusters, a router, a session served once (its pin made): (stub, pin store, pin key, the clusters
+    in the key's current HRW order)."""
+    for c in ("c0", "c1", "c2"):
+        rig.add_cluster(c, Behaviour(delay_s=delay_s))
+    _, stub = rig.add_router()
     generate(stub, session_id="sess", prompt_token_ids=[1, 2, 3], sampling=SP)
     [key] = connect(rig.url).keys(f"k3s:{rig.ns}:pin:*")
     key = key.split(":pin:", 1)[1]
-    return key, rank_clusters(key, sorted(rig.clusters))
+    return stub, PinStore(connect(rig.url), rig.ns), key, rank_clusters(key, sorted(rig.clusters))
 
 
 def test_a_failover_goes_to_the_pins_stored_secondary(rig):
-    for c in ("c0", "c1", "c2"):
-        rig.add_cluster(c, Behaviour(delay_s=0.01))
-    _, stub = rig.add_router()
-    key, (primary, second, third) = _pinned(rig, stub)
-    pins = PinStore(connect(rig.url), rig.ns)
+    stub, pins, key, (primary, second, third) = _pinned(rig, 0.01)
     # the pin was made when the membership ranked differently: its secondary is the third of today's order
     connect(rig.url).hset(pins.key(key), "secondary", third)
     rig.clusters[primary].behaviour.fail_after = 4
@@ -38,11 +38,7 @@ def test_a_failover_goes_to_the_pins_stored_secondary(rig):
 
 
 def test_a_failover_follows_the_router_that_moved_the_pin_first(rig):
-    for c in ("c0", "c1", "c2"):
-        rig.add_cluster(c, Behaviour(delay_s=0.1))
-    _, stub = rig.add_router()
-    key, (primary, second, third) = _pinned(rig, stub)
-    pins = PinStore(connect(rig.url), rig.ns)
+    stub, pins, key, (primary, second, third) = _pinned(rig, 0.1)
     rig.clusters[primary].behaviour.fail_after = 8
     out: dict = {}
     t = threading.Thread(target=lambda: out.update(r=generate(stub, session_id="sess", prompt_token_ids=[1, 2, 3],
