@@ -21,7 +21,7 @@ def router_load(config: str = typer.Option("configs/local.yaml", "--config"),
                 router_streams: int = typer.Option(8, "--router-streams", min=1,
                                                    help="streams each router serves at once"),
                 as_json: bool = typer.Option(False, "--json")) -> None:
-    """Two router processes under a burst: every retry-after hint against the moment its place came free, the
+    """Two router processes under a burst: every retry-after hint against the moment its budget had a room, the
     budgets' busy fraction, and the behaviour (every stream completes, budgets never exceeded, probes answered)."""
     from k3serve.bench.router_load import LoadSetup, run_router_load_bench
 
