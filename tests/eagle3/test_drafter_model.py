@@ -46,7 +46,7 @@ def test_fused_input_equals_high_feature_at_init(target):
 
 def test_training_unroll_equals_serving_chain(tiny_model, tiny_ckpt):
     """Step j of the training-time test at anchor a gives the logits the serving chain gives at step j from the
-    window ending at a (draft tokens forced to the data), before and after the window fills."""
+    window ending at a (the data after a set to the chain's greedy drafts), before and after the window fills."""
     model = tiny_model
     cfg = DrafterConfig.for_target(model.cfg, window=6)
     w = init_drafter_weights(cfg, load_weights(tiny_ckpt))
@@ -57,13 +57,13 @@ def test_training_unroll_equals_serving_chain(tiny_model, tiny_ckpt):
     f = target_features(model, cfg, ids, _fresh(model, 2))
     toks, g = ids[:, 1:], dr.fuse(f.low, f.mid, f.high)[:, :-1]
     steps = 4
-    un = dr.unroll(toks, g, steps)
     for a in (0, 2, 9, 14):
         win = DrafterWindow.empty(cfg.window, cfg.hidden_size)
         wins = [win.extended(toks[b, : a + 1], g[b, : a + 1]) for b in range(2)]
-        forced = toks[:, a + 1: a + steps]
-        _, lg = dr.draft(*stack_windows(wins), steps, lambda logits, j: forced[:, j - 1] if j <= forced.shape[1]
-                         else logits.argmax(-1))
+        drafts, lg = dr.draft(*stack_windows(wins), steps)
+        data = toks.clone()
+        data[:, a + 1: a + steps] = drafts[:, : steps - 1]  # draft j is the data's token at a + j
+        un = dr.unroll(data, g, steps)
         for j in range(1, steps + 1):
             torch.testing.assert_close(lg[:, j - 1], un.logits[j - 1][:, a + j - 1], atol=2e-5, rtol=1e-5)
 
