@@ -65,3 +65,14 @@ def test_an_unknown_mutation_is_refused_at_import():
     r = subprocess.run([sys.executable, "-c", "import k3serve.engine.mutation"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "K3SERVE_TEST_MUTATION='wrong_tokens' is not one of" in r.stderr
+
+
+def test_per_request_mode_mutates_only_the_requests_that_name_a_mutation(monkeypatch):
+    monkeypatch.setattr(mutation, "ACTIVE", mutation.PER_REQUEST)
+    marked = f"tenant~s1-{mutation.marker('wrong_token')}-t0-a0"
+    assert (mutation.kind_for(marked), mutation.kind_for("tenant~s1-t0-a0")) == ("wrong_token", "")
+    assert mutation.resume_point(1024, 512, marked) == 1024  # another kind's call site leaves it alone
+    plain = [mutation.token(7, "tenant~s1-t0-a0", step, 8, 259) for step in range(8)]
+    mutated = [mutation.token(7, marked, step, 8, 259) for step in range(8)]
+    assert plain == [7] * 8 and sorted(mutated) == [7] * 7 + [8]
+    assert mutation.resume_point(1024, 512, f"x-{mutation.marker('prefix_early')}") == 512

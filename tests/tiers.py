@@ -32,6 +32,7 @@ SLOW: dict[str, str] = {
     "tests/cluster/test_readme_client.py": "live deployment (Ray)",
     "tests/cluster/test_router_live.py": "live deployment (Ray)",
     "tests/cluster/test_service_e2e.py": "live deployment (Ray)",
+    "tests/cluster/test_mutations_live.py": "live deployment (Ray)",
     "tests/cluster/test_spec_service.py": "live deployment (Ray)",
     "tests/cluster/test_two_nodes.py": "two Ray nodes",
     "tests/cluster/test_http_live.py": "live deployment (Ray)",

@@ -215,6 +215,8 @@ class Deployment:
             return
         address = os.environ.get("RAY_ADDRESS")
         env = {"env_vars": {"OMP_NUM_THREADS": str(self.deploy.torch_threads), "TOKENIZERS_PARALLELISM": "false"}}
+        if os.environ.get("K3SERVE_TEST_MUTATION"):  # the tests' fault hook reaches every worker (engine/mutation.py)
+            env["env_vars"]["K3SERVE_TEST_MUTATION"] = os.environ["K3SERVE_TEST_MUTATION"]
         if address:
             ray.init(address=address, runtime_env=env, log_to_driver=False)
         else:

@@ -19,6 +19,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -26,6 +27,7 @@ import ray
 from redis.exceptions import RedisError
 
 from k3serve.cluster.deployment import Deployment
+from k3serve.engine import mutation
 from k3serve.router.hashing import rank_clusters, session_key
 from k3serve.v1 import router_pb2, router_pb2_grpc
 
@@ -157,8 +159,11 @@ class DrillClient:
             raise _Retry(f"http {request_id}: {e}", False) from None
 
 
-def session_names(sessions: int, seed: int) -> list[str]:
-    return [f"drill-{seed:x}-s{i}" for i in range(sessions)]
+def session_names(sessions: int, seed: int, mutate: Mapping[int, str] = {}) -> list[str]:
+    """Session i's name; under ``K3SERVE_TEST_MUTATION=per-request`` those in `mutate` carry their mutation's
+    marker (k3serve/engine/mutation.py), which the request ids built from the name pass to the engines."""
+    return [f"drill-{seed:x}-s{i}" + (f"-{mutation.marker(mutate[i])}" if i in mutate else "")
+            for i in range(sessions)]
 
 
 def _session_params(i: int, max_tokens: int) -> router_pb2.SamplingParams:
@@ -170,13 +175,13 @@ def _session_params(i: int, max_tokens: int) -> router_pb2.SamplingParams:
 
 def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fault: Fault | None, at_s: float,
                  seed: int | None = None, redis_down_s: float = 5.0, after_turns: int = 0,
-                 lost: list | None = None) -> tuple[list[RequestRecord], float]:
+                 lost: list | None = None, mutate: Mapping[int, str] = {}) -> tuple[list[RequestRecord], float]:
     """Run the sessions; inject `fault` at `at_s`, and not before every session completed `after_turns` turns
     (so every cluster has served its sessions before the fault, however loaded the machine). Returns
     (records, the fault's time.monotonic()); a node fault appends its LostNode to `lost`."""
     # a fresh run id per drill: new sessions and prompts, so earlier runs' pins and cache entries do not apply
     seed = random.randrange(1 << 30) if seed is None else seed
-    names = session_names(sessions, seed)
+    names = session_names(sessions, seed, mutate)
     rng = random.Random(seed)
     system = [rng.randrange(256) for _ in range(200)]
     records: list[RequestRecord] = []
@@ -246,8 +251,9 @@ def run_workload(dep: Deployment, sessions: int, turns: int, max_tokens: int, fa
     return records, fault_at[0] if fault else t0
 
 
-def check_against_reference(checkpoint: str, records: list[RequestRecord], numerics=None, threads: int = 1) -> int:
-    """Number of completed requests whose tokens differ from the single-process reference (built with the
+def check_against_reference(checkpoint: str, records: list[RequestRecord], numerics=None,
+                            threads: int = 1) -> list[RequestRecord]:
+    """The completed requests whose tokens differ from the single-process reference (built with the
     deployment's numerics: in mode deterministic the served tokens must be its tokens exactly)."""
     from k3serve.contracts.sampling import SamplingParams
     from k3serve.model.loader import load_model
@@ -256,7 +262,7 @@ def check_against_reference(checkpoint: str, records: list[RequestRecord], numer
     import torch
 
     model = load_model(checkpoint, numerics=numerics)
-    bad = 0
+    bad = []
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # more threads than free cores make torch spin: a busy machine slows 10-20x
     try:
@@ -265,20 +271,26 @@ def check_against_reference(checkpoint: str, records: list[RequestRecord], numer
                 continue
             p = r.params
             ref = reference_generate(model, r.prompt, SamplingParams.from_proto(p))
-            bad += ref.token_ids != r.tokens
+            if ref.token_ids != r.tokens:
+                bad.append(r)
     finally:
         torch.set_num_threads(before)
     return bad
 
 
 def report(dep: Deployment, records: list[RequestRecord], fault: Fault | None, fault_s: float, t0: float,
-           mismatches: int, lost: tuple[str, ...] = ()) -> dict:
-    """The drill's report; `lost`: the clusters a node fault took down (the node's clusters)."""
+           differ: list[RequestRecord], lost: tuple[str, ...] = ()) -> dict:
+    """The drill's report; `differ`: the requests whose tokens are not the reference's; `lost`: the clusters a
+    node fault took down (the node's clusters). A mutated session's requests (``mutate-`` in its name) must
+    differ: ``mutations_missed`` counts those that did not."""
     clusters = list(dep.deploy.clusters.cluster_ids)
     out = {"requests": len(records), "http_requests": sum(r.door == "http" for r in records),
            "completed": sum(not r.error for r in records),
            "failed": sum(bool(r.error) for r in records), "failed_over": sum(r.failovers > 0 for r in records),
-           "router_retries": sum(r.router_retries for r in records), "mismatches": mismatches,
+           "router_retries": sum(r.router_retries for r in records),
+           "mismatches": sum(not _mutated(r) for r in differ),
+           "mutated": sum(_mutated(r) and not r.error for r in records),
+           "mutations_missed": sum(_mutated(r) and not r.error for r in records) - sum(map(_mutated, differ)),
            "fault": f"{fault.kind}:{fault.target}" if fault else None, "fault_at_s": fault_s,
            "in_flight_at_fault": sum(r.start_s - t0 <= fault_s <= r.end_s - t0 for r in records) if fault else 0,
            "errors": sorted({r.error for r in records if r.error})[:5],
@@ -307,6 +319,10 @@ def report(dep: Deployment, records: list[RequestRecord], fault: Fault | None, f
         retried = [r.end_s - t0 - fault_s for r in records if (r.router_retries or r.failovers) and not r.error]
         out["recovery_s"] = min(retried) if retried else 0.0
     return out
+
+
+def _mutated(rec: RequestRecord) -> bool:
+    return mutation.marker("") in rec.session
 
 
 def _recoveries(dep: Deployment, fault: Fault) -> int:
@@ -361,7 +377,7 @@ def busy_clusters(dep: Deployment, skip: set[str], timeout_s: float = 60.0) -> d
 def violations(out: dict, fault: Fault | None) -> list[str]:
     """What a drill report breaks of: no failed request, no mismatch, every request of every session counted,
     every cluster idle afterwards (pools and staging back to 0), and a fault that hit requests in flight."""
-    bad = [f"{out[k]} {k}" for k in ("failed", "mismatches") if out[k]]
+    bad = [f"{out[k]} {k}" for k in ("failed", "mismatches", "mutations_missed") if out[k]]
     if out["requests"] != out["requests_expected"]:
         bad.append(f"{out['requests']} requests counted, {out['requests_expected']} sent (sessions x turns)")
     if out["busy_after"]:
@@ -373,24 +389,25 @@ def violations(out: dict, fault: Fault | None) -> list[str]:
 
 def run_drill(dep: Deployment, fault: Fault | None, at_s: float, sessions: int, turns: int,
               max_tokens: int, seed: int | None = None, rejoin_timeout_s: float = 120.0,
-              after_turns: int = 0, check: bool = True) -> dict:
+              after_turns: int = 0, check: bool = True, mutate: Mapping[int, str] = {}) -> dict:
     """The workload with `fault` injected at `at_s` (and once every session completed `after_turns` turns), checked
     against the reference. For a cluster or rank fault (with ``clusters.rebuild`` on) it then waits for the
     failed cluster to rejoin and reports ``rejoined_s``. A node fault reports the node's clusters
     (``lost_node_clusters``) and where every cluster ran (``cluster_nodes``, node id prefixes); they rebuild
     when the node comes back, which the drill does not wait for. The report's ``violations`` lists what
-    :func:`violations` finds; `check` raises AssertionError (with the report) when there is any."""
+    :func:`violations` finds; `check` raises AssertionError (with the report) when there is any. `mutate`:
+    sessions served with a test mutation (:func:`session_names`), proving the drill's check fails."""
     rebuilds = fault is not None and fault.kind in ("cluster", "decode", "prefill") and dep.deploy.clusters.rebuild
     before = _recoveries(dep, fault) if rebuilds else 0
     placed = dep.cluster_nodes() if fault is not None and fault.kind == "node" else None
     t0 = time.monotonic()
     lost: list = []
     records, fault_abs = run_workload(dep, sessions, turns, max_tokens, fault, at_s, seed,
-                                      after_turns=after_turns, lost=lost)
+                                      after_turns=after_turns, lost=lost, mutate=mutate)
     fault_s = fault_abs - t0
     rejoined = wait_rejoined(dep, fault, before, fault_abs, rejoin_timeout_s) if rebuilds else None
-    mismatches = check_against_reference(dep.checkpoint, records, dep.deploy.numerics, dep.deploy.torch_threads)
-    out = report(dep, records, fault, fault_s, t0, mismatches, lost[0].clusters if lost else ())
+    differ = check_against_reference(dep.checkpoint, records, dep.deploy.numerics, dep.deploy.torch_threads)
+    out = report(dep, records, fault, fault_s, t0, differ, lost[0].clusters if lost else ())
     out["rejoined_s"] = rejoined  # a node fault: its clusters rebuild once the node (or another like it) is back
     if placed is not None:
         out["cluster_nodes"] = {cid: {k: (v[:8] if isinstance(v, str) else [x[:8] for x in v])

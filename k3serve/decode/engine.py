@@ -164,7 +164,8 @@ class DecodeEngine:
             table = tuple(pages[:n_pages])
             try:
                 self.channel.install(self.executor, handoff.state, slot, table)
-                mutation.installed(self.executor, slot, table, handoff.num_tokens, self.config.pools.page_size)
+                mutation.installed(self.executor, slot, table, handoff.num_tokens, self.config.pools.page_size,
+                                  handoff.request_id)
             except (StateInstallError, OpFailed) as e:  # fail this request only: the group is intact
                 self.pages.decref(pages)
                 self.slots.free(slot)

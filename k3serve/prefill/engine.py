@@ -254,7 +254,8 @@ class PrefillEngine:
     def _try_start(self, req: PrefillRequest) -> _Running | None:
         prompt = list(req.prompt_ids)
         hit = self.cache.lookup(prompt, req.cache_salt) if self.config.enable_prefix_cache else None
-        cached = mutation.resume_point(hit.num_tokens if hit else 0, self.cache.policy.block_size)
+        cached = mutation.resume_point(hit.num_tokens if hit else 0, self.cache.policy.block_size,
+                                       req.request_id)
         fresh = self._pages_for(len(prompt)) - (len(hit.pages) if hit else 0)
         if self.slots.num_free < 1 or self.pages.num_free < fresh:
             self.cache.evict(pages_needed=fresh, slots_needed=1)

@@ -2,7 +2,8 @@
 
 Each drill runs a multi-turn workload (greedy and seeded sessions) through both routers and checks: no failed
 request, no token mismatch against the single-process reference, and (cluster kill) the failed cluster's
-sessions spread over the survivors. Then recovery: the killed cluster actor is replaced by the deployment's
+sessions spread over the survivors; four of its sessions run under a test mutation, and the drill's check must
+find every one of their requests not exact. Then recovery: the killed cluster actor is replaced by the deployment's
 supervisor, and a cluster whose rank died while idle is rebuilt in place; each then serves new sessions.
 """
 
@@ -14,6 +15,12 @@ import pytest
 
 from k3serve.cluster.deploy import load_deploy
 from k3serve.cluster.drill import Fault, run_drill
+from tests.cluster.conftest import per_request_mutations
+
+# gRPC sessions (i % 4 != 3) served with a wrong token: the drill must count each of their requests as not exact
+# (the state mutations are the service family's, tests/cluster/test_mutations_live.py: on these prompts of ~250
+# tokens a zeroed first MLA page need not move one of 16 tokens)
+MUTATED = {1: "wrong_token", 2: "wrong_token", 5: "wrong_token", 6: "wrong_token"}
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +28,17 @@ def four_clusters():
     from k3serve.cluster.deployment import Deployment
 
     base = load_deploy("configs/local.yaml")
-    dep = Deployment(dataclasses.replace(base, clusters=dataclasses.replace(base.clusters, count=4))).start()
+    with per_request_mutations():
+        dep = Deployment(dataclasses.replace(base, clusters=dataclasses.replace(base.clusters, count=4))).start()
     yield dep
     dep.stop()
 
 
 def test_kill_cluster(four_clusters):
-    out = run_drill(four_clusters, Fault("cluster", "c0"), at_s=3.0, sessions=24, turns=2, max_tokens=16, seed=1)
+    out = run_drill(four_clusters, Fault("cluster", "c0"), at_s=3.0, sessions=24, turns=2, max_tokens=16, seed=1,
+                    mutate=MUTATED)
     assert out["failed"] == 0 and out["mismatches"] == 0
+    assert out["mutated"] == 2 * len(MUTATED) and out["mutations_missed"] == 0  # the drill's check can fail
     assert out["in_flight_at_fault"] > 0 and out["failed_over"] > 0 and out["failed_cluster_sessions"] > 0
     assert all(n > 0 for n in out["survivor_sessions"].values())  # spread over every survivor
     assert out["max_survivor_share_over_fair"] <= 1.5

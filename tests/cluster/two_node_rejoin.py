@@ -56,7 +56,7 @@ def main() -> int:
             print(f"rejoined {time.monotonic() - t0:.1f} s after `ray start` of the new node B")
             records, _ = run_workload(dep, 9, 1, 8, None, 0, seed=0)
             failed = sum(bool(r.error) for r in records)
-            bad = check_against_reference(dep.checkpoint, records, dep.deploy.numerics)
+            bad = len(check_against_reference(dep.checkpoint, records, dep.deploy.numerics))
             print(f"served {dict(Counter(r.cluster_id for r in records))}, failed {failed}, mismatches {bad}")
             return 0 if failed == bad == 0 else 1
         finally:

@@ -9,9 +9,9 @@ from k3serve.contracts.sampling import SamplingParams
 from k3serve.disagg.pipeline import LocalPipeline
 from k3serve.model.loader import load_model
 from k3serve.model.reference import reference_generate
-from tests.exactness import References
+from tests.exactness import SEEDS, References
 
-PROMPTS = ("def parse_args(", "class Stack:\n    def push(self, x):\n")
+PROMPTS = ("def parse_args(", "class Stack:\n    def push(self, x):\n", "import os\n")
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +46,18 @@ def test_mxfp4_disaggregated_equals_reference(mxfp4_ckpt, cases, p, d):
 
 def test_mxfp4_deterministic_mode_equals_its_reference_bit_for_bit(mxfp4_ckpt):
     """numerics: deterministic on MXFP4 experts (fixed weight-row blocks through the fixed row tiles): prefill
-    TP=2 in 64-token chunks -> decode TP=1 at batch 2 gives the deterministic reference's tokens, greedy and
+    TP=2 in 64-token chunks -> decode TP=1 at batch 4 gives the deterministic reference's tokens, greedy and
     seeded, for a batch whose composition differs from the reference's one-at-a-time run."""
     from k3serve.contracts.numerics import DETERMINISTIC
     from k3serve.engine.ops import PoolConfig
     from k3serve.prefill.engine import PrefillConfig
 
     model = load_model(mxfp4_ckpt, numerics=DETERMINISTIC)
-    prompts = [list((PROMPTS[1] * 3).encode()), list(PROMPTS[0].encode())]
-    params = [SamplingParams(max_tokens=6, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=6, ignore_eos=True)]
+    prompts = [list((PROMPTS[1] * 3).encode())] + [list(p.encode()) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True)] + [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=7 + s, max_tokens=6, ignore_eos=True) for s in SEEDS]
     want = [reference_generate(model, p, sp).token_ids for p, sp in zip(prompts, params)]
     pcfg = PrefillConfig(PoolConfig(kda_slots=8, mla_pages=128), step_token_budget=64)
     with LocalPipeline(mxfp4_ckpt, prefill_tp=2, decode_tp=1, prefill=pcfg, numerics=DETERMINISTIC) as pipe:
         outs = pipe.generate([PrefillRequest(f"r{i}", tuple(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))])
-    assert [outs[f"r{i}"].token_ids for i in range(2)] == want
+    assert [outs[f"r{i}"].token_ids for i in range(len(prompts))] == want
