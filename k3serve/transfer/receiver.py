@@ -26,6 +26,7 @@ import grpc
 from k3serve.netaddr import advertised_host
 from k3serve.transfer.v1 import transfer_pb2 as pb
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
+from k3serve.tls import add_port
 from k3serve.transfer.buffers import RegionBuffers
 from k3serve.transfer.memory import tune_allocator
 from k3serve.transfer.placer import StreamPlacer
@@ -85,7 +86,7 @@ class TransferReceiver:
             "Open": grpc.unary_unary_rpc_method_handler(self._open, pb.StreamOpen.FromString,
                                                         pb.OpenReply.SerializeToString),
         }),))
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        self.port = add_port(self._server, f"{config.host}:{config.port}", config.auth.tls)  # mutual TLS with auth.tls
         if self.port == 0:
             raise OSError(f"transfer receiver could not bind {config.host}:{config.port}")
         # placement workers (copy + CRC32C of received chunks, placer.py): as many as streams can be served
