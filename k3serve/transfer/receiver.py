@@ -71,7 +71,8 @@ class TransferReceiver:
             raise ValueError("a receiver's data plane needs both its staging region and its segment name")
         tune_allocator()  # process-wide: message buffers reuse warm heap pages (memory.py)
         self.config, self.segment = config, segment
-        self.store = StagingStore(config.rank, config.tp, config.limits, expect_geometry, region=region)
+        self.store = StagingStore(config.rank, config.tp, config.limits, expect_geometry, region=region,
+                                  mac_secret=config.auth.secret)
         max_msg = 2 * config.limits.max_chunk_bytes + (1 << 20)  # oversized-but-parseable -> INVALID_ARGUMENT
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"transfer-rx{config.rank}"),
