@@ -307,3 +307,4 @@ def test_a_foreign_rewrite_before_the_copy_keeping_the_crc_fails_the_chunk_mac(g
     finally:
         foreign.close()
     _assert_nothing_held([rx], sender_plane)
+    assert not sender_plane[1].buffer.any()  # the send region was wiped as each range was released

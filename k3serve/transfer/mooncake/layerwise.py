@@ -67,7 +67,7 @@ class RegionStreamedSend:
 
     def _release(self) -> None:
         for t in self._region.values():  # our own ranges: the engine reads them only inside a session's writes
-            self.sender.region.release(t, False)
+            self.sender.region.release(t.zero_(), False)  # wiped: the state is readable there only while sent
         self._region = {}
 
 

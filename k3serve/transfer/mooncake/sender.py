@@ -90,7 +90,7 @@ class MooncakeSender(TransferSender):
 
     def close(self) -> None:
         if self._scratch is not None:
-            self.region.release(self._scratch, False)
+            self.region.release(self._scratch.zero_(), False)
             self._scratch = None
         super().close()
 
@@ -126,7 +126,8 @@ class LandingSession(SendSession):
         return out
 
     def _release(self) -> None:
-        for t in self._owned:
+        for t in self._owned:  # wiped: a foreign engine reads a request's state here only while it is sent
+            t.zero_()
             self.sender.region.release(t, False)  # our own memory: the engine reads it only inside write()
         self._owned = []
 
