@@ -89,7 +89,7 @@ class StagingCounters:
     cancelled: int = 0
     expired: int = 0
     landed: int = 0  # chunks written by a data plane and checked in place
-    crc_s: float = 0.0  # CPU seconds (thread time) checking CRC32C of landed chunks (data planes)
+    crc_s: float = 0.0  # CPU seconds (thread time) copying out and checking (CRC32C, MAC) landed chunks
     place_s: float = 0.0  # CPU seconds copying payloads to their resharded offsets + their CRC32C (one pass)
 
 
