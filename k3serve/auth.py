@@ -17,7 +17,7 @@ accepted within the window, and peers not in ``allowed_peers`` with UNAUTHENTICA
 a unary request whose bytes do not hash to the signed body digest is refused with UNAUTHENTICATED before its
 handler runs; handlers then check that the subject inside the messages is the one that was signed. So a captured
 call can be neither replayed nor re-used with another prompt, salt or transfer. The MAC does not encrypt: use a
-private interface, or TLS (gRPC's own credentials), against eavesdroppers.
+private interface, or internal TLS (``AuthConfig.tls``, k3serve/tls.py), against eavesdroppers.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import grpc
+
+from k3serve.tls import TlsMaterial
 
 MD_PEER, MD_SUBJECT, MD_TS, MD_MAC = "x-k3serve-peer", "x-k3serve-subject", "x-k3serve-ts", "x-k3serve-mac"
 MD_BODY, MD_NONCE = "x-k3serve-body", "x-k3serve-nonce"
@@ -51,6 +53,7 @@ class AuthConfig:
     peer: str = "k3serve"
     window_s: float = 30.0
     allowed_peers: frozenset[str] | None = None  # None: any peer that holds the secret
+    tls: TlsMaterial | None = field(default=None, repr=False)  # mutual TLS of the channels (tls.py); None: plain
 
     def __post_init__(self) -> None:
         if not isinstance(self.secret, str) or len(self.secret) < 16:

@@ -110,7 +110,7 @@ class ClusterActor:
                                               layerwise_export=c.layerwise_export),
                                 prefix_key(model_fingerprint(cfg.to_hf_dict()), d.secret), channel)
         front = ClusterFront(self.cluster_id, DisaggLoop(prefill, decode), d.secret, c.prefill_tp, c.decode_tp,
-                             d.numerics)
+                             d.numerics, tls=d.tls)
         client = getattr(channel, "client", None)  # the gRPC channel's receivers report their staging
         if client is not None:
             front.staging = lambda: _staging(client)
@@ -130,7 +130,7 @@ class ClusterActor:
         from k3serve.transfer.handoff_send import GrpcSendHooks
         from k3serve.transfer.receiver import ReceiverConfig
 
-        rx = ReceiverConfig(AuthConfig(d.secret, peer=f"decode-{self.cluster_id}"), host=d.internal_bind)
+        rx = ReceiverConfig(AuthConfig(d.secret, peer=f"decode-{self.cluster_id}", tls=d.tls), host=d.internal_bind)
         if d.clusters.transfer == "mooncake":
             from k3serve.transfer.mooncake.hooks import MooncakeReceiverHooks, MooncakeSendHooks
 
@@ -150,7 +150,7 @@ class ClusterActor:
 
         endpoints = tuple(ray.get([a.report.remote() for a in self.executors["decode"].actors]))
         return (MooncakeChannel if c.transfer == "mooncake" else GrpcChannel)(self.cluster_id, cfg, endpoints, d.secret, c.prefill_tp, c.decode_tp,
-                           c.prefill_pools.page_size)
+                           c.prefill_pools.page_size, tls=d.tls)
 
     def _teardown(self) -> None:
         """Stop the front and kill the rank actors and placement group (what a failed _build left, too)."""

@@ -29,6 +29,7 @@ import yaml
 from k3serve.cluster.placement import NO_PLACEMENT, PlacementSpec, Resources, parse_resources
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics, NumericsError
 from k3serve.router.api_keys import ApiKeyError, check_api_keys
+from k3serve.tls import TlsMaterial, generate as generate_tls
 
 
 TRANSFER_PLANES = ("grpc", "mooncake", "object_store")
@@ -206,10 +207,14 @@ class DeployConfig:
     # internal sockets (cluster fronts, transfer receivers and engines, router metrics): "" = bind_host
     internal_host: str = ""
     secret: str = field(default="", repr=False)  # cluster secret for internal endpoints; "": generated per deployment
+    # mutual TLS on the internal gRPC channels (router -> fronts, prefill -> decode receivers) under a private CA
+    # made per deployment (k3serve/tls.py); None: on when the internal host is not loopback
+    internal_tls: bool | None = None
+    tls: TlsMaterial | None = field(default=None, repr=False)  # made by with_secret(), never read from a file
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # bearer tokens of the public API; none: anonymous
     allow_anonymous: bool = False  # serve without api_keys on a non-loopback bind_host (refused otherwise)
-    # per API key and router replica: streams at once (0: with 2+ keys, half of the router's streams; with fewer
-    # keys, no limit) / requests inside admission (0: no limit); router/api_keys.py
+    # per API key across every router (leases in Redis): streams at once (0: with 2+ keys, half of all routers'
+    # streams; with fewer keys, no limit) / requests inside admission (0: no limit); router/key_quota.py
     key_max_streams: int = 0
     key_max_queued: int = 0
     control: ControlSpec = field(default_factory=ControlSpec)
@@ -242,8 +247,16 @@ class DeployConfig:
         """The host internal sockets bind."""
         return self.internal_host or self.bind_host
 
+    @property
+    def tls_on(self) -> bool:
+        """Whether the internal channels use mutual TLS (``internal_tls``; unset: off loopback only)."""
+        return self.internal_tls if self.internal_tls is not None else not is_loopback(self.internal_bind)
+
     def with_secret(self) -> "DeployConfig":
-        return self if self.secret else dataclasses.replace(self, secret=secrets.token_hex(16))
+        """This config with its deployment credentials: the secret (generated unless given) and, with internal
+        TLS on, a fresh CA and certificate (k3serve/tls.py)."""
+        d = self if self.secret else dataclasses.replace(self, secret=secrets.token_hex(16))
+        return dataclasses.replace(d, tls=generate_tls()) if d.tls_on and d.tls is None else d
 
     def validate(self) -> None:
         c = self.clusters
@@ -264,6 +277,8 @@ class DeployConfig:
                               f"set api_keys, or allow_anonymous: true to serve anyone who can reach it")
         if self.key_max_streams < 0 or self.key_max_queued < 0:
             raise DeployError("key_max_streams and key_max_queued must be >= 0 (0: the default)")
+        if self.internal_tls not in (None, True, False):
+            raise DeployError(f"internal_tls must be true or false (unset: on off loopback), got {self.internal_tls!r}")
         if self.secret and len(self.secret) < 16:
             raise DeployError("secret must be at least 16 characters (it keys the HMAC of every internal call)")
         if c.rebuild_backoff_s <= 0:
@@ -319,10 +334,10 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         return cls()
     if not isinstance(raw, dict):
         raise DeployError(f"{where} must be a mapping")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not (cls is DeployConfig and f.name == "tls")}
     kwargs = {}
     for key, value in raw.items():
-        if key not in fields:
+        if key not in fields:  # (DeployConfig.tls is made by with_secret, never read from a file)
             raise DeployError(f"unknown key {where}.{key} (known: {', '.join(sorted(fields))})")
         nested = {"model": ModelSpec, "clusters": ClusterSpec, "control": ControlSpec,
                   "prefill_pools": PoolSpec, "decode_pools": PoolSpec, "speculative": SpeculativeSpec,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import grpc
 
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
+from k3serve.tls import TlsMaterial, add_port
 from k3serve.netaddr import advertised_host
 from k3serve.engine.executor import WorkerDied
 from k3serve.contracts.errors import ErrorCode
@@ -66,12 +67,13 @@ RATE_MIN_TOKENS = 512
 
 class ClusterFront(cluster_pb2_grpc.ClusterServicer):
     def __init__(self, cluster_id: str, loop: DisaggLoop, secret: str, prefill_tp: int, decode_tp: int,
-                 numerics: Numerics = DEFAULT_NUMERICS) -> None:
+                 numerics: Numerics = DEFAULT_NUMERICS, tls: TlsMaterial | None = None) -> None:
         """loop: the cluster's prefill/decode pair (its engines share one StateChannel); numerics: the
-        deployment's mode (deterministic: a resumed request replays its streamed tokens through decode)."""
+        deployment's mode (deterministic: a resumed request replays its streamed tokens through decode); tls:
+        the deployment's certificates (routers then reach the front over mutual TLS only)."""
         self.cluster_id, self.loop, self.numerics = cluster_id, loop, numerics
         self.prefill, self.decode = loop.prefill, loop.decode
-        self.secret, self.prefill_tp, self.decode_tp = secret, prefill_tp, decode_tp
+        self.secret, self.prefill_tp, self.decode_tp, self.tls = secret, prefill_tp, decode_tp, tls
         self._inbox: queue.Queue = queue.Queue()
         self._calls: dict[str, _Call] = {}  # by the client's request id: one call per id at a time
         self._outs: dict[str, queue.Queue] = {}  # by internal id: where the engine thread sends events
@@ -99,7 +101,7 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
                                    interceptors=(AuthInterceptor(AuthConfig(self.secret, peer=self.cluster_id)),),
                                    options=[("grpc.max_receive_message_length", 8 << 20)])
         cluster_pb2_grpc.add_ClusterServicer_to_server(self, self._server)
-        port = self._server.add_insecure_port(f"{host}:0")
+        port = add_port(self._server, f"{host}:0", self.tls)
         self._server.start()
         return f"{advertised_host(host)}:{port}"  # bound 0.0.0.0: an address routers on other nodes can dial
 

@@ -70,7 +70,7 @@ class RouterActor:
         metrics = RouterMetrics(lambda: self.service.status.classes(),
                                 cluster_infos=lambda: self.service.cluster_infos())
         self.metrics_address = metrics.serve(d.internal_bind)  # for the operator's scraper, not for clients
-        from k3serve.router.api_keys import QuotaLimits
+        from k3serve.router.key_quota import QuotaLimits
 
         streams = router_max_streams(d)
         from k3serve.engine.block_hash import model_fingerprint, prefix_key
@@ -83,8 +83,8 @@ class RouterActor:
         self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
                                      d.api_keys, gate=gate, metrics=metrics, stall_timeout_s=ctl.stall_timeout_s,
                                      max_streams=streams, quota=QuotaLimits.resolve(
-                                         d.key_max_streams, d.key_max_queued, streams, len(d.api_keys)),
-                                     placer=placer)
+                                         d.key_max_streams, d.key_max_queued, streams, len(d.api_keys), d.routers),
+                                     placer=placer, tls=d.tls)
         self.server, addr = start_router_server(self.service, d.bind_host)
         from k3serve.router.chat_template import ChatTemplate, load_chat_template
         from k3serve.router.http_server import HttpDoor

@@ -37,7 +37,7 @@ from k3serve.model.quant_check import quant_summary
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # fullmatch: `$` lets a trailing newline by
 MLA_CACHE_BYTES = 2  # MLA latent cache is kept in bf16
 
 # safetensors dtype tags -> bytes per element
@@ -79,7 +79,7 @@ def _bytes_of(spec: TensorSpec, cfg: ModelConfig) -> int:
 
 def _remove_old_weights(out_dir: Path) -> None:
     for p in out_dir.iterdir():
-        if p.is_file() and (p.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.match(p.name)):
+        if p.is_file() and (p.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.fullmatch(p.name)):
             p.unlink()
 
 
@@ -146,7 +146,7 @@ def save_checkpoint(cfg: ModelConfig, tensors: dict[str, torch.Tensor], out_dir:
         data[spec.name] = t.detach().to("cpu", storage_dtype(spec, cfg)).contiguous()
     _save_atomic(data, out / SINGLE_FILE)  # replaces an earlier single file atomically (resumable runs)
     for p in out.iterdir():  # an earlier sharded checkpoint would shadow the new file
-        if p.is_file() and (p.name == INDEX_FILE or _SHARD_RE.match(p.name)):
+        if p.is_file() and (p.name == INDEX_FILE or _SHARD_RE.fullmatch(p.name)):
             p.unlink()
     (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     return out
@@ -383,7 +383,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
         info["shape_mismatches"] = sum(1 for n, (_, shp) in inventory.items()
                                        if n in expected and shp != expected[n])
         info["missing_sample"] = missing[:5]
-        files = sorted({p for p in path.iterdir() if p.name == SINGLE_FILE or _SHARD_RE.match(p.name)})
+        files = sorted({p for p in path.iterdir() if p.name == SINGLE_FILE or _SHARD_RE.fullmatch(p.name)})
         info["num_files"] = len(files)
         info["weights_bytes"] = sum(p.stat().st_size for p in files)
     return info

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # fullmatch: `$` lets a trailing newline by
 
 
 def check_id(kind: str, value: str) -> str:
@@ -61,7 +61,7 @@ def check_id(kind: str, value: str) -> str:
     Restricted to ``[A-Za-z0-9_.-]{1,64}`` so key names stay unambiguous (no ``:``) and contain no ``{}``,
     which Redis Cluster would read as hash tags.
     """
-    if not isinstance(value, str) or not _ID_RE.match(value):
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise ValueError(f"{kind} must match [A-Za-z0-9_.-]{{1,64}}, got {value!r}")
     return value
 

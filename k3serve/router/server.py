@@ -36,12 +36,14 @@ from grpc_reflection.v1alpha import reflection
 
 from k3serve.netaddr import advertised_host
 from k3serve.auth import AuthConfig
+from k3serve.tls import TlsMaterial, open_channel
 from k3serve.contracts.status import from_load
 from k3serve.engine.block_hash import prefix_key
 from k3serve.engine.prefix_policy import PrefixCachePolicy
 from k3serve.internal.v1 import cluster_pb2_grpc
 from k3serve.router.admission import AdmissionRejected
-from k3serve.router.api_keys import ApiKeys, KeyQuota, QuotaExceeded, QuotaLimits
+from k3serve.router.api_keys import ApiKeys
+from k3serve.router.key_quota import KeyQuota, QuotaExceeded, QuotaLimits
 from k3serve.router.anonymous import AnonymousPlacer
 from k3serve.router.gate import AdmissionGate
 from k3serve.router.hashing import rank_clusters
@@ -92,10 +94,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
                  metrics: RouterMetrics | None = None, stall_timeout_s: float = 30.0, max_streams: int = 128,
                  policy: PrefixCachePolicy | None = None, durations: DurationModel | None = None,
                  quota: QuotaLimits | None = None, status_interval_s: float = STATUS_INTERVAL_S,
-                 placer: AnonymousPlacer | None = None) -> None:
+                 placer: AnonymousPlacer | None = None, tls: TlsMaterial | None = None) -> None:
         self.view, self.pins, self.limits, self.gate = view, pins, limits, gate
         self._secret = secret
-        self._auth = AuthConfig(secret, peer="router")  # signs each call to a cluster front
+        self._auth = AuthConfig(secret, peer="router", tls=tls)  # signs each call to a cluster front
         self.metrics = metrics or RouterMetrics()
         self._keys = ApiKeys(secret, api_keys)  # keyed digests only
         self.policy = policy or (gate.policy if gate is not None else PrefixCachePolicy())
@@ -103,7 +105,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.placer = placer or AnonymousPlacer(PrefixMap(view.membership._r, view.membership.namespace),
                                                 prefix_key(0, secret), self.policy.block_size)
         self.slots = StreamSlots(max_streams)
-        self.quota = KeyQuota(quota or QuotaLimits.resolve(0, 0, max_streams, len(self._keys)))
+        # per key across every router (leases in Redis, key_quota.py)
+        self.quota = KeyQuota(quota or QuotaLimits.resolve(0, 0, max_streams, len(self._keys)), view.membership._r,
+                              view.membership.namespace)
         self._channels: dict[str, tuple[str, grpc.Channel]] = {}
         self._lock = threading.Lock()
         self._tok = ByteTokenizer() if limits.byte_tokenizer else None
@@ -303,7 +307,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if cached is None or cached[0] != addr:
                 if cached is not None:
                     cached[1].close()
-                cached = (addr, grpc.insecure_channel(addr, options=[
+                cached = (addr, open_channel(addr, self._auth.tls, options=[  # mutual TLS with `tls`
                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]))
                 self._channels[cluster_id] = cached
         return cluster_pb2_grpc.ClusterStub(cached[1])
@@ -470,6 +474,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.watchdog.close()
         if self.gate is not None:
             self.gate.close()
+        self.quota.close()
         with self._lock:
             for _, ch in self._channels.values():
                 ch.close()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from k3serve.transfer.v1 import transfer_pb2 as pb
+from k3serve import tls
 from k3serve.auth import AuthConfig, sign
 from k3serve.transfer.receiver import CANCEL, STATUS
 from k3serve.transfer.wire import STATE_NAMES
@@ -15,8 +16,9 @@ from k3serve.transfer.wire import STATE_NAMES
 UNREACHABLE = "unreachable"
 
 
-def open_channel(endpoint: str, max_message_bytes: int = 64 << 20) -> grpc.Channel:
-    return grpc.insecure_channel(endpoint, options=[
+def open_channel(endpoint: str, auth: AuthConfig, max_message_bytes: int = 64 << 20) -> grpc.Channel:
+    """A channel to a receiver: mutual TLS when `auth.tls` is set (k3serve/tls.py)."""
+    return tls.open_channel(endpoint, auth.tls, options=[
         ("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", 1 << 20),
         ("grpc.enable_retries", 0)])  # retries are ours (sender.py): whole streams, with backoff
 
@@ -34,7 +36,7 @@ class ReceiverClient:
 
     def __init__(self, endpoints: Sequence[str], auth: AuthConfig, timeout_s: float = 5.0) -> None:
         self.endpoints, self._auth, self._timeout = tuple(endpoints), auth, timeout_s
-        self._channels = [open_channel(e) for e in self.endpoints]
+        self._channels = [open_channel(e, auth) for e in self.endpoints]
         self._status = [c.unary_unary(STATUS, pb.StatusRequest.SerializeToString, pb.StatusReply.FromString)
                         for c in self._channels]
         self._cancel = [c.unary_unary(CANCEL, pb.CancelRequest.SerializeToString, pb.CancelAck.FromString)

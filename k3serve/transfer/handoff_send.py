@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import xxhash
 
 from k3serve.auth import AuthConfig
+from k3serve.tls import TlsMaterial
 from k3serve.contracts.channel import StateInstallError, StateTransferError
 from k3serve.contracts.handoff import StagedState, StateRef
 from k3serve.engine.ops import InstallStaged, SendState
@@ -151,10 +152,11 @@ class GrpcChannel:
     layerwise = True  # stream_job / streamed: the prefill ranks' GrpcSendHooks have begin_send
 
     def __init__(self, cluster_id: str, cfg, endpoints: tuple[str, ...], secret: str, prefill_tp: int,
-                 decode_tp: int, page_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 decode_tp: int, page_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 tls: TlsMaterial | None = None) -> None:
         self.cfg, self.endpoints = cfg, endpoints
         self.prefill_tp, self.decode_tp, self.page_size, self.chunk_bytes = prefill_tp, decode_tp, page_size, chunk_bytes
-        self.auth = AuthConfig(secret, peer=f"prefill-{cluster_id}")
+        self.auth = AuthConfig(secret, peer=f"prefill-{cluster_id}", tls=tls)
         self.client = ReceiverClient(endpoints, self.auth)
         self._ids = itertools.count()
         self._tag = cluster_id

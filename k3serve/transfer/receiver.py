@@ -26,6 +26,7 @@ import grpc
 from k3serve.netaddr import advertised_host
 from k3serve.transfer.v1 import transfer_pb2 as pb
 from k3serve.auth import AuthConfig, AuthInterceptor, signed_subject
+from k3serve.tls import add_port
 from k3serve.transfer.buffers import RegionBuffers
 from k3serve.transfer.memory import tune_allocator
 from k3serve.transfer.placer import StreamPlacer
@@ -70,7 +71,8 @@ class TransferReceiver:
             raise ValueError("a receiver's data plane needs both its staging region and its segment name")
         tune_allocator()  # process-wide: message buffers reuse warm heap pages (memory.py)
         self.config, self.segment = config, segment
-        self.store = StagingStore(config.rank, config.tp, config.limits, expect_geometry, region=region)
+        self.store = StagingStore(config.rank, config.tp, config.limits, expect_geometry, region=region,
+                                  mac_secret=config.auth.secret)
         max_msg = 2 * config.limits.max_chunk_bytes + (1 << 20)  # oversized-but-parseable -> INVALID_ARGUMENT
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"transfer-rx{config.rank}"),
@@ -85,7 +87,7 @@ class TransferReceiver:
             "Open": grpc.unary_unary_rpc_method_handler(self._open, pb.StreamOpen.FromString,
                                                         pb.OpenReply.SerializeToString),
         }),))
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        self.port = add_port(self._server, f"{config.host}:{config.port}", config.auth.tls)  # mutual TLS with auth.tls
         if self.port == 0:
             raise OSError(f"transfer receiver could not bind {config.host}:{config.port}")
         # placement workers (copy + CRC32C of received chunks, placer.py): as many as streams can be served

@@ -117,7 +117,7 @@ class TransferSender:
             raise ValueError("a sender needs the decode group's receiver endpoints")
         tune_allocator()  # process-wide: message buffers reuse warm heap pages (memory.py)
         self.rank, self.endpoints, self.config, self.faults = rank, tuple(endpoints), config, faults
-        self._channels = [open_channel(e) for e in self.endpoints]
+        self._channels = [open_channel(e, config.auth) for e in self.endpoints]
         self._push = [c.stream_unary(PUSH, None, pb.PushAck.FromString) for c in self._channels]
         self._client = ReceiverClient(self.endpoints, config.auth, config.rpc_timeout_s)
         # CRC32C of the source chunks, ahead of the stream threads (one worker per decode rank's stream)

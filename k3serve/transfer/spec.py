@@ -19,7 +19,7 @@ from k3serve.transfer.plan import PlanError, check_layout
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KDA_DTYPE = "float32"
 MAX_ID_LEN = 128
-_ID_RE = re.compile(r"^[A-Za-z0-9._:/@+-]+$")
+_ID_RE = re.compile(r"[A-Za-z0-9._:/@+-]+")  # fullmatch: `$` lets a trailing newline by
 _U32 = (1 << 32) - 1
 
 
@@ -36,7 +36,7 @@ def elem_bytes(name: str) -> int:
 
 def check_id(field: str, value: str) -> None:
     """Transfer and request ids: 1..128 printable characters, no spaces (they go into metadata and logs)."""
-    if not value or len(value) > MAX_ID_LEN or not _ID_RE.match(value):
+    if not value or len(value) > MAX_ID_LEN or not _ID_RE.fullmatch(value):
         raise PlanError(f"{field} must be 1..{MAX_ID_LEN} characters of [A-Za-z0-9._:/@+-], got {value!r}")
 
 

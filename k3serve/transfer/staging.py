@@ -34,6 +34,7 @@ import torch
 from k3serve.transfer.v1 import transfer_pb2 as pb
 from k3serve.transfer.buffers import HeapBuffers, RegionBuffers
 from k3serve.transfer.chunks import KDA, ChunkRef, stream_plan
+from k3serve.transfer import chunk_mac
 from k3serve.transfer.copy_crc import copy_crc32c
 from k3serve.transfer.spec import DTYPES, TransferSpec
 from k3serve.transfer.wire import PB_TO_KIND, digest_crcs
@@ -81,13 +82,14 @@ class StagingCounters:
     bytes: int = 0
     duplicates: int = 0
     crc_failures: int = 0
+    mac_failures: int = 0  # landed chunks whose copy is not what the sender sealed (chunk_mac.py)
     rejected: int = 0
     verified: int = 0
     installed: int = 0
     cancelled: int = 0
     expired: int = 0
     landed: int = 0  # chunks written by a data plane and checked in place
-    crc_s: float = 0.0  # CPU seconds (thread time) checking CRC32C of landed chunks (data planes)
+    crc_s: float = 0.0  # CPU seconds (thread time) copying out and checking (CRC32C, MAC) landed chunks
     place_s: float = 0.0  # CPU seconds copying payloads to their resharded offsets + their CRC32C (one pass)
 
 
@@ -116,11 +118,15 @@ class StagingStore:
 
     def __init__(self, rank: int, tp: int, limits: StagingLimits = StagingLimits(),
                  expect_geometry: tuple | None = None, clock: Callable[[], float] = time.monotonic,
-                 region: RegionBuffers | None = None) -> None:
+                 region: RegionBuffers | None = None, mac_secret: str = "") -> None:
         """region: a data plane lands chunks in this registered region; each is copied out into private staging
-        as it is checked (any peer of the engine can write the region, so only the copy is installed)."""
+        as it is checked (any peer of the engine can write the region, so only the copy is installed), and the
+        copy must carry the sender's MAC under `mac_secret`, the deployment secret (chunk_mac.py)."""
+        if region is not None and not mac_secret:
+            raise ValueError("a data plane's staging region needs the deployment secret (mac_secret) to check "
+                             "what lands in it")
         self.rank, self.tp, self.limits = rank, tp, limits
-        self.region = region
+        self.region, self._mac_secret = region, mac_secret
         self._buffers = HeapBuffers(limits.pool_bytes)
         self.expect_geometry = expect_geometry  # StateGeometry.without_tokens() of the decode model, if known
         self.counters = StagingCounters()
@@ -239,9 +245,10 @@ class StagingStore:
 
     def land(self, spec: TransferSpec, src: int, h: pb.ChunkHeader) -> bool:
         """A chunk a data plane already wrote at its planned offset: check its header against the plan, copy the
-        landed bytes out of the registered region into private staging and check their CRC32C there, then wipe
-        the landing range; False if the transfer is already verified. A write into the region after this
-        (any engine peer can write it) never reaches what is installed."""
+        landed bytes out of the registered region into private staging and check their CRC32C and the sender's
+        MAC there, then wipe the landing range; False if the transfer is already verified. Any engine peer can
+        write the region: a write before the copy fails the MAC, a write after it never reaches what is
+        installed."""
         if h.length > self.limits.max_chunk_bytes:
             raise self._reject("INVALID_ARGUMENT", f"chunk.length: {h.length} bytes exceeds max_chunk_bytes "
                                f"{self.limits.max_chunk_bytes}")
@@ -257,6 +264,7 @@ class StagingStore:
         dst_np = (t.kda, t.mla)[k].reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length]
         got = copy_crc32c(dst_np, src_np)
         src_np[...] = 0  # the state leaves the region: a reader of registered memory sees it only until now
+        sealed = chunk_mac.check(self._mac_secret, spec.transfer_id, src, h.seq, dst_np, h.mac)  # over the copy
         t1 = time.thread_time()
         with self._lock:
             self.counters.crc_s += t1 - t0
@@ -264,6 +272,10 @@ class StagingStore:
                 self.counters.crc_failures += 1
                 raise TransferRejected("DATA_LOSS", f"chunk.crc32c mismatch over the landed bytes of seq {h.seq} "
                                        f"from prefill rank {src}: header {h.crc32c:#010x}, landed {got:#010x}")
+            if not sealed:  # the CRC held: a deliberate rewrite in the region before the copy (or no MAC sent)
+                self.counters.mac_failures += 1
+                raise TransferRejected("DATA_LOSS", f"chunk.mac does not match the landed bytes of seq {h.seq} "
+                                       f"from prefill rank {src}: rewritten in the registered region")
             if self._live.get(spec.transfer_id) is not t:
                 raise self._reject("FAILED_PRECONDITION", f"transfer {spec.transfer_id} was dropped mid-stream")
             t.crcs[src][h.seq] = got

@@ -62,3 +62,28 @@ def test_the_configs_repr_holds_no_secret_key_or_redis_credential():
     text = repr(cfg) + str(cfg)
     for secret in ("s3cr3t-deployment", "sk-live-abcdef", "hunter2"):
         assert secret not in text
+
+
+def test_internal_tls_is_on_off_loopback_and_its_certificates_are_made_not_read(tmp_path):
+    """Issue 44, internal TLS: `internal_tls` unset is on exactly when the internal host is not loopback;
+    with_secret() makes the deployment's CA and certificate then (never read from the file, never in a repr)."""
+    from cryptography import x509
+
+    from k3serve.tls import SERVER_NAME
+
+    local = _load(tmp_path, "bind_host: 127.0.0.1\n")
+    assert not local.tls_on and local.with_secret().tls is None
+    assert _load(tmp_path, "internal_tls: true\n").with_secret().tls is not None
+    net = _load(tmp_path, "bind_host: 0.0.0.0\napi_keys: [k1]\n")
+    assert net.tls_on and not _load(tmp_path, "bind_host: 0.0.0.0\napi_keys: [k1]\ninternal_tls: false\n").tls_on
+    assert _load(tmp_path, "bind_host: 0.0.0.0\napi_keys: [k1]\ninternal_host: 127.0.0.1\n").tls_on is False
+    made = net.with_secret()
+    assert made.with_secret().tls is made.tls  # made once per deployment
+    leaf = x509.load_pem_x509_certificate(made.tls.cert)
+    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == [SERVER_NAME]
+    assert made.tls.key not in repr(made).encode() and b"PRIVATE KEY" in made.tls.key
+    with pytest.raises(DeployError, match="unknown key deploy.tls"):
+        _load(tmp_path, "tls: {cert: x}\n")
+    with pytest.raises(DeployError, match="internal_tls must be true or false"):
+        _load(tmp_path, "internal_tls: maybe\n")

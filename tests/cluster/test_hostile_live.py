@@ -3,7 +3,9 @@ parameters never break a cluster. The issue's case (temperatures 1e-40 .. 1e-45 
 sampling-parameter fuzz of 500 requests over the proto's whole value ranges, mixed with normal traffic: each ends
 with its tokens or a client error, the normal requests equal the single-process reference, no request is failed
 over and no cluster is rebuilt or marked suspect. Also: ids matched whole and scoped by tenant, status without
-internal endpoints."""
+internal endpoints. The deployment runs with internal TLS on (`internal_tls: true`): every request here crosses
+router -> front and prefill -> decode over mutual TLS, and a client without the deployment's certificate is
+refused at a front."""
 
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ def deployment():
 
     base = load_deploy("configs/local.yaml")
     clusters = dataclasses.replace(base.clusters, count=2, prefill_tp=1, decode_tp=1)
-    dep = Deployment(dataclasses.replace(base, clusters=clusters, routers=1, api_keys=KEYS)).start()
+    dep = Deployment(dataclasses.replace(base, clusters=clusters, routers=1, api_keys=KEYS,
+                                         internal_tls=True)).start()
     yield dep
     dep.stop()
 
@@ -185,3 +188,30 @@ def test_ids_are_matched_whole_and_scoped_by_tenant(deployment, stub):
     status = stub.ClusterStatus(pb.ClusterStatusRequest(), metadata=(("authorization", f"Bearer {KEYS[1]}"),))
     assert all(c.endpoint == "" for c in status.clusters)
     assert not any(ep in str(status) for ep in deployment.cluster_endpoints.values())
+
+
+def test_a_cluster_front_speaks_mutual_tls_only(deployment, stub):
+    """A call signed with the deployment secret (so only TLS can refuse it) reaches a front over TLS with the
+    deployment's certificate, and fails the handshake over plain text or with another CA's certificate."""
+    from k3serve.auth import AuthConfig, sign
+    from k3serve.internal.v1 import cluster_pb2
+    from k3serve.tls import generate, open_channel
+
+    d = deployment.deploy
+    assert d.tls is not None
+    auth, q = AuthConfig(d.secret, peer="router"), cluster_pb2.ClusterStatusQuery()
+    method = "/k3serve.internal.v1.Cluster/Status"
+    for cid, endpoint in deployment.cluster_endpoints.items():
+        for name, channel in (("plain text", grpc.insecure_channel(endpoint)),
+                              ("another CA", open_channel(endpoint, generate())),
+                              ("this CA", open_channel(endpoint, d.tls))):
+            with channel as ch:
+                status = ch.unary_unary(method, cluster_pb2.ClusterStatusQuery.SerializeToString,
+                                        cluster_pb2.ClusterState.FromString)
+                if name == "this CA":
+                    assert status(q, timeout=10, metadata=sign(auth, method, "", q)).cluster_id == cid
+                    continue
+                with pytest.raises(grpc.RpcError) as e:
+                    status(q, timeout=10, metadata=sign(auth, method, "", q))
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (cid, name, e.value.details())
+    _healthy_and_unharmed(deployment, stub)

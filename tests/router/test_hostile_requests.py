@@ -10,7 +10,8 @@ import time
 import grpc
 import pytest
 
-from k3serve.router.api_keys import ApiKeyError, ApiKeys, QuotaLimits, check_api_keys
+from k3serve.router.api_keys import ApiKeyError, ApiKeys, check_api_keys
+from k3serve.router.key_quota import QuotaLimits
 from k3serve.router.membership import ClusterState
 from k3serve.router.tenancy import tenant_id
 from k3serve.v1 import router_pb2 as pb

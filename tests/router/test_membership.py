@@ -94,7 +94,7 @@ def test_deregister_and_namespaces_are_isolated(rclient, ns):
 
 def test_ids_are_validated(rclient, ns):
     m = Membership(rclient, ns, SECRET)
-    for bad in ("", "a:b", "a{b}", "x" * 65, "sp ace"):
+    for bad in ("", "a:b", "a{b}", "x" * 65, "sp ace", "c0\n"):
         with pytest.raises(ValueError):
             m.register(bad, {}, ttl_s=1)
     with pytest.raises(ValueError):

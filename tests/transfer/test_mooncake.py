@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -213,3 +214,97 @@ def test_a_foreign_engine_cannot_change_or_read_staged_state_after_it_landed(gro
     finally:
         foreign.close()
     _assert_nothing_held([rx], sender_plane)
+
+
+def _crc_preserving_mask(n: int) -> np.ndarray:
+    """A non-zero XOR mask of n bytes that keeps any n-byte message's CRC32C: its first byte flipped, and bits of
+    its last 4 bytes solved for over GF(2) (CRC32C(x ^ m) = CRC32C(x) ^ CRC32C(m) ^ CRC32C(0^n), linear in m)."""
+    from k3serve.transfer.wire import crc32c
+
+    zero = crc32c(bytes(n))
+
+    def delta(mask: np.ndarray) -> int:
+        return crc32c(mask.tobytes()) ^ zero
+
+    def bit(j: int) -> np.ndarray:
+        m = np.zeros(n, np.uint8)
+        m[n - 4 + j // 8] = 1 << (j % 8)
+        return m
+
+    basis: dict[int, tuple[int, int]] = {}  # highest set bit -> (crc delta, which tail bits make it)
+    for j in range(32):
+        v, m = delta(bit(j)), 1 << j
+        while v and v.bit_length() - 1 in basis:
+            bv, bm = basis[v.bit_length() - 1]
+            v, m = v ^ bv, m ^ bm
+        if v:
+            basis[v.bit_length() - 1] = (v, m)
+    mask = np.zeros(n, np.uint8)
+    mask[0] = 0xFF
+    target, chosen = delta(mask), 0
+    while target:
+        bv, bm = basis[target.bit_length() - 1]
+        target, chosen = target ^ bv, chosen ^ bm
+    for j in range(32):
+        if chosen >> j & 1:
+            mask ^= bit(j)
+    assert delta(mask) == 0 and mask.any()
+    return mask
+
+
+class _ForeignRewrite:
+    """A LandingTap: in the window between a chunk's landing and its header (before the receiver copies it), a
+    foreign engine reads the landed chunk and rewrites it keeping its CRC32C (first attempt, first chunk)."""
+
+    def __init__(self, rx, spec, engine, scratch) -> None:
+        self.rx, self.spec, self.engine, self.scratch = rx, spec, engine, scratch
+        self.read_back: bytes = b""
+        self.crc_kept = False
+
+    def active(self, attempt: int, dst: int) -> bool:
+        return attempt == 1
+
+    def landed(self, index, chunk, corrupt, cancel_stream, pause) -> bool:
+        from k3serve.transfer.chunks import KDA
+        from k3serve.transfer.wire import crc32c
+
+        if index == 0:
+            kda_addr, mla_addr = self.rx.store.addresses(self.spec.transfer_id)
+            addr, n = (kda_addr if chunk.kind == KDA else mla_addr) + chunk.dst_byte, chunk.length
+            buf = self.scratch[:n]
+            assert self.engine.transfer_sync_read(self.rx.segment, buf.data_ptr(), addr, n) == 0
+            landed = buf.numpy().copy()
+            self.read_back = landed.tobytes()  # reads are not refused: the state is readable until the copy
+            forged = landed ^ _crc_preserving_mask(n)
+            self.crc_kept = crc32c(forged.tobytes()) == crc32c(landed.tobytes()) and (forged != landed).any()
+            buf.copy_(torch.from_numpy(forged))
+            assert self.engine.transfer_sync_write(self.rx.segment, buf.data_ptr(), addr, n) == 0
+        return True
+
+
+def test_a_foreign_rewrite_before_the_copy_keeping_the_crc_fails_the_chunk_mac(groups, fast_sender, sender_plane):
+    """Issue 44 item 4: the landing window. A foreign engine rewrites a chunk in the receiver's registered region
+    after it landed and before the receiver copies it, keeping its CRC32C: the chunk's MAC (deployment secret,
+    checked over the receiver's private copy) fails, the stream is retried, and what installs is the sender's
+    state. On main such a rewrite passed the CRC and was installed."""
+    (rx,) = groups(1)
+    parts, mla = random_state(1, seed=12, tokens=200)
+    spec = make_spec("mc-forge", parts, mla, 1)
+    foreign, scratch_region = DataPlane(MC), RegionBuffers(1 << 20, quarantine_s=0.0)
+    try:
+        foreign.register(scratch_region)
+        tap = _ForeignRewrite(rx, spec, foreign._engine, scratch_region.alloc((1 << 19,), torch.uint8))
+        before = dataclasses.replace(rx.store.counters)
+        results = _send_all([rx], spec, parts, mla, fast_sender, sender_plane, tap)
+        assert tap.crc_kept and tap.read_back  # the forgery kept the CRC; the read saw the landed bytes
+        assert all(isinstance(r, SendResult) for r in results), results
+        assert [s.attempts for r in results for s in r.streams] == [2]  # the forged attempt failed
+        assert rx.store.counters.mac_failures == before.mac_failures + 1
+        assert rx.store.counters.crc_failures == before.crc_failures  # the CRC did not see it
+        st = rx.store.take(spec.transfer_id)
+        assert torch.equal(st.kda, parts[0]) and torch.equal(st.mla, mla)  # the sender's bytes, not the forgery
+        rx.store.recycle(st)
+    finally:
+        foreign.close()
+    _assert_nothing_held([rx], sender_plane)
+    assert not sender_plane[1].buffer.any()  # the send region was wiped as each range was released

@@ -93,3 +93,12 @@ def test_non_divisible_transfer_spec_is_a_configuration_error():
         TransferSpec("bad id", "r", GEOMETRY, 1, 1)
     with pytest.raises(PlanError, match="mla_dtype"):
         StateGeometry(1, 1, 1, 1, 1, 1, "int8")
+
+
+def test_ids_with_a_trailing_newline_are_refused():
+    from k3serve.transfer.spec import check_id
+
+    check_id("transfer_id", "t-1:a/b@c+d")
+    for bad in ("t-1\n", "", "a b", "x" * 129):
+        with pytest.raises(PlanError, match="transfer_id"):
+            check_id("transfer_id", bad)

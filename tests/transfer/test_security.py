@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from transfer_helpers import make_spec, random_state
 from k3serve.auth import AuthConfig, AuthError, sign, verify
@@ -19,7 +20,7 @@ from k3serve.transfer.wire import byte_view, chunk_header, crc32c, encode, encod
 
 
 def _push(endpoint: str, messages: list[bytes], metadata) -> pb.PushAck:
-    with open_channel(endpoint) as ch:
+    with grpc.insecure_channel(endpoint) as ch:
         return ch.stream_unary(PUSH, None, pb.PushAck.FromString)(iter(messages), timeout=10, metadata=metadata)
 
 
@@ -64,7 +65,7 @@ def test_unknown_secret_stale_signature_and_unknown_peer_are_unauthenticated(set
 def test_allowed_peers_rejects_unknown_peer(auth):
     cfg = ReceiverConfig(dataclasses.replace(auth, allowed_peers=frozenset({"prefill-0"})))
     with TransferReceiver(cfg) as rx:
-        with open_channel(rx.endpoint) as ch:
+        with open_channel(rx.endpoint, auth) as ch:
             status = ch.unary_unary(STATUS, pb.StatusRequest.SerializeToString, pb.StatusReply.FromString)
             with pytest.raises(grpc.RpcError) as e:
                 status(pb.StatusRequest(), timeout=5, metadata=sign(auth, STATUS, "", pb.StatusRequest()))
@@ -162,7 +163,7 @@ def test_a_captured_call_cannot_be_replayed_or_carry_another_body(auth):
     a signature for one request sent with another (same method, same subject)."""
     from k3serve.transfer.receiver import CANCEL, OPEN
 
-    with TransferReceiver(ReceiverConfig(auth)) as rx, open_channel(rx.endpoint) as ch:
+    with TransferReceiver(ReceiverConfig(auth)) as rx, open_channel(rx.endpoint, auth) as ch:
         cancel = ch.unary_unary(CANCEL, pb.CancelRequest.SerializeToString, pb.CancelAck.FromString)
         req = pb.CancelRequest(transfer_id="t-replay")
         md = sign(auth, CANCEL, "t-replay", req)
@@ -193,3 +194,38 @@ def test_the_nonce_log_forgets_only_after_the_window():
     assert log.accept("a" * 32, ts=100.0, now=100.0)
     assert not log.accept("a" * 32, ts=100.0, now=105.0)
     assert log.accept("b" * 32, ts=100.0, now=111.0) and len(log) == 1  # "a" expired: its ts fails the window
+
+
+def test_internal_tls_refuses_plain_text_and_another_ca(auth):
+    """With the deployment's certificates (k3serve/tls.py) a receiver speaks mutual TLS only: a signed call over
+    plain text, or over TLS with another CA's certificate, fails the handshake (UNAVAILABLE); one with the
+    deployment's certificate passes. A sender under the same certificates streams a whole transfer."""
+    from k3serve.tls import generate
+
+    mine = dataclasses.replace(auth, tls=generate())
+    others = dataclasses.replace(auth, tls=generate())
+    q = pb.StatusRequest()
+    with TransferReceiver(ReceiverConfig(mine)) as rx:
+        for name, cfg, channel in (("plain text", auth, grpc.insecure_channel(rx.endpoint)),
+                                   ("another CA", others, open_channel(rx.endpoint, others)),
+                                   ("this CA", mine, open_channel(rx.endpoint, mine))):
+            with channel as ch:
+                status = ch.unary_unary(STATUS, pb.StatusRequest.SerializeToString, pb.StatusReply.FromString)
+                if name == "this CA":
+                    assert status(q, timeout=5, metadata=sign(cfg, STATUS, "", q)).decode_tp == 1
+                    continue
+                with pytest.raises(grpc.RpcError) as e:
+                    status(q, timeout=5, metadata=sign(cfg, STATUS, "", q))
+                assert _code(e) == grpc.StatusCode.UNAVAILABLE, (name, e.value.details())
+        with ReceiverClient([rx.endpoint], others) as stranger, ReceiverClient([rx.endpoint], mine) as peer:
+            assert stranger.status()[0].state == "unreachable" and peer.status()[0].state != "unreachable"
+        from transfer_helpers import send_all
+
+        from k3serve.transfer.sender import SendResult, SenderConfig, TransferSender
+
+        parts, mla = random_state(1, seed=3, tokens=100)
+        spec = make_spec("tls-1", parts, mla, 1, chunk_bytes=8192)
+        (result,) = send_all(lambda r: TransferSender(r, [rx.endpoint], SenderConfig(mine)), spec, parts, mla)
+        assert isinstance(result, SendResult), result
+        st = rx.store.take(spec.transfer_id)
+        assert torch.equal(st.kda, parts[0]) and torch.equal(st.mla, mla)

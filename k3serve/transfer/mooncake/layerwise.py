@@ -39,7 +39,8 @@ class RegionStreamedSend:
                                          f"for {t.numel() * t.element_size()} bytes of {name} (mooncake.send_bytes "
                                          f"{sender.region.size})")
                 self._region[name] = out
-            self.session = sender.begin(job.spec, self._region["kda"], self._region["mla"])  # in region: no copy
+            # in region: no copy; each chunk's MAC over the host buffers (a write into the region fails it)
+            self.session = sender.begin(job.spec, self._region["kda"], self._region["mla"], (kda, mla))
         except BaseException:
             self._release()
             raise
@@ -66,7 +67,7 @@ class RegionStreamedSend:
 
     def _release(self) -> None:
         for t in self._region.values():  # our own ranges: the engine reads them only inside a session's writes
-            self.sender.region.release(t, False)
+            self.sender.region.release(t.zero_(), False)  # wiped: the state is readable there only while sent
         self._region = {}
 
 

@@ -5,12 +5,14 @@
    Open(spec, p, d)  ──gRPC──▶ receiver: staging ranges in its registered region -> (segment, kda_addr, mla_addr)
    for each ready batch of chunks (~batch_bytes):
        engine write  src = send_region + chunk.src_byte  ──▶  dst = kda_addr|mla_addr + chunk.dst_byte
-       CRC32C of the source bytes (while the write is in flight)
+       CRC32C and MAC (chunk_mac.py) of the source bytes, the MAC over private memory (while the write flies)
        (the next batch's engine write was started before this one is waited for: two in flight)
        Push stream ◀── the batch's chunk headers in one message (no payload): the receiver CRCs what landed
    Push: manifest  ──▶  verified when every prefill rank's manifest matched (as on the gRPC plane)
 ```
-The resharding is the address arithmetic of chunks.py (dst_byte at the decode rank's local head offset); the
+A foreign engine peer can write the send and landing regions: the MAC is computed over the private source
+(the tensor before its copy into the send region; layer-wise, the worker's host buffers) and checked over the
+receiver's private copy, so no rewrite in either region passes. The resharding is the address arithmetic of chunks.py (dst_byte at the decode rank's local head offset); the
 receiver copies nothing. Retries, backoff, deadlines, abort and cancel are the gRPC sender's (sender.py): a
 failed engine write is UNAVAILABLE (retried), a duplicate Open (VERIFIED / INSTALLED) writes nothing.
 The state is copied once into this process' registered send region (registered once, like the staging
@@ -28,6 +30,7 @@ import grpc
 import torch
 
 from k3serve.auth import sign
+from k3serve.transfer import chunk_mac
 from k3serve.transfer.buffers import RegionBuffers
 from k3serve.transfer.chunks import KDA, MLA, ChunkRef
 from k3serve.transfer.mooncake.plane import DataPlane, DataPlaneError
@@ -35,7 +38,7 @@ from k3serve.transfer.receiver import OPEN, PUSH
 from k3serve.transfer.sender import SenderConfig, SendSession, TransferFailed, TransferSender
 from k3serve.transfer.staging import INSTALLED, VERIFIED
 from k3serve.transfer.v1 import transfer_pb2 as pb
-from k3serve.transfer.wire import STATE_CODES, chunk_header, digest_crcs, encode
+from k3serve.transfer.wire import STATE_CODES, byte_view, chunk_header, digest_crcs, encode
 
 _DUPLICATE = frozenset({STATE_CODES[VERIFIED], STATE_CODES[INSTALLED]})
 
@@ -79,20 +82,28 @@ class MooncakeSender(TransferSender):
         if self._scratch is None:
             raise DataPlaneError("the send region has no room for a 4 KiB scratch range")
 
-    def begin(self, spec, kda: torch.Tensor, mla: torch.Tensor) -> "LandingSession":
-        return LandingSession(self, spec, kda, mla)
+    def begin(self, spec, kda: torch.Tensor, mla: torch.Tensor,
+              sealed_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> "LandingSession":
+        """sealed_from: the private (kda, mla) whose bytes `kda` / `mla` will hold when each chunk is written (a
+        layer-wise send's host buffers); default: `kda` / `mla` themselves, before their copy into the region."""
+        return LandingSession(self, spec, kda, mla, sealed_from)
 
     def close(self) -> None:
         if self._scratch is not None:
-            self.region.release(self._scratch, False)
+            self.region.release(self._scratch.zero_(), False)
             self._scratch = None
         super().close()
 
 
 class LandingSession(SendSession):
-    def __init__(self, sender: MooncakeSender, spec, kda: torch.Tensor, mla: torch.Tensor) -> None:
+    def __init__(self, sender: MooncakeSender, spec, kda: torch.Tensor, mla: torch.Tensor,
+                 sealed_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self._owned: list[torch.Tensor] = []
         self.sender = sender
+        if sealed_from is None:  # the MACs are computed over the tensors as given, before the copy into the region
+            kda, mla = kda.contiguous(), mla.contiguous()
+            sealed_from = (kda, mla)
+        self._sealed = {KDA: byte_view(sealed_from[0]), MLA: byte_view(sealed_from[1])}
         try:
             kda, mla = self._in_region(spec, kda), self._in_region(spec, mla)
             super().__init__(sender, spec, kda, mla)  # validates shapes, starts the stream threads
@@ -115,7 +126,8 @@ class LandingSession(SendSession):
         return out
 
     def _release(self) -> None:
-        for t in self._owned:
+        for t in self._owned:  # wiped: a foreign engine reads a request's state here only while it is sent
+            t.zero_()
             self.sender.region.release(t, False)  # our own memory: the engine reads it only inside write()
         self._owned = []
 
@@ -194,6 +206,7 @@ class LandingSession(SendSession):
                         if not faulty and k + 1 < len(groups):  # two writes in flight (faults: one at a time)
                             nxt = plane.submit(reply.segment, ops(groups[k + 1]))
                         crcs = [j.result() for j in [self._crc_job(c, dst) for c in group]]  # while the write flies
+                        macs = [self._seal(c) for c in group]
                         plane.wait(job)
                     except DataPlaneError as e:
                         holder["error"] = e
@@ -207,7 +220,7 @@ class LandingSession(SendSession):
                         nbytes += c.length
                     t1 = time.thread_time()  # the batch's headers in one control message
                     head = encode(pb.PushMessage(landed=pb.LandedChunks(
-                        chunks=[chunk_header(spec, c, crc) for c, crc in zip(group, crcs)])))
+                        chunks=[chunk_header(spec, c, crc, mac) for c, crc, mac in zip(group, crcs, macs)])))
                     stats[1] += time.thread_time() - t1
                     yield head
             finally:  # a stream cut mid-batch: the write in flight must end before the send region is released
@@ -220,6 +233,11 @@ class LandingSession(SendSession):
         yield encode(pb.PushMessage(manifest=pb.Manifest(
             transfer_id=spec.transfer_id, src_rank=self.sender.rank, dst_rank=dst, num_chunks=i,
             num_bytes=nbytes, crc32c=digest_crcs(crcs))))
+
+    def _seal(self, c: ChunkRef) -> bytes:
+        """Chunk `c`'s MAC over the private source bytes (the receiver checks it over its private copy)."""
+        data = self._sealed[c.kind][c.src_byte: c.src_byte + c.length]
+        return chunk_mac.seal(self.sender.config.auth.secret, self.spec.transfer_id, self.sender.rank, c.seq, data)
 
     def _settle(self, job, holder: dict) -> None:
         """Wait for an engine write this stream no longer needs (it is ending); a failure is recorded for the

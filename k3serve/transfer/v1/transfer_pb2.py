@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"k3serve/transfer/v1/transfer.proto\x12\x13k3serve.transfer.v1\"\x95\x02\n\x0cTransferSpec\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nprefill_tp\x18\x03 \x01(\r\x12\x11\n\tdecode_tp\x18\x04 \x01(\r\x12\x12\n\nkda_layers\x18\x05 \x01(\r\x12\x11\n\tkda_heads\x18\x06 \x01(\r\x12\x18\n\x10kda_block_floats\x18\x07 \x01(\r\x12\x12\n\nmla_layers\x18\x08 \x01(\r\x12\x12\n\nnum_tokens\x18\t \x01(\r\x12\x0f\n\x07mla_dim\x18\n \x01(\r\x12\x11\n\tmla_dtype\x18\x0b \x01(\t\x12\x13\n\x0bpage_tokens\x18\x0c \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\r \x01(\r\"\x82\x01\n\nStreamOpen\x12/\n\x04spec\x18\x01 \x01(\x0b\x32!.k3serve.transfer.v1.TransferSpec\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\x12\x0e\n\x06landed\x18\x05 \x01(\x08\"\x88\x01\n\tOpenReply\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x31\n\x05state\x18\x02 \x01(\x0e\x32\".k3serve.transfer.v1.TransferState\x12\x0f\n\x07segment\x18\x03 \x01(\t\x12\x10\n\x08kda_addr\x18\x04 \x01(\x04\x12\x10\n\x08mla_addr\x18\x05 \x01(\x04\")\n\tHeadRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"*\n\nTokenRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\xb6\x02\n\x0b\x43hunkHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\'\n\x04kind\x18\x04 \x01(\x0e\x32\x19.k3serve.transfer.v1.Kind\x12/\n\x05heads\x18\x05 \x01(\x0b\x32\x1e.k3serve.transfer.v1.HeadRangeH\x00\x12\x31\n\x06tokens\x18\x06 \x01(\x0b\x32\x1f.k3serve.transfer.v1.TokenRangeH\x00\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05shape\x18\x08 \x03(\r\x12\x0e\n\x06offset\x18\t \x01(\x04\x12\x0e\n\x06length\x18\n \x01(\r\x12\x0e\n\x06\x63rc32c\x18\x0b \x01(\r\x12\x0b\n\x03seq\x18\x0c \x01(\rB\x07\n\x05range\"z\n\x08Manifest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x06 \x01(\r\"@\n\x0cLandedChunks\x12\x30\n\x06\x63hunks\x18\x01 \x03(\x0b\x32 .k3serve.transfer.v1.ChunkHeader\"\xf2\x01\n\x0bPushMessage\x12/\n\x04open\x18\x01 \x01(\x0b\x32\x1f.k3serve.transfer.v1.StreamOpenH\x00\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .k3serve.transfer.v1.ChunkHeaderH\x00\x12\x31\n\x08manifest\x18\x03 \x01(\x0b\x32\x1d.k3serve.transfer.v1.ManifestH\x00\x12\x33\n\x06landed\x18\x04 \x01(\x0b\x32!.k3serve.transfer.v1.LandedChunksH\x00\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\x42\x06\n\x04\x62ody\"\xa0\x01\n\x07PushAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x31\n\x05state\x18\x04 \x01(\x0e\x32\".k3serve.transfer.v1.TransferState\x12\x16\n\x0e\x63hunks_applied\x18\x05 \x01(\r\x12\x11\n\tduplicate\x18\x06 \x01(\x08\"$\n\rCancelRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"/\n\tCancelAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x66reed\x18\x02 \x01(\x08\"$\n\rStatusRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\xad\x01\n\x0bStatusReply\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x31\n\x05state\x18\x02 \x01(\x0e\x32\".k3serve.transfer.v1.TransferState\x12\x18\n\x10staged_transfers\x18\x03 \x01(\r\x12\x14\n\x0cstaged_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65\x63ode_rank\x18\x05 \x01(\r\x12\x11\n\tdecode_tp\x18\x06 \x01(\r*8\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08KIND_KDA\x10\x01\x12\x0c\n\x08KIND_MLA\x10\x02*\xde\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_UNKNOWN\x10\x01\x12\x1c\n\x18TRANSFER_STATE_RECEIVING\x10\x02\x12\x1b\n\x17TRANSFER_STATE_VERIFIED\x10\x03\x12\x1c\n\x18TRANSFER_STATE_INSTALLED\x10\x04\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x05\x12\x1a\n\x16TRANSFER_STATE_EXPIRED\x10\x06\x32\xbb\x02\n\x08Transfer\x12H\n\x04Push\x12 .k3serve.transfer.v1.PushMessage\x1a\x1c.k3serve.transfer.v1.PushAck(\x01\x12L\n\x06\x43\x61ncel\x12\".k3serve.transfer.v1.CancelRequest\x1a\x1e.k3serve.transfer.v1.CancelAck\x12N\n\x06Status\x12\".k3serve.transfer.v1.StatusRequest\x1a .k3serve.transfer.v1.StatusReply\x12G\n\x04Open\x12\x1f.k3serve.transfer.v1.StreamOpen\x1a\x1e.k3serve.transfer.v1.OpenReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"k3serve/transfer/v1/transfer.proto\x12\x13k3serve.transfer.v1\"\x95\x02\n\x0cTransferSpec\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nprefill_tp\x18\x03 \x01(\r\x12\x11\n\tdecode_tp\x18\x04 \x01(\r\x12\x12\n\nkda_layers\x18\x05 \x01(\r\x12\x11\n\tkda_heads\x18\x06 \x01(\r\x12\x18\n\x10kda_block_floats\x18\x07 \x01(\r\x12\x12\n\nmla_layers\x18\x08 \x01(\r\x12\x12\n\nnum_tokens\x18\t \x01(\r\x12\x0f\n\x07mla_dim\x18\n \x01(\r\x12\x11\n\tmla_dtype\x18\x0b \x01(\t\x12\x13\n\x0bpage_tokens\x18\x0c \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\r \x01(\r\"\x82\x01\n\nStreamOpen\x12/\n\x04spec\x18\x01 \x01(\x0b\x32!.k3serve.transfer.v1.TransferSpec\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\x12\x0e\n\x06landed\x18\x05 \x01(\x08\"\x88\x01\n\tOpenReply\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x31\n\x05state\x18\x02 \x01(\x0e\x32\".k3serve.transfer.v1.TransferState\x12\x0f\n\x07segment\x18\x03 \x01(\t\x12\x10\n\x08kda_addr\x18\x04 \x01(\x04\x12\x10\n\x08mla_addr\x18\x05 \x01(\x04\")\n\tHeadRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"*\n\nTokenRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\xc3\x02\n\x0b\x43hunkHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\'\n\x04kind\x18\x04 \x01(\x0e\x32\x19.k3serve.transfer.v1.Kind\x12/\n\x05heads\x18\x05 \x01(\x0b\x32\x1e.k3serve.transfer.v1.HeadRangeH\x00\x12\x31\n\x06tokens\x18\x06 \x01(\x0b\x32\x1f.k3serve.transfer.v1.TokenRangeH\x00\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05shape\x18\x08 \x03(\r\x12\x0e\n\x06offset\x18\t \x01(\x04\x12\x0e\n\x06length\x18\n \x01(\r\x12\x0e\n\x06\x63rc32c\x18\x0b \x01(\r\x12\x0b\n\x03seq\x18\x0c \x01(\r\x12\x0b\n\x03mac\x18\r \x01(\x0c\x42\x07\n\x05range\"z\n\x08Manifest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x06 \x01(\r\"@\n\x0cLandedChunks\x12\x30\n\x06\x63hunks\x18\x01 \x03(\x0b\x32 .k3serve.transfer.v1.ChunkHeader\"\xf2\x01\n\x0bPushMessage\x12/\n\x04open\x18\x01 \x01(\x0b\x32\x1f.k3serve.transfer.v1.StreamOpenH\x00\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .k3serve.transfer.v1.ChunkHeaderH\x00\x12\x31\n\x08manifest\x18\x03 \x01(\x0b\x32\x1d.k3serve.transfer.v1.ManifestH\x00\x12\x33\n\x06landed\x18\x04 \x01(\x0b\x32!.k3serve.transfer.v1.LandedChunksH\x00\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\x42\x06\n\x04\x62ody\"\xa0\x01\n\x07PushAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x31\n\x05state\x18\x04 \x01(\x0e\x32\".k3serve.transfer.v1.TransferState\x12\x16\n\x0e\x63hunks_applied\x18\x05 \x01(\r\x12\x11\n\tduplicate\x18\x06 \x01(\x08\"$\n\rCancelRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"/\n\tCancelAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x66reed\x18\x02 \x01(\x08\"$\n\rStatusRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\xad\x01\n\x0bStatusReply\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x31\n\x05state\x18\x02 \x01(\x0e\x32\".k3serve.transfer.v1.TransferState\x12\x18\n\x10staged_transfers\x18\x03 \x01(\r\x12\x14\n\x0cstaged_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65\x63ode_rank\x18\x05 \x01(\r\x12\x11\n\tdecode_tp\x18\x06 \x01(\r*8\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08KIND_KDA\x10\x01\x12\x0c\n\x08KIND_MLA\x10\x02*\xde\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_UNKNOWN\x10\x01\x12\x1c\n\x18TRANSFER_STATE_RECEIVING\x10\x02\x12\x1b\n\x17TRANSFER_STATE_VERIFIED\x10\x03\x12\x1c\n\x18TRANSFER_STATE_INSTALLED\x10\x04\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x05\x12\x1a\n\x16TRANSFER_STATE_EXPIRED\x10\x06\x32\xbb\x02\n\x08Transfer\x12H\n\x04Push\x12 .k3serve.transfer.v1.PushMessage\x1a\x1c.k3serve.transfer.v1.PushAck(\x01\x12L\n\x06\x43\x61ncel\x12\".k3serve.transfer.v1.CancelRequest\x1a\x1e.k3serve.transfer.v1.CancelAck\x12N\n\x06Status\x12\".k3serve.transfer.v1.StatusRequest\x1a .k3serve.transfer.v1.StatusReply\x12G\n\x04Open\x12\x1f.k3serve.transfer.v1.StreamOpen\x1a\x1e.k3serve.transfer.v1.OpenReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'k3serve.transfer.v1.transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KIND']._serialized_start=1910
-  _globals['_KIND']._serialized_end=1966
-  _globals['_TRANSFERSTATE']._serialized_start=1969
-  _globals['_TRANSFERSTATE']._serialized_end=2191
+  _globals['_KIND']._serialized_start=1923
+  _globals['_KIND']._serialized_end=1979
+  _globals['_TRANSFERSTATE']._serialized_start=1982
+  _globals['_TRANSFERSTATE']._serialized_end=2204
   _globals['_TRANSFERSPEC']._serialized_start=60
   _globals['_TRANSFERSPEC']._serialized_end=337
   _globals['_STREAMOPEN']._serialized_start=340
@@ -46,23 +46,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENRANGE']._serialized_start=654
   _globals['_TOKENRANGE']._serialized_end=696
   _globals['_CHUNKHEADER']._serialized_start=699
-  _globals['_CHUNKHEADER']._serialized_end=1009
-  _globals['_MANIFEST']._serialized_start=1011
-  _globals['_MANIFEST']._serialized_end=1133
-  _globals['_LANDEDCHUNKS']._serialized_start=1135
-  _globals['_LANDEDCHUNKS']._serialized_end=1199
-  _globals['_PUSHMESSAGE']._serialized_start=1202
-  _globals['_PUSHMESSAGE']._serialized_end=1444
-  _globals['_PUSHACK']._serialized_start=1447
-  _globals['_PUSHACK']._serialized_end=1607
-  _globals['_CANCELREQUEST']._serialized_start=1609
-  _globals['_CANCELREQUEST']._serialized_end=1645
-  _globals['_CANCELACK']._serialized_start=1647
-  _globals['_CANCELACK']._serialized_end=1694
-  _globals['_STATUSREQUEST']._serialized_start=1696
-  _globals['_STATUSREQUEST']._serialized_end=1732
-  _globals['_STATUSREPLY']._serialized_start=1735
-  _globals['_STATUSREPLY']._serialized_end=1908
-  _globals['_TRANSFER']._serialized_start=2194
-  _globals['_TRANSFER']._serialized_end=2509
+  _globals['_CHUNKHEADER']._serialized_end=1022
+  _globals['_MANIFEST']._serialized_start=1024
+  _globals['_MANIFEST']._serialized_end=1146
+  _globals['_LANDEDCHUNKS']._serialized_start=1148
+  _globals['_LANDEDCHUNKS']._serialized_end=1212
+  _globals['_PUSHMESSAGE']._serialized_start=1215
+  _globals['_PUSHMESSAGE']._serialized_end=1457
+  _globals['_PUSHACK']._serialized_start=1460
+  _globals['_PUSHACK']._serialized_end=1620
+  _globals['_CANCELREQUEST']._serialized_start=1622
+  _globals['_CANCELREQUEST']._serialized_end=1658
+  _globals['_CANCELACK']._serialized_start=1660
+  _globals['_CANCELACK']._serialized_end=1707
+  _globals['_STATUSREQUEST']._serialized_start=1709
+  _globals['_STATUSREQUEST']._serialized_end=1745
+  _globals['_STATUSREPLY']._serialized_start=1748
+  _globals['_STATUSREPLY']._serialized_end=1921
+  _globals['_TRANSFER']._serialized_start=2207
+  _globals['_TRANSFER']._serialized_end=2522
 # @@protoc_insertion_point(module_scope)

@@ -108,7 +108,7 @@ class TokenRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "layer", "kind", "heads", "tokens", "dtype", "shape", "offset", "length", "crc32c", "seq")
+    __slots__ = ("transfer_id", "request_id", "layer", "kind", "heads", "tokens", "dtype", "shape", "offset", "length", "crc32c", "seq", "mac")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class ChunkHeader(_message.Message):
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     layer: int
@@ -133,7 +134,8 @@ class ChunkHeader(_message.Message):
     length: int
     crc32c: int
     seq: int
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., heads: _Optional[_Union[HeadRange, _Mapping]] = ..., tokens: _Optional[_Union[TokenRange, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crc32c: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., heads: _Optional[_Union[HeadRange, _Mapping]] = ..., tokens: _Optional[_Union[TokenRange, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., crc32c: _Optional[int] = ..., seq: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("transfer_id", "src_rank", "dst_rank", "num_chunks", "num_bytes", "crc32c")
