@@ -146,12 +146,12 @@ TICKET_GRACE_S = 6.0
 
 
 def test_load_two_routers_200_streams(deployment):
-    """200 clients at once at two routers sized for 3 x (2 in flight + 2 queued) (k3serve/bench/router_load.py);
+    """200 clients at once at two routers sized for 3 x (2 in flight + 2 queued) (benchmarks/router_load.py);
     a refused client sleeps its hint and comes back with its ticket, until it completes. Asserted: the behaviour.
     The timing figures (each hint against the moment its place really came free, the budgets' busy fraction) are
     printed; ``k3serve bench router-load --json`` measures them after a warm-up burst (issue #19's "every hint
     within 2x" is reported there, not asserted: it is a figure of the host)."""
-    from k3serve.bench.router_load import TOKEN_BUDGET, LoadSetup, run_load
+    from benchmarks.router_load import TOKEN_BUDGET, LoadSetup, run_load
 
     setup = LoadSetup(streams=200, warmup_streams=0, ticket_grace_s=TICKET_GRACE_S)
     out = run_load(deployment, setup)
@@ -176,7 +176,7 @@ def test_load_two_routers_200_streams(deployment):
 def test_the_bench_path_reads_router_processes(deployment):
     """``k3serve bench router-load``'s path: a burst against the deployment's own router processes, their counters
     and learned durations read over Ray (here the deployment's default classes admit all 8 streams at once)."""
-    from k3serve.bench.router_load import LoadSetup, run_load_on_router_processes
+    from benchmarks.router_load import LoadSetup, run_load_on_router_processes
 
     out = run_load_on_router_processes(deployment, LoadSetup(streams=8, warmup_streams=0, max_concurrent=32))
     fig = out.figures()

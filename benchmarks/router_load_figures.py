@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from k3serve.bench.router_load import LoadOutcome
+    from benchmarks.router_load import LoadOutcome
 
 
 def _quantile(xs: list[float], q: float) -> float | None:

@@ -103,7 +103,7 @@ def run_kernel_bench(T: int = 4096, H: int = 4, K: int = 64, repeats: int = 3) -
     }
 
 
-if __name__ == "__main__":   # python -m k3serve.bench.kernels
+if __name__ == "__main__":   # python -m benchmarks.kernels
     import json
 
     print(json.dumps(run_kernel_bench(), indent=2))

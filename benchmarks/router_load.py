@@ -40,7 +40,7 @@ from typing import Callable
 
 import grpc
 
-from k3serve.bench.router_load_monitor import Monitor
+from benchmarks.router_load_monitor import Monitor
 from k3serve.router.admission import AdmissionConfig, ClassSpec
 from k3serve.v1 import router_pb2 as pb
 from k3serve.v1 import router_pb2_grpc
@@ -130,7 +130,7 @@ class LoadOutcome:
 
     def figures(self) -> dict:
         """The JSON report: behaviour counts and the timing figures."""
-        from k3serve.bench.router_load_figures import load_figures
+        from benchmarks.router_load_figures import load_figures
 
         return load_figures(self)
 
