@@ -27,7 +27,7 @@ from benchmarks.prefix import _engine
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.engine.prefix_cache import PrefixCachePolicy
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
 from k3serve.model.checkpoint import load_config
 from k3serve.model.presets import write_preset_checkpoint
 

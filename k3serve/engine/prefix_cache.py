@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.block_hash import block_hashes
-from k3serve.engine.prefix_policy import CheckpointInfo, PrefixCachePolicy, PrefixHit, checkpoint_scores
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
+from k3serve.engine.prefix_policy import CheckpointInfo, PrefixHit, checkpoint_scores
 
-__all__ = ["CheckpointInfo", "HybridPrefixCache", "PrefixCachePolicy", "PrefixHit"]
+__all__ = ["CheckpointInfo", "HybridPrefixCache", "PrefixHit"]
 
 
 @dataclass(slots=True)

@@ -141,7 +141,7 @@ def test_paired_modes_each_get_what_they_get_alone(tmp_path):
     each engine still sees its own sequence, so every count is the one a run of that mode alone gives."""
     from benchmarks.prefix import run_trace, run_traces, ttft_hit_vs_cold, ttft_paired
     from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC
-    from k3serve.engine.prefix_cache import PrefixCachePolicy
+    from k3serve.contracts.prefix_policy import PrefixCachePolicy
     from k3serve.model.checkpoint import load_config
     from k3serve.model.presets import write_preset_checkpoint
 

@@ -42,7 +42,7 @@ Numerics (the contract the tests pin, tests/kernels/test_kda_cpu.py):
 in v's dtype and the final state a new fp32 tensor, as chunk_kda_torch. Training (autograd) never gets here.
 
 Compile time: ~20-40 s on the first call of a process without a cache (2 loaded cores); ``cache=True`` keeps
-the machine code under ``k3serve/kernels/__pycache__`` and later processes load it in about a second;
+the machine code under ``k3serve/kernels/cpu/__pycache__`` and later processes load it in about a second;
 ``scripts/setup.sh`` compiles it once (:func:`warm_up`). Where numba cannot be imported, :data:`NUMBA_ERROR`
 says why and ``chunk_kda`` runs the torch path (``kda.chunk_backend`` reports which).
 """
@@ -56,7 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._kda_common import check_kda_inputs, default_scale
+from .._kda_common import check_kda_inputs, default_scale
 from .kda_cpu_kernel import SUB, chunk_kda_kernel
 
 try:  # a pinned dependency (pyproject.toml); without it the dispatch keeps the torch path
