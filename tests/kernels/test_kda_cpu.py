@@ -270,15 +270,11 @@ def test_the_callers_torch_thread_count_survives_the_kernel():
 
 
 def test_cached_kernel_is_tied_to_its_sources():
-    """numba's cache is invalidated by edits to kda_cpu_kernel.py only: the _simd.py and kda_cpu_tiles.py it was
-    compiled against and the constants it shares with kda_torch must be recorded there (see kda_cpu_kernel's
-    docstring)."""
+    """numba's cache is invalidated by edits to kda_cpu_kernel.py only: the _simd.py it was compiled against and
+    the constants it shares with kda_torch must be recorded there (see kda_cpu_kernel's docstring)."""
     simd = Path(kda_cpu_kernel.__file__).with_name("_simd.py").read_bytes()
     assert hashlib.sha256(simd).hexdigest() == kda_cpu_kernel.SIMD_SHA256, (
         "_simd.py changed: set kda_cpu_kernel.SIMD_SHA256 to its new sha256 (this recompiles the cached kernel)")
-    tiles = Path(kda_cpu_kernel.__file__).with_name("kda_cpu_tiles.py").read_bytes()
-    assert hashlib.sha256(tiles).hexdigest() == kda_cpu_kernel.TILES_SHA256, (
-        "kda_cpu_tiles.py changed: set kda_cpu_kernel.TILES_SHA256 to its new sha256 (recompiles the cached kernel)")
     for name in ("_LOG_TINY", "_TINY", "_MAX_HALF_SPAN"):
         assert getattr(kda_cpu_kernel, name) == getattr(kda_torch, name), name
 

@@ -148,7 +148,7 @@ def chunk_kda_cpu(
 
 @functools.lru_cache(maxsize=1)
 def narrow_tiles() -> bool:
-    """Whether this CPU runs the kernel's narrow register tiles (kda_cpu_tiles.py: 4 x 16 in the sequential
+    """Whether this CPU runs the kernel's narrow register tiles (kda_cpu_kernel.py: 4 x 16 in the sequential
     stages, 2-row passes in the score tiles): yes without AVX-512. The wide tiles hold 16 accumulators of 16 lanes,
     16 of AVX-512's 32 vector registers; on AVX2 each takes two of its 16, more than it has before an operand is
     loaded: on AVX2 the narrow tiles run 1.65-1.85x faster, on AVX-512 the wide ones are faster."""
