@@ -1,5 +1,6 @@
-"""The command line's wiring: every command module is a plain import of the CLI (a broken one fails at once), every
-group and bench is registered, and `k3serve bench` without the checkout's benchmarks/ says what to do."""
+"""The command line's wiring, in the fast tier (nothing here starts a process): every command module is a plain
+import of the CLI (a broken one fails at once), every group and bench is registered, and `k3serve bench` without
+the checkout's benchmarks/ says what to do."""
 
 from __future__ import annotations
 
