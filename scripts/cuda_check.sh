@@ -2,7 +2,7 @@
 # The CUDA path on a machine with a GPU (not part of the suite: CI has no GPU). Installs nothing: it runs under
 # the machine's own python3 with its torch and Triton (PYTHON= picks another), the repo on PYTHONPATH.
 #   1. the kernel tests, their Triton calls compiled and run on the GPU (tests/triton_on_cuda.py), junit XML;
-#   2. python -m k3serve.bench.cuda_check: rooflines, Triton kernel speed, the model on CUDA in fp32 and bf16
+#   2. python -m benchmarks.cuda_check: rooflines, Triton kernel speed, the model on CUDA in fp32 and bf16
 #      against the CPU fp32 reference, the decode step on CUDA (cuda_check.json).
 # Results go to $OUT (default ./cuda-check-out); arguments go to cuda_check (e.g. --parts kernels,sweep).
 # Exit status: non-zero if either part failed.
@@ -23,7 +23,7 @@ timeout "${K3SERVE_CUDA_TEST_TIMEOUT:-300}" "$PY" -m pytest -p no:cacheprovider 
   --ignore=tests/kernels/test_bench_kernels.py tests/kernels 2>&1 | tee "$OUT/kernel_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
-timeout "${K3SERVE_CUDA_CHECK_TIMEOUT:-420}" "$PY" -m k3serve.bench.cuda_check --out "$OUT" "$@" 2>&1 \
+timeout "${K3SERVE_CUDA_CHECK_TIMEOUT:-420}" "$PY" -m benchmarks.cuda_check --out "$OUT" "$@" 2>&1 \
   | tee "$OUT/cuda_check.log"
 check_rc=${PIPESTATUS[0]}
 

@@ -54,13 +54,13 @@ fi
 
 # compile the fused MXFP4 CPU kernel once (numba; cached under k3serve/kernels/__pycache__, ~5-15 s the first
 # time, ~1 s when cached), so tests and Ray rank actors starting together do not each compile it
-if ! ls k3serve/kernels/__pycache__/mxfp4_moe_cpu.routed_moe_kernel-*.nbi >/dev/null 2>&1; then
+if ! ls k3serve/kernels/cpu/__pycache__/mxfp4_moe_cpu.routed_moe_kernel-*.nbi >/dev/null 2>&1; then
   echo "setup: compiling the fused MXFP4 CPU kernel (numba)"
-  .venv/bin/python -c "from k3serve.kernels.mxfp4_moe_cpu import warm_up; warm_up()"
+  .venv/bin/python -c "from k3serve.kernels.cpu.mxfp4_moe_cpu import warm_up; warm_up()"
 fi
 
-# compile the fused chunked-KDA CPU kernel (numba, kernels/kda_cpu.py; ~20-40 s the first time, cached under
-# k3serve/kernels/__pycache__): run every time, since loading a fresh cache takes ~2 s and a stale one (the
+# compile the fused chunked-KDA CPU kernel (numba, kernels/cpu/kda_cpu.py; ~20-40 s the first time, cached under
+# k3serve/kernels/cpu/__pycache__): run every time, since loading a fresh cache takes ~2 s and a stale one (the
 # kernel's source changed since) is then recompiled here once instead of in every test and Ray rank process
 echo "setup: loading (or compiling) the fused chunked-KDA CPU kernel (numba)"
-.venv/bin/python -c "from k3serve.kernels.kda_cpu import warm_up; warm_up()"
+.venv/bin/python -c "from k3serve.kernels.cpu.kda_cpu import warm_up; warm_up()"

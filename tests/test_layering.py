@@ -1,4 +1,5 @@
-"""The package layering (docs/architecture.md): the core never imports a role, and folders form no cycle.
+"""The package layering (docs/architecture.md): the core never imports a role, neither files nor folders form an
+import cycle, nothing served imports the bench harnesses, and no module outgrows one concept (~600 lines).
 
 ```
  cli ─▶ cluster ─▶ router, disagg ─▶ prefill, decode ─▶ transfer ─▶ engine ─▶ model ─▶ kernels
@@ -16,6 +17,8 @@ from pathlib import Path
 import k3serve
 
 ROOT = Path(k3serve.__file__).parent
+CHECKOUT = ROOT.parent
+MAX_LINES = 600
 ROLES = {"prefill", "decode", "transfer", "router", "cluster"}
 CORE = {"model", "engine", "contracts", "kernels"}
 GENERATED = {"v1", "internal", "proto"}  # generated protobuf packages: leaves
@@ -54,8 +57,8 @@ def test_core_imports_no_role():
     assert not any(bad.values()), f"core packages import roles: {bad}"
 
 
-def test_no_import_cycle_between_folders():
-    edges = _edges()
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph (its nodes, the first repeated at the end), or None."""
     state: dict[str, int] = {}
     path: list[str] = []
 
@@ -73,7 +76,86 @@ def test_no_import_cycle_between_folders():
 
     for start in sorted(edges):
         if start not in state and (cycle := visit(start)):
-            raise AssertionError(f"import cycle between folders: {' -> '.join(cycle)}")
+            return cycle
+    return None
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of k3serve and of the checkout's benchmarks/, by dotted name (a package by its __init__)."""
+    out = {}
+    for top in (ROOT, CHECKOUT / "benchmarks"):
+        for path in top.rglob("*.py"):
+            parts = list(path.relative_to(CHECKOUT).with_suffix("").parts)
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _file_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules it imports, read from the source: every import, also inside functions and under
+    TYPE_CHECKING. ``from pkg import name`` is an edge to ``pkg.name`` where that is a module, else to ``pkg``; the
+    parent packages Python imports on the way are not edges (a package's __init__ is a file like any other)."""
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str | None] = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                targets = [known(f"{base}.{a.name}") if f"{base}.{a.name}" in modules else known(base)
+                           for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [known(a.name) for a in node.names]
+            edges.setdefault(mod, set()).update(t for t in targets if t and t != mod)
+    return edges
+
+
+def test_no_import_cycle_between_files():
+    cycle = _cycle(_file_edges(_modules()))
+    assert cycle is None, f"import cycle between files: {' -> '.join(cycle)}"
+
+
+def test_no_import_cycle_between_folders():
+    """Within every folder, its subfolders (each with everything below it) form no cycle: an import between two
+    folders counts as one between the children of their closest common folder that hold them. benchmarks/ is
+    layered as a folder of k3serve's (under cli, which runs it, over the roles and the core it measures)."""
+    modules = _modules()
+    folder = {m: p.parent.relative_to(ROOT if p.is_relative_to(ROOT) else CHECKOUT).parts for m, p in modules.items()}
+    edges: dict[str, set[str]] = {}
+    for src, dsts in _file_edges(modules).items():
+        for dst in dsts:
+            a, b = folder[src], folder[dst]
+            common = 0
+            while common < min(len(a), len(b)) and a[common] == b[common]:
+                common += 1
+            if common < len(a) and common < len(b):  # neither folder holds the other
+                edges.setdefault("/".join(a[:common + 1]), set()).add("/".join(b[:common + 1]))
+    cycle = _cycle(edges)
+    assert cycle is None, f"import cycle between folders: {' -> '.join(cycle)}"
+
+
+def test_nothing_served_imports_the_benchmarks():
+    """benchmarks/ is outside the wheel: only the bench command group (and the modules it registers) reaches it."""
+    bench_cli = {f"k3serve.cli.{p.stem}" for p in (ROOT / "cli").glob("bench*_cmd.py")}
+    edges = _file_edges(_modules())
+    bad = sorted(f"{src} -> {dst}" for src, dsts in edges.items() if src.startswith("k3serve") and src not in bench_cli
+                 for dst in dsts if dst.split(".")[0] == "benchmarks")
+    assert not bad, f"served code imports the bench harnesses: {bad}"
+
+
+def test_no_module_over_600_lines():
+    """A module holds one concept; past ~600 lines it holds several (split by concept, not by count)."""
+    tests = Path(__file__).parent
+    big = {str(p.relative_to(CHECKOUT)): n for top in (ROOT, CHECKOUT / "benchmarks", tests) for p in top.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines: {big}"
 
 
 def test_a_router_process_imports_no_torch():

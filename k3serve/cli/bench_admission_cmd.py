@@ -18,7 +18,7 @@ def admission(config: str = typer.Option("configs/local.yaml", "--config"),
                                                    help="most long-prompt tokens per step (0: --step-tokens)"),
               as_json: bool = typer.Option(False, "--json")) -> None:
     """Short-request TTFT p99: unloaded, during a burst of long requests with budgets, and without."""
-    from k3serve.bench.admission import run_admission_bench
+    from benchmarks.admission import run_admission_bench
 
     with results_only_stdout() as stdout:
         result = run_admission_bench(config, shorts=shorts, longs=longs, long_len=long_tokens, step_tokens=step_tokens,

@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
-import importlib
+import sys
+from pathlib import Path
 
 import typer
 
+import k3serve
+from k3serve.cli import (bench_admission_cmd, bench_cuda_cmd, bench_eagle3_cmd, bench_http_cmd, bench_report_cmd,
+                         bench_router_cmd, bench_trace_cmd, bench_transfer_cmd)
 from k3serve.cli.output import emit
 
-app = typer.Typer(help="Benchmarks (JSON on stdout with --json).", no_args_is_help=True)
+app = typer.Typer(help="Benchmarks (JSON on stdout with --json); they run the checkout's benchmarks/ package.",
+                  no_args_is_help=True)
+
+
+@app.callback()
+def _benchmarks_importable() -> None:
+    """The harnesses are the checkout's top-level ``benchmarks/`` package, which the wheel does not hold: importable
+    when the checkout is on the path (PYTHONPATH, ``python -m`` from its root), else found beside the ``k3serve``
+    package of an editable install."""
+    try:
+        import benchmarks  # noqa: F401
+        return
+    except ModuleNotFoundError as e:
+        if e.name != "benchmarks":
+            raise
+    checkout = Path(k3serve.__file__).resolve().parent.parent
+    if (checkout / "benchmarks" / "__init__.py").is_file():
+        sys.path.insert(0, str(checkout))
+        return
+    typer.echo("error: k3serve bench: the benchmarks/ package is not importable (an installed wheel holds no bench "
+               "harness): run it from a k3serve checkout (pip install -e . there) or with PYTHONPATH=<checkout>",
+               err=True)
+    raise typer.Exit(2)
 
 
 def _threads(n: int) -> None:
@@ -23,7 +49,7 @@ def kernels(t: int = typer.Option(4096, "--tokens"), heads: int = typer.Option(4
             threads: int = typer.Option(2, "--threads"), as_json: bool = typer.Option(False, "--json")) -> None:
     """Chunked vs recurrent KDA on this CPU, with the machine's matmul GFLOP/s as the ceiling."""
     _threads(threads)
-    from k3serve.bench.kernels import run_kernel_bench
+    from benchmarks.kernels import run_kernel_bench
 
     emit(run_kernel_bench(T=t, H=heads, K=head_dim, repeats=repeats), as_json)
 
@@ -40,7 +66,7 @@ def prefix(preset: str = typer.Option("tiny", "--preset"), sessions: int = typer
            as_json: bool = typer.Option(False, "--json")) -> None:
     """K3 hybrid prefix cache vs the naive scheme on a multi-turn agentic trace; TTFT hit vs cold."""
     _threads(threads)
-    from k3serve.bench.prefix import run_prefix_bench
+    from benchmarks.prefix import run_prefix_bench
 
     emit(run_prefix_bench(preset, sessions, turns, system_len, ttft_prefix=ttft_prefix,
                            ttft_increment=ttft_increment, deterministic=deterministic, ttft_repeats=ttft_repeats),
@@ -56,7 +82,7 @@ def decode(preset: str = typer.Option("bench", "--preset"), context: int = typer
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Decode tokens/s by batch size and achieved memory bandwidth vs this machine's copy bandwidth."""
     _threads(threads)
-    from k3serve.bench.decode import run_decode_bench
+    from benchmarks.decode import run_decode_bench
 
     sizes = tuple(int(b) for b in batches.split(","))
     emit(run_decode_bench(preset, sizes, context, steps, deterministic=deterministic), as_json)
@@ -73,7 +99,7 @@ def spec(preset: str = typer.Option("tiny-trained", "--preset"),
     """Speculative vs plain decode on an agentic trace (k = 1..max-k, each batch size), and records memory
     against snapshot-per-draft at this preset's and K3's geometry."""
     _threads(threads)
-    from k3serve.bench.spec import run_spec_bench
+    from benchmarks.spec import run_spec_bench
 
     sizes = tuple(int(b) for b in batches.split(","))
     try:
@@ -95,7 +121,7 @@ def quant(qat: str = typer.Option("", "--qat", help="A `k3serve train qat` outpu
           threads: int = typer.Option(1, "--threads"), as_json: bool = typer.Option(False, "--json")) -> None:
     """MXFP4 vs bf16 on tiny-trained: expert/checkpoint bytes, bits/byte and KL (PTQ, QAT), decode tokens/s."""
     _threads(threads)
-    from k3serve.bench.quant import run_quant_bench
+    from benchmarks.quant import run_quant_bench
     from k3serve.train.quant_eval import quality, run_qat
 
     sizes = tuple(int(b) for b in batches.split(","))
@@ -103,14 +129,7 @@ def quant(qat: str = typer.Option("", "--qat", help="A `k3serve train qat` outpu
                          decode_steps=steps, repeats=repeats), as_json)
 
 
-# Benchmarks owned by other modules join this group (their module defines `app` with its commands).
-for _module in ("k3serve.cli.bench_transfer_cmd", "k3serve.cli.bench_admission_cmd", "k3serve.cli.bench_eagle3_cmd",
-                "k3serve.cli.bench_router_cmd", "k3serve.cli.bench_cuda_cmd", "k3serve.cli.bench_http_cmd",
-                "k3serve.cli.bench_trace_cmd", "k3serve.cli.bench_report_cmd"):
-    try:
-        _sub = importlib.import_module(_module).app
-    except ModuleNotFoundError as _e:
-        if _e.name != _module:
-            raise
-        continue
-    app.registered_commands.extend(_sub.registered_commands)
+# Benchmarks defined in their own modules join this group.
+for _sub in (bench_transfer_cmd, bench_admission_cmd, bench_eagle3_cmd, bench_router_cmd, bench_cuda_cmd, bench_http_cmd,
+             bench_trace_cmd, bench_report_cmd):
+    app.registered_commands.extend(_sub.app.registered_commands)

@@ -18,6 +18,6 @@ def cuda(out: Path = typer.Option(Path("cuda-check-out"), "--out", help="Folder 
                                      help="Presets the model part checks.")) -> None:
     """Rooflines, Triton kernel speed, the model in fp32/bf16 against the CPU reference, the decode step, launch
     sweeps: JSON in --out/cuda_check.json; exits 1 if a part failed, 2 without a CUDA device."""
-    from k3serve.bench.cuda_check import main
+    from benchmarks.cuda_check import main
 
     raise typer.Exit(main(["--out", str(out), "--parts", parts, "--presets", presets]))

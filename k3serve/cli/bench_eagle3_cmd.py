@@ -21,7 +21,7 @@ def eagle3(target: str = typer.Option("tiny-trained", "--target", help="Target c
     """Tokens per verify k=1..7 and per-position acceptance (held-out), decode speedup at batch 1 and 8."""
     import torch
 
-    from k3serve.bench.eagle3 import run_eagle3_bench
+    from benchmarks.eagle3 import run_eagle3_bench
     from k3serve.model.eagle3.assets import shipped_drafters
     from k3serve.train.corpus import load_corpus
     from k3serve.train.drafter_loop import target_dir

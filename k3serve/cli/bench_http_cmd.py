@@ -17,7 +17,7 @@ def http(config: str = typer.Option("configs/local.yaml", "--config"),
          max_tokens: int = typer.Option(32, "--max-tokens", min=1),
          as_json: bool = typer.Option(False, "--json")) -> None:
     """TTFT p50/p99 and tokens/s of the HTTP door against the gRPC door, same requests, one deployment."""
-    from k3serve.bench.http_door import HttpBenchSetup, run_http_bench
+    from benchmarks.http_door import HttpBenchSetup, run_http_bench
 
     setup = HttpBenchSetup(streams=streams, rounds=rounds, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
     with results_only_stdout() as stdout:

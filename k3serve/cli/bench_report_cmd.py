@@ -16,8 +16,7 @@ app = typer.Typer()
 def record(ctx: typer.Context, out: str = typer.Option("bench_results", "--out", help="where records are saved"),
            bench: str = typer.Argument(..., help="the bench to run, e.g. kernels; its options follow")) -> None:
     """Run `k3serve bench BENCH ARGS... --json` here and save its JSON as a record for `bench report`."""
-    from k3serve.bench.report import ReportError, host_facts, save_record
-    from k3serve.cli.bench_cmd import app as bench_app
+    from benchmarks.report import ReportError, host_facts, save_record
 
     argv = [a for a in ctx.args if a != "--json"]
     if bench in ("record", "report"):
@@ -26,8 +25,8 @@ def record(ctx: typer.Context, out: str = typer.Option("bench_results", "--out",
     before = host_facts()
     captured = io.StringIO()
     with contextlib.redirect_stdout(captured):
-        code = typer.main.get_command(bench_app).main(args=[bench, *argv, "--json"], prog_name="k3serve bench",
-                                                      standalone_mode=False)
+        code = ctx.parent.command.main(args=[bench, *argv, "--json"], prog_name="k3serve bench",
+                                       standalone_mode=False)
     if code:
         typer.echo(f"error: k3serve bench {bench} exited {code}", err=True)
         raise typer.Exit(int(code))
@@ -44,7 +43,7 @@ def record(ctx: typer.Context, out: str = typer.Option("bench_results", "--out",
 @app.command("report")
 def report(json_dir: str = typer.Option("bench_results", "--json-dir", help="the records `bench record` saved")) -> None:
     """Markdown on stdout: one table per bench, each row a record and the command that reproduces it."""
-    from k3serve.bench.report import ReportError, load_records, render
+    from benchmarks.report import ReportError, load_records, render
 
     try:
         typer.echo(render(load_records(json_dir), json_dir.rstrip("/")), nl=False)

@@ -23,7 +23,7 @@ def router_load(config: str = typer.Option("configs/local.yaml", "--config"),
                 as_json: bool = typer.Option(False, "--json")) -> None:
     """Two router processes under a burst: every retry-after hint against the moment its budget had a room, the
     budgets' busy fraction, and the behaviour (every stream completes, budgets never exceeded, probes answered)."""
-    from k3serve.bench.router_load import LoadSetup, run_router_load_bench
+    from benchmarks.router_load import LoadSetup, run_router_load_bench
 
     setup = LoadSetup(streams=streams, warmup_streams=warmup, max_tokens=max_tokens, max_concurrent=max_concurrent,
                       queue=queue, router_streams=router_streams)

@@ -24,7 +24,7 @@ def trace(trace_file: str = typer.Option(..., "--trace", help="a trace in Moonca
           max_tokens: int = typer.Option(4, "--max-tokens", min=1),
           as_json: bool = typer.Option(False, "--json")) -> None:
     """Replay the head of a trace through the routers; reuse, load spread, TTFT, per cluster (JSON)."""
-    from k3serve.bench.trace_replay import ReplaySetup, run_trace_bench
+    from benchmarks.trace_replay import ReplaySetup, run_trace_bench
     from k3serve.cluster.deploy import DeployError
     from k3serve.sim.trace import TraceError
 

@@ -1,4 +1,4 @@
-"""``k3serve bench transfer``: our gRPC transfer path vs a raw loopback socket, side by side (k3serve.bench.transfer).
+"""``k3serve bench transfer``: our gRPC transfer path vs a raw loopback socket, side by side (benchmarks.transfer).
 
 Mounted by k3serve/cli/bench_cmd.py (this module's ``app`` commands join the ``bench`` group).
 """
@@ -62,8 +62,8 @@ def transfer(pairs: str = typer.Option("1x1,2x2,1x2,2x1,4x2", "--pairs", help="p
              as_json: bool = typer.Option(False, "--json")) -> None:
     """Move a realistic request state P -> D over our gRPC path, bare gRPC-Python, our Mooncake plane, raw
     Mooncake and a raw TCP socket, side by side; report GB/s, the ratios and CPU seconds per GB."""
-    from k3serve.bench.transfer import TransferBenchConfig, run_transfer_bench
-    from k3serve.bench.transfer_handoff import HandoffBenchConfig
+    from benchmarks.transfer import TransferBenchConfig, run_transfer_bench
+    from benchmarks.transfer_handoff import HandoffBenchConfig
     from k3serve.transfer.spec import DEFAULT_CHUNK_BYTES
 
     chunk_bytes = chunk_kib << 10 if chunk_kib > 0 else DEFAULT_CHUNK_BYTES
@@ -114,8 +114,8 @@ def transfer_overlap(pairs: str = typer.Option("1x1,2x2,4x2", "--pairs", help="p
                      host: str = typer.Option("127.0.0.1", "--host", help="interface the receivers bind"),
                      as_json: bool = typer.Option(False, "--json")) -> None:
     """Our gRPC path with CRC and placement overlapped, inline (the default), and bare gRPC-Python, interleaved
-    in one run (k3serve.bench.transfer_overlap): paired ratios and CPU seconds per GB."""
-    from k3serve.bench.transfer_overlap import OverlapBenchConfig, run_overlap_bench
+    in one run (benchmarks.transfer_overlap): paired ratios and CPU seconds per GB."""
+    from benchmarks.transfer_overlap import OverlapBenchConfig, run_overlap_bench
 
     result = _run_or_exit(lambda: run_overlap_bench(OverlapBenchConfig(_pairs(pairs), tokens, preset, reps=reps,
                                                                        host=host)), as_json)

@@ -1,15 +1,15 @@
 """The ``k3serve`` command line.
 
-Each command group lives in its own module that defines ``app = typer.Typer(...)``; this file only wires
-them up. Modules are imported one by one, so a group whose module is not written yet is simply absent,
-and one that fails to import shows up as a command that explains the failure instead of breaking the rest.
+Each command group lives in its own module that defines ``app = typer.Typer(...)``; this file wires them up
+with plain imports, so a module that fails to import fails the command line at once.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import typer
+
+from k3serve.cli import (bench_cmd, checkpoint_cmd, drill_cmd, eval_cmd, generate_cmd, serve_cmd, sim_cmd, status_cmd,
+                         train_cmd)
 
 app = typer.Typer(
     name="k3serve",
@@ -19,51 +19,15 @@ app = typer.Typer(
     add_completion=False,
 )
 
-# (module, command name). Each module must define `app: typer.Typer`.
-# ---- other developers: add your sub-app here (one line each); the module may not exist yet. ----
-SUBCOMMANDS: list[tuple[str, str]] = [
-    ("k3serve.cli.checkpoint_cmd", "checkpoint"),  # make / inspect checkpoints
-    ("k3serve.cli.generate_cmd", "generate"),  # local prefill -> decode, or the reference
-    ("k3serve.cli.bench_cmd", "bench"),  # measurements, JSON output
-    ("k3serve.cli.serve_cmd", "serve"),  # run the cluster service
-    ("k3serve.cli.drill_cmd", "drill"),  # failover drills
-    ("k3serve.cli.status_cmd", "status"),  # clusters, health, load, pins
-    ("k3serve.cli.train_cmd", "train"),  # train target: pretraining at tiny scale
-    ("k3serve.cli.eval_cmd", "eval"),  # bits per byte of a checkpoint on text
-    ("k3serve.cli.sim_cmd", "sim"),  # fleet simulator: a trace at N clusters in simulated time
-]
-# -------------------------------------------------------------------------------------------------
-
-
-def _add_unavailable(host: typer.Typer, name: str, err: BaseException) -> None:
-    """Stand-in command for a group whose module failed to import: says why, exits 2."""
-    msg = f"error: 'k3serve {name}' is unavailable: {type(err).__name__}: {err}"
-
-    @host.command(name=name, help=f"(unavailable: {type(err).__name__}: {err})",
-                  context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
-                                    "help_option_names": []})
-    def _unavailable(ctx: typer.Context) -> None:
-        typer.echo(msg, err=True)
-        raise typer.Exit(2)
-
-
-def _register(module: str, name: str, into: typer.Typer | None = None) -> None:
-    host = into or app
-    try:
-        sub = importlib.import_module(module).app
-    except ModuleNotFoundError as e:
-        if e.name == module:  # not written yet: leave the command out
-            return
-        _add_unavailable(host, name, e)
-        return
-    except Exception as e:  # noqa: BLE001 - a broken module must not take the other commands down
-        _add_unavailable(host, name, e)
-        return
-    host.add_typer(sub, name=name)
-
-
-for _module, _name in SUBCOMMANDS:
-    _register(_module, _name)
+app.add_typer(checkpoint_cmd.app, name="checkpoint")  # make / inspect checkpoints
+app.add_typer(generate_cmd.app, name="generate")  # local prefill -> decode, or the reference
+app.add_typer(bench_cmd.app, name="bench")  # measurements, JSON output (the checkout's benchmarks/)
+app.add_typer(serve_cmd.app, name="serve")  # run the cluster service
+app.add_typer(drill_cmd.app, name="drill")  # failover drills
+app.add_typer(status_cmd.app, name="status")  # clusters, health, load, pins
+app.add_typer(train_cmd.app, name="train")  # train target: pretraining at tiny scale
+app.add_typer(eval_cmd.app, name="eval")  # bits per byte of a checkpoint on text
+app.add_typer(sim_cmd.app, name="sim")  # fleet simulator: a trace at N clusters in simulated time
 
 
 def main() -> None:

@@ -159,7 +159,7 @@ class ClusterSpec:
     def prefix_policy(self):
         """The prefix-cache policy every cluster's prefill engine runs, and that routers estimate hits with: one
         object, so the router's block size and scheme can never disagree with the engine's."""
-        from k3serve.engine.prefix_policy import PrefixCachePolicy
+        from k3serve.contracts.prefix_policy import PrefixCachePolicy
 
         try:
             return PrefixCachePolicy(scheme=self.prefix_scheme, page_size=self.prefill_pools.page_size)

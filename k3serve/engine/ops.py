@@ -31,7 +31,7 @@ class PoolConfig:
     @staticmethod
     def record_slot_bytes(num_kda_layers: int, heads_local: int, head_dim: int, spec_tokens: int) -> int:
         """Bytes of one request's record buffer on one rank (fp32 records, kernels/kda_spec.py)."""
-        from k3serve.kernels.kda_spec import record_floats
+        from k3serve.kernels.kda_records import record_floats
 
         return num_kda_layers * heads_local * spec_tokens * record_floats(head_dim) * 4
 

@@ -22,7 +22,8 @@ import torch
 
 from k3serve.engine.ops import (CommitBatch, CopySlot, DecodeBatch, ExportState, InstallStaged, InstallState,
                                 PoolConfig, PrefillChunk, PrefillStreamed, ResetSlots, SendState, VerifyBatch)
-from k3serve.kernels.kda_spec import kda_commit, record_floats
+from k3serve.kernels.kda_records import record_floats
+from k3serve.kernels.kda_spec import kda_commit
 from k3serve.model.model import HybridModel
 from k3serve.model.state import ForwardBatch, PagedLatentCache
 

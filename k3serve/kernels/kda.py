@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from . import kda_cpu
+from .cpu import kda_cpu
 from ._dispatch import resolve_backend
 from .kda_autograd import chunk_kda_autograd
-from .kda_cpu import chunk_kda_cpu
+from .cpu.kda_cpu import chunk_kda_cpu
 from .kda_naive import naive_recurrent_kda
 from .kda_torch import chunk_kda_torch, recurrent_kda_torch
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._kda_common import default_scale
-from .kda_spec import record_offsets
+from .kda_records import record_offsets
 from .kda_torch import _exp_flush
 
 

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ._dispatch import next_pow2
 from ._kda_common import default_scale
-from .kda_spec import record_floats
+from .kda_records import record_floats
 from .kda_triton import delta_rule_step
 
 

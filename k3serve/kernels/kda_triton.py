@@ -171,7 +171,7 @@ def _chunk_kda_kernel(
 
 def _launch(kernel, q, k, v, g, beta, scale, initial_state, output_final_state, block_v=None, **meta):
     """block_v: the V block of a program (default min(64, V padded)); meta: the kernel's other constexprs and
-    launch options (num_warps), as ``k3serve.bench.cuda_sweep`` varies them."""
+    launch options (num_warps), as ``benchmarks.cuda_sweep`` varies them."""
     B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
     scale = default_scale(scale, K)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -213,7 +213,7 @@ def recurrent_kda_triton(
     return _launch(_recurrent_kda_kernel, q, k, v, g, beta, scale, initial_state, output_final_state)
 
 
-# (chunk size, V block, warps) of the chunked kernel for head sizes above 64: the best of `k3serve.bench.cuda_sweep`
+# (chunk size, V block, warps) of the chunked kernel for head sizes above 64: the best of `benchmarks.cuda_sweep`
 # on a GPU (docs/cuda.md), ~5x the (32, 64, 4) that smaller heads keep (not swept). At K = 128 the per-chunk [BT, BK] fp32 and fp64
 # tiles of a 32-token chunk spill; 16-token chunks and 32-wide V blocks (twice the programs) do not.
 WIDE_HEAD_LAUNCH = (16, 32, 2)

@@ -130,7 +130,7 @@ def mla_decode_triton(q_latent, q_pe, kv_pages, block_table, seq_lens, softmax_s
         q_latent: [B, H, Dl]; q_pe: [B, H, R]; kv_pages: [num_pages, page_size, Dl + R]
         (any strides); block_table: [B, max_pages] int; seq_lens: [B] int (each <= max_pages * page_size);
         softmax_scale: float; num_splits: context splits (None: ``choose_splits``);
-        block_tokens, num_warps: the launch's tile (a power of two >= 16) and warps (``k3serve.bench.cuda_sweep``
+        block_tokens, num_warps: the launch's tile (a power of two >= 16) and warps (``benchmarks.cuda_sweep``
         measures them).
     Returns:
         ctx_latent: [B, H, Dl] fp32.

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.kernels._dispatch import resolve_backend
+from k3serve.kernels.mxfp4_format import GROUP, check_packed
 
-GROUP = 32  # inputs sharing one E8M0 scale
 E2M1_EMAX = 2  # exponent of the largest E2M1 value (6 = 1.5 * 2^2)
 SCALE_BIAS = 127
 SCALE_NAN = 0xFF
@@ -91,20 +91,6 @@ def _tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     if device.type != "cpu":
         pairs, scales = pairs.to(device), scales.to(device)
     return pairs, scales, table_dtype
-
-
-def check_packed(packed: torch.Tensor, scales: torch.Tensor, what: str = "weight") -> int:
-    """Validate a packed pair and return the unpacked width K.
-
-    packed: uint8 `[..., K / 2]`; scales: uint8 `[..., K / 32]` with the same leading dims.
-    """
-    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"{what}: weight_packed and weight_scale must be uint8, got {packed.dtype} and {scales.dtype}")
-    k = packed.shape[-1] * 2
-    if packed.shape[:-1] != scales.shape[:-1] or scales.shape[-1] * GROUP != k:
-        raise ValueError(f"{what}: weight_packed {list(packed.shape)} and weight_scale {list(scales.shape)} do "
-                         f"not describe one tensor with groups of {GROUP} inputs")
-    return k
 
 
 # ---------------------------------------------------------------------------------------------- dequantise

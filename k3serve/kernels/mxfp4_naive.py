@@ -58,7 +58,7 @@ def routed_moe_naive(z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, first_
                      experts: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]], act: str,
                      beta1: float, beta2: float) -> torch.Tensor:
     """The routed-expert sum of one rank in float64, one assignment at a time: the oracle of the fused kernel
-    (kernels/mxfp4_moe_cpu.py). z `[N, K]`; ids, w `[N, k]`; experts[i] = ((p1, s1), (p3, s3), (p2, s2)) of
+    (kernels/cpu/mxfp4_moe_cpu.py). z `[N, K]`; ids, w `[N, k]`; experts[i] = ((p1, s1), (p3, s3), (p2, s2)) of
     global expert first_expert + i -> float64 `[N, K]`: sum over the row's local slots of
     w * W2 glu(W1 z, W3 z)."""
     deq = [[dequantize_naive(p, s) for p, s in e] for e in experts]

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3serve.kernels.mxfp4 import GROUP, check_packed
+from k3serve.kernels.mxfp4_format import GROUP, check_packed
 
 
 @triton.jit

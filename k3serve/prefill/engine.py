@@ -32,7 +32,8 @@ from k3serve.engine.executor import Executor, OpFailed, WorkerDied
 from k3serve.contracts.channel import StateChannel, StateTransferError
 from k3serve.contracts.handoff import DraftCapture, DraftFeatures, Handoff
 from k3serve.engine.ops import CopySlot, PoolConfig, PrefillChunk, PrefillStreamed, ResetSlots
-from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
+from k3serve.engine.prefix_cache import HybridPrefixCache
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.contracts.requests import PrefillRequest, RequestFailure

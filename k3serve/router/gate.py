@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import redis
 import xxhash
 
-from k3serve.engine.prefix_policy import PrefixCachePolicy
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
 from k3serve.router.admission import (Admission, AdmissionConfig, AdmissionRejected, ClassSpec, RecoveryGuard,
                                       Reservation, classify)
 from k3serve.router.membership import key_prefix

@@ -39,7 +39,7 @@ from k3serve.auth import AuthConfig
 from k3serve.tls import TlsMaterial, open_channel
 from k3serve.contracts.status import from_load
 from k3serve.engine.block_hash import prefix_key
-from k3serve.engine.prefix_policy import PrefixCachePolicy
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
 from k3serve.internal.v1 import cluster_pb2_grpc
 from k3serve.router.admission import AdmissionRejected
 from k3serve.router.api_keys import ApiKeys

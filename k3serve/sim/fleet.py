@@ -26,7 +26,7 @@ import numpy as np
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.block_hash import block_hashes, prefix_key
 from k3serve.engine.prefix_cache import HybridPrefixCache
-from k3serve.engine.prefix_policy import PrefixCachePolicy
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
 from k3serve.router.placement import LOAD_BOUND, ClusterPicture, place
 from k3serve.router.recent_sends import HALF_LIFE_S, RecentSends, expected_checkpoints
 from k3serve.router.tenancy import anonymous_identity

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from k3serve.engine.prefix_policy import PrefixCachePolicy
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
 from k3serve.router.placement import POLICIES
 from k3serve.sim.cost import CostModel
 from k3serve.sim.fleet import FleetSpec, simulate

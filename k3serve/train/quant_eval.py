@@ -1,5 +1,5 @@
 """Quality of quantized checkpoints against bf16 (held-out bits/byte, KL) and a short QAT run, for
-``k3serve bench quant`` (:mod:`k3serve.bench.quant`)."""
+``k3serve bench quant`` (:mod:`benchmarks.quant`)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,6 @@ transfer planes, resharded on the path (docs/architecture.md §4, §14).
  buffers.py            staging buffers: the heap (pooled) or one registered region (data planes)
  mooncake/             the Mooncake data plane: gRPC control, payload by the Transfer Engine (docs/transfer.md)
 ```
-Harnesses live outside: sender/receiver helper processes, baselines and fault taps in k3serve/bench/transfer_*.py.
+Harnesses live outside: sender/receiver helper processes, baselines and fault taps in benchmarks/transfer_*.py.
 Generated protobuf code: k3serve.transfer.v1 (source k3serve/proto/k3serve/transfer/v1/transfer.proto).
 """

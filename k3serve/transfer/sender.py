@@ -97,7 +97,7 @@ class SendResult:
 
 
 class StreamTap(Protocol):
-    """A hook on a sender's streams, for fault injection in tests and benches (k3serve/bench/transfer_faults.py).
+    """A hook on a sender's streams, for fault injection in tests and benches (benchmarks/transfer_faults.py).
     Off the hot path: a sender without one checks a single None per stream."""
 
     def active(self, attempt: int, dst: int) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from k3serve.bench.report import ReportError, load_records, render
+from benchmarks.report import ReportError, load_records, render
 from k3serve.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from k3serve.bench.decode import run_decode_bench, step_bytes
-from k3serve.bench.prefix import agentic_trace, run_prefix_bench
+from benchmarks.decode import run_decode_bench, step_bytes
+from benchmarks.prefix import agentic_trace, run_prefix_bench
 from k3serve.model.presets import preset
 
 
@@ -77,7 +77,7 @@ def test_decode_bench_keys_and_byte_model():
 
 
 def test_quant_bench_keys_side_by_side(tmp_path):
-    from k3serve.bench.quant import run_quant_bench, weight_bytes_per_token
+    from benchmarks.quant import run_quant_bench, weight_bytes_per_token
     from k3serve.model.presets import write_preset_checkpoint
     from k3serve.model.quantize import quantize_checkpoint
 
@@ -139,9 +139,9 @@ def test_decode_bench_reports_both_numerics_modes_side_by_side():
 def test_paired_modes_each_get_what_they_get_alone(tmp_path):
     """The side by side alternates the two modes' engines request by request (trace) and round by round (TTFT):
     each engine still sees its own sequence, so every count is the one a run of that mode alone gives."""
-    from k3serve.bench.prefix import run_trace, run_traces, ttft_hit_vs_cold, ttft_paired
+    from benchmarks.prefix import run_trace, run_traces, ttft_hit_vs_cold, ttft_paired
     from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC
-    from k3serve.engine.prefix_cache import PrefixCachePolicy
+    from k3serve.contracts.prefix_policy import PrefixCachePolicy
     from k3serve.model.checkpoint import load_config
     from k3serve.model.presets import write_preset_checkpoint
 

@@ -1,6 +1,6 @@
 """`k3serve bench spec` runs end to end at a tiny size and reports its fields (no timing is asserted)."""
 
-from k3serve.bench.spec import K3_GEOMETRY, memory_report, run_spec_bench
+from benchmarks.spec import K3_GEOMETRY, memory_report, run_spec_bench
 
 
 def test_bench_spec_reports_runs_and_memory():

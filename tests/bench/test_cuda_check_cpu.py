@@ -3,8 +3,8 @@ its refusals, and the model part end to end with the CPU as "the device" (the sa
 
 import pytest
 
-from k3serve.bench import cuda_check
-from k3serve.bench.cuda_model import check_preset, first_divergence
+from benchmarks import cuda_check
+from benchmarks.cuda_model import check_preset, first_divergence
 
 
 def test_first_divergence():

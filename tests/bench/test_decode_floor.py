@@ -1,10 +1,10 @@
-"""The batch-1 decode floor of ``bench decode`` (k3serve/bench/decode_floor.py): which matrices a step reads, and the
+"""The batch-1 decode floor of ``bench decode`` (benchmarks/decode_floor.py): which matrices a step reads, and the
 figures against a run's own."""
 
 import pytest
 
-from k3serve.bench.decode import step_bytes
-from k3serve.bench.decode_floor import gemv_floor, step_matrices
+from benchmarks.decode import step_bytes
+from benchmarks.decode_floor import gemv_floor, step_matrices
 from k3serve.model.presets import preset, write_preset_checkpoint
 
 

@@ -1,6 +1,6 @@
-"""`python -m k3serve.bench.numerics_cpu`: both modes measured by the real worker ops, side by side."""
+"""`python -m benchmarks.numerics_cpu`: both modes measured by the real worker ops, side by side."""
 
-from k3serve.bench.numerics_cpu import measure
+from benchmarks.numerics_cpu import measure
 
 
 def test_measures_both_modes_side_by_side(tiny_ckpt):

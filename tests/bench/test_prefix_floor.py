@@ -1,9 +1,9 @@
-"""The hit's floor of ``bench prefix`` (k3serve/bench/prefix_floor.py): the extra attention FLOPs a prefix hit does
+"""The hit's floor of ``bench prefix`` (benchmarks/prefix_floor.py): the extra attention FLOPs a prefix hit does
 over a cold prompt of its increment alone, and the ratio they bound at a given matmul rate."""
 
 import pytest
 
-from k3serve.bench.prefix_floor import hit_extra_flops, hit_floor
+from benchmarks.prefix_floor import hit_extra_flops, hit_floor
 from k3serve.model.presets import preset
 
 

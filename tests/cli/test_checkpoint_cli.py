@@ -61,25 +61,3 @@ def test_entry_point_error_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error:")
-
-
-def test_missing_or_broken_subcommand_modules(tmp_path, monkeypatch):
-    import typer
-
-    from k3serve.cli.main import _register
-
-    (tmp_path / "k3s_broken_cmd.py").write_text("raise RuntimeError('boom at import')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    host = typer.Typer()
-
-    @host.command()
-    def ok() -> None:
-        typer.echo("ok")
-
-    _register("k3serve.cli.no_such_module_cmd", "ghost", into=host)  # not written yet: left out
-    _register("k3s_broken_cmd", "broken", into=host)  # import error: a stub that explains it
-    res = runner.invoke(host, ["ghost"])
-    assert res.exit_code == 2 and "No such command" in res.output
-    res = runner.invoke(host, ["broken", "anything"])
-    assert res.exit_code == 2 and "boom at import" in res.stderr
-    assert runner.invoke(host, ["ok"]).stdout.strip() == "ok"

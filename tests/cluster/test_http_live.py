@@ -235,7 +235,7 @@ def test_the_docs_examples_run_copy_pasted(dep, tmp_path):
     assert out
 
 def test_bench_http_runs_the_same_streams_through_both_doors(dep):
-    from k3serve.bench.http_door import HttpBenchSetup, run_http_bench_on
+    from benchmarks.http_door import HttpBenchSetup, run_http_bench_on
 
     setup = HttpBenchSetup(streams=4, rounds=1, prompt_tokens=16, max_tokens=6)
     out = run_http_bench_on(dep, setup)

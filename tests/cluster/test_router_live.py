@@ -138,12 +138,12 @@ def test_anonymous_conversations_under_one_system_prompt_spread_and_hit(deployme
 
 # ------------------------------------------------------------------------------------------------ load
 def test_load_two_routers_200_streams(deployment):
-    """200 clients at once at two routers sized for 3 x (2 in flight + 2 queued) (k3serve/bench/router_load.py);
+    """200 clients at once at two routers sized for 3 x (2 in flight + 2 queued) (benchmarks/router_load.py);
     a refused client sleeps its hint and comes back, until it completes. Asserted: the behaviour.
     The timing figures (each hint against the moment its budget next had a room, the budgets' busy fraction) are
     printed; ``k3serve bench router-load --json`` measures them after a warm-up burst (issue #19's "every hint
     within 2x" is reported there, not asserted: it is a figure of the host)."""
-    from k3serve.bench.router_load import TOKEN_BUDGET, LoadSetup, run_load
+    from benchmarks.router_load import TOKEN_BUDGET, LoadSetup, run_load
 
     setup = LoadSetup(streams=200, warmup_streams=0)
     out = run_load(deployment, setup)
@@ -167,7 +167,7 @@ def test_after_a_burst_of_clients_that_never_return_new_requests_are_admitted(de
     are all admitted (the rooms are free: a refusal then would leave capacity idle behind it)."""
     import uuid
 
-    from k3serve.bench.router_load import LoadSetup, _classes, start_router
+    from benchmarks.router_load import LoadSetup, _classes, start_router
     from tests.router.test_refused_clients_gone import burst_of_absent_clients, errors_of_concurrent
 
     ns = "gone" + uuid.uuid4().hex[:8]
@@ -194,7 +194,7 @@ def test_after_a_burst_of_clients_that_never_return_new_requests_are_admitted(de
 def test_the_bench_path_reads_router_processes(deployment):
     """``k3serve bench router-load``'s path: a burst against the deployment's own router processes, their counters
     and learned durations read over Ray (here the deployment's default classes admit all 8 streams at once)."""
-    from k3serve.bench.router_load import LoadSetup, run_load_on_router_processes
+    from benchmarks.router_load import LoadSetup, run_load_on_router_processes
 
     out = run_load_on_router_processes(deployment, LoadSetup(streams=8, warmup_streams=0, max_concurrent=32))
     fig = out.figures()

@@ -82,7 +82,7 @@ def test_cli_refuses_an_unknown_loss(tmp_path):
 def test_ngram_chain_sim_on_a_repetition():
     """The bench's n-gram row runs the same simulated greedy decode: on a period-4 repetition every draft of
     the 4-token chain is accepted (k + 1 tokens per verify)."""
-    from k3serve.bench.eagle3 import ngram_chain_stats
+    from benchmarks.eagle3 import ngram_chain_stats
     from k3serve.model.eagle3.chain_eval import EvalSet
 
     seq = torch.tensor([[1, 2, 3, 4] * 10])

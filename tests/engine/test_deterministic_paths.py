@@ -16,7 +16,7 @@ from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.disagg.pipeline import LocalPipeline
 from k3serve.engine.ops import DecodeBatch, PoolConfig, PrefillChunk
-from k3serve.engine.prefix_cache import PrefixCachePolicy
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
 from k3serve.model.loader import load_model
 from k3serve.model.reference import reference_generate
 from k3serve.prefill.engine import PrefillConfig

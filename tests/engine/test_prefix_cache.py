@@ -7,8 +7,8 @@ import pytest
 
 from k3serve.engine.block_hash import prefix_key
 from k3serve.engine.allocators import PageAllocator, SlotAllocator
-from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixCachePolicy, PrefixHit
-from k3serve.engine.prefix_policy import checkpoint_scores
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
+from k3serve.engine.prefix_cache import HybridPrefixCache, PrefixHit, checkpoint_scores
 
 BS, PS = 8, 4  # tiny hash blocks and pages keep prompts short; 2 pages per block
 

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from k3serve.engine.prefix_policy import PrefixCachePolicy, checkpoint_scores
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
+from k3serve.engine.prefix_cache import checkpoint_scores
 from tests.engine.test_prefix_cache import Sim, _check_ownership
 
 BS = 512

@@ -1,5 +1,5 @@
-from k3serve.bench.kernels import chunk_flops, run_kernel_bench
-from k3serve.kernels import kda_cpu
+from benchmarks.kernels import chunk_flops, run_kernel_bench
+from k3serve.kernels.cpu import kda_cpu
 from k3serve.kernels.kda import chunk_backend
 
 

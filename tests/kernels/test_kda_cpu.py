@@ -1,5 +1,5 @@
-"""The fused CPU kernel of the chunked KDA forward (kernels/kda_cpu.py): results within fp32 rounding of the naive
-oracle and the torch path, chunk-composition invariance bit for bit, the state view never written, the dispatch."""
+"""The fused CPU kernel of the chunked KDA forward (kernels/cpu/kda_cpu.py): results within fp32 rounding of the
+naive oracle and the torch path, chunk-composition invariance bit for bit, the state view never written, the dispatch."""
 
 import hashlib
 import os
@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3serve.kernels import _dispatch, kda_cpu, kda_cpu_kernel, kda_torch
+from k3serve.kernels import _dispatch, kda_torch
+from k3serve.kernels.cpu import kda_cpu, kda_cpu_kernel
 from k3serve.kernels.kda import chunk_backend, chunk_kda, recurrent_kda
-from k3serve.kernels.kda_cpu import chunk_kda_cpu
+from k3serve.kernels.cpu.kda_cpu import chunk_kda_cpu
 from k3serve.kernels.kda_naive import naive_recurrent_kda
 from k3serve.kernels.kda_torch import _MAX_HALF_SPAN, chunk_kda_torch, recurrent_kda_torch
 from tests.kernels.test_kda_torch import (check_bf16_inputs, check_huge_unbounded_decays,
@@ -231,7 +232,7 @@ def test_without_numba_the_torch_path_runs():
     code = (
         "import sys; sys.modules['numba'] = None\n"
         "import torch\n"
-        "from k3serve.kernels import kda_cpu\n"
+        "from k3serve.kernels.cpu import kda_cpu\n"
         "from k3serve.kernels.kda import chunk_backend, chunk_kda\n"
         "from k3serve.kernels.kda_torch import chunk_kda_torch\n"
         "assert kda_cpu.NUMBA_ERROR.startswith('numba could not be imported'), kda_cpu.NUMBA_ERROR\n"
@@ -254,7 +255,7 @@ def test_the_callers_torch_thread_count_survives_the_kernel():
     code = (
         "import torch; torch.set_num_threads(1)\n"
         "import numba\n"
-        "from k3serve.kernels.kda_cpu import chunk_kda_cpu\n"
+        "from k3serve.kernels.cpu.kda_cpu import chunk_kda_cpu\n"
         "x = [torch.randn(1, 40, 4, 16) for _ in range(3)]\n"
         "g, beta = -torch.rand(1, 40, 4, 16), torch.rand(1, 40, 4)\n"
         "for _ in range(2):\n"
@@ -269,15 +270,11 @@ def test_the_callers_torch_thread_count_survives_the_kernel():
 
 
 def test_cached_kernel_is_tied_to_its_sources():
-    """numba's cache is invalidated by edits to kda_cpu_kernel.py only: the _simd.py and kda_cpu_tiles.py it was
-    compiled against and the constants it shares with kda_torch must be recorded there (see kda_cpu_kernel's
-    docstring)."""
+    """numba's cache is invalidated by edits to kda_cpu_kernel.py only: the _simd.py it was compiled against and
+    the constants it shares with kda_torch must be recorded there (see kda_cpu_kernel's docstring)."""
     simd = Path(kda_cpu_kernel.__file__).with_name("_simd.py").read_bytes()
     assert hashlib.sha256(simd).hexdigest() == kda_cpu_kernel.SIMD_SHA256, (
         "_simd.py changed: set kda_cpu_kernel.SIMD_SHA256 to its new sha256 (this recompiles the cached kernel)")
-    tiles = Path(kda_cpu_kernel.__file__).with_name("kda_cpu_tiles.py").read_bytes()
-    assert hashlib.sha256(tiles).hexdigest() == kda_cpu_kernel.TILES_SHA256, (
-        "kda_cpu_tiles.py changed: set kda_cpu_kernel.TILES_SHA256 to its new sha256 (recompiles the cached kernel)")
     for name in ("_LOG_TINY", "_TINY", "_MAX_HALF_SPAN"):
         assert getattr(kda_cpu_kernel, name) == getattr(kda_torch, name), name
 
@@ -288,7 +285,7 @@ def test_vector_exp_within_one_ulp_and_flushes():
     import numba
     import numpy as np
 
-    from k3serve.kernels._simd import vexp, vload, vstore
+    from k3serve.kernels.cpu._simd import vexp, vload, vstore
 
     @numba.njit
     def run(x, out, lo, tiny):

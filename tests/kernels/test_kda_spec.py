@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from k3serve.kernels.kda import recurrent_kda
-from k3serve.kernels.kda_spec import kda_commit, kda_verify, record_floats, record_offsets
+from k3serve.kernels.kda_records import record_floats, record_offsets
+from k3serve.kernels.kda_spec import kda_commit, kda_verify
 from k3serve.kernels.short_conv import short_conv_step
 
 H, K, W = 2, 16, 4

@@ -1,12 +1,13 @@
-"""The fused CPU kernel of an MoE layer's MXFP4 routed experts (kernels/mxfp4_moe_cpu.py, model/layers/moe_mxfp4.py)
-against the float64 oracle, the unfused torch path and the Triton matmul (TRITON_INTERPRET=1), and its
-batch invariance: a token's bits do not depend on which other tokens share the call or its experts."""
+"""The fused CPU kernel of an MoE layer's MXFP4 routed experts (kernels/cpu/mxfp4_moe_cpu.py,
+model/layers/moe_mxfp4.py) against the float64 oracle, the unfused torch path and the Triton matmul
+(TRITON_INTERPRET=1), and its batch invariance: a token's bits do not depend on which other tokens share the call
+or its experts."""
 
 import pytest
 import torch
 
 from k3serve.kernels import mxfp4 as mx
-from k3serve.kernels import mxfp4_moe_cpu as fused_kernel
+from k3serve.kernels.cpu import mxfp4_moe_cpu as fused_kernel
 from k3serve.kernels.mxfp4_naive import routed_moe_naive
 from k3serve.model.layers.expert_weights import MXFP4Linear
 from k3serve.model.layers.moe_mxfp4 import FusedMXFP4Experts, fuse_mxfp4_experts

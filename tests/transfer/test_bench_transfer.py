@@ -6,8 +6,8 @@ import json
 
 from typer.testing import CliRunner
 
-from k3serve.bench.transfer import TransferBenchConfig, run_transfer_bench
-from k3serve.bench.transfer_handoff import HandoffBenchConfig
+from benchmarks.transfer import TransferBenchConfig, run_transfer_bench
+from benchmarks.transfer_handoff import HandoffBenchConfig
 from k3serve.cli.main import app
 from k3serve.transfer.mooncake.plane import mooncake_available
 

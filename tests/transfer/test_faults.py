@@ -23,10 +23,10 @@ from k3serve.model.checkpoint import load_config
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.client import ReceiverClient
-from k3serve.bench.transfer_faults import SenderFaults
+from benchmarks.transfer_faults import SenderFaults
 from k3serve.transfer.handoff_send import GrpcChannel
 from k3serve.transfer.plan import reshard_kda
-from k3serve.bench.transfer_procs import ReceiverProc, SenderProc, SendJob
+from benchmarks.transfer_procs import ReceiverProc, SenderProc, SendJob
 from k3serve.transfer.decode_host import ReceiverHooks
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.sender import SendResult, TransferFailed, TransferSender

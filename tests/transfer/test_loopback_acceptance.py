@@ -24,7 +24,7 @@ from k3serve.transfer.client import ReceiverClient
 from k3serve.transfer.handoff_send import GrpcChannel
 from k3serve.transfer.decode_host import ReceivingExecutor
 from k3serve.transfer.plan import reshard_kda
-from k3serve.bench.transfer_procs import SenderProc, SendJob
+from benchmarks.transfer_procs import SenderProc, SendJob
 from k3serve.transfer.receiver import ReceiverConfig
 from k3serve.transfer.sender import SendResult
 from k3serve.transfer.spec import StateGeometry, TransferSpec

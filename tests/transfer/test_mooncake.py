@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from transfer_helpers import make_spec, random_state, send_all
-from k3serve.bench.transfer_faults import SenderFaults
+from benchmarks.transfer_faults import SenderFaults
 from k3serve.transfer.buffers import RegionBuffers
 from k3serve.transfer.mooncake.plane import DataPlane, MooncakeConfig
 from k3serve.transfer.plan import reshard_kda

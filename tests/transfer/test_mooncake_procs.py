@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from transfer_helpers import make_spec, random_state
-from k3serve.bench.transfer_faults import SenderFaults
-from k3serve.bench.transfer_procs import ReceiverProc, SenderProc, SendJob
+from benchmarks.transfer_faults import SenderFaults
+from benchmarks.transfer_procs import ReceiverProc, SenderProc, SendJob
 from k3serve.contracts.handoff import StagedState
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.kernels._dispatch import resolve_backend
-from k3serve.kernels.mxfp4 import CpuMatrix, check_packed, mxfp4_linear, mxfp4_linear_blocks
+from k3serve.kernels.mxfp4 import CpuMatrix, mxfp4_linear, mxfp4_linear_blocks
+from k3serve.kernels.mxfp4_format import check_packed
 from k3serve.model.names import mxfp4_names
 
 

@@ -10,7 +10,8 @@ import torch
 
 from k3serve.kernels.gate import kda_gate
 from k3serve.kernels.kda import chunk_kda, recurrent_kda
-from k3serve.kernels.kda_spec import kda_verify, record_offsets
+from k3serve.kernels.kda_records import record_offsets
+from k3serve.kernels.kda_spec import kda_verify
 from k3serve.kernels.short_conv import short_conv, short_conv_step
 from k3serve.model.config import ModelConfig
 from k3serve.model.deterministic import BMM_MIN_OUT, DefaultOps

@@ -37,7 +37,7 @@ Why absorbed (docs/numerics.md): the decompressed form read every request's per-
 values at every decode step (4 heads x (48 + 32) floats per position on the tiny preset, against the latent
 row's 80 shared by all heads) and needed a pool of decompressed blocks, each confirmed by comparing its rows;
 here a step reads each latent block once, as the default mode's paged kernel does. Prefill pays rank + rope
-score FLOPs per (head, query, key) instead of nope + rope (``python -m k3serve.bench.numerics_cpu`` compares
+score FLOPs per (head, query, key) instead of nope + rope (``python -m benchmarks.numerics_cpu`` compares
 the modes).
 
 Grouping (what is batched): requests with the same query count and block count form one group whose score and

@@ -5,7 +5,7 @@ The unfused path (``MoE._routed_partial``'s per-expert loop over :class:`~.exper
 than its arithmetic on decode-sized matrices, and made MXFP4 decode slower than bf16's one GEMV per matrix
 (docs/mxfp4.md). Here the rank's experts are stacked once at load, ``[E_local, O, K/2]`` bytes and
 ``[E_local, O, K/32]`` scale codes per matrix (the same bytes the checkpoint holds: nothing is dequantised
-ahead), and a layer's routed part is one call of :func:`k3serve.kernels.mxfp4_moe_cpu.routed_moe_kernel`:
+ahead), and a layer's routed part is one call of :func:`k3serve.kernels.cpu.mxfp4_moe_cpu.routed_moe_kernel`:
 grouping, the three matmuls decoding nibbles and scales in the loop, the glu and the weighted sum.
 
 Each token's result is computed by the same fixed-order code whatever else is in the call (a prefill chunk,
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from k3serve.kernels import mxfp4 as mx
-from k3serve.kernels import mxfp4_moe_cpu as fused
+from k3serve.kernels.cpu import mxfp4_moe_cpu as fused
 from k3serve.model.layers.expert_weights import MXFP4Linear
 
 # activation dtypes the kernel takes (fp32 math; bf16 intermediates rounded where the unfused path casts)

@@ -44,7 +44,7 @@ _DUPLICATE = frozenset({STATE_CODES[VERIFIED], STATE_CODES[INSTALLED]})
 
 
 class LandingTap(Protocol):
-    """Fault injection on a data-plane stream (k3serve/bench/transfer_faults.py SenderFaults)."""
+    """Fault injection on a data-plane stream (benchmarks/transfer_faults.py SenderFaults)."""
 
     def active(self, attempt: int, dst: int) -> bool: ...
 

@@ -49,8 +49,8 @@ from k3serve.auth import AuthConfig
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.mooncake.plane import MooncakeConfig, mooncake_available
 from k3serve.transfer.plan import reshard_kda
-from k3serve.bench.transfer_handoff import HandoffBenchConfig, run_handoff_bench
-from k3serve.bench.transfer_procs import ReceiverProc, SenderProc, SendJob
+from benchmarks.transfer_handoff import HandoffBenchConfig, run_handoff_bench
+from benchmarks.transfer_procs import ReceiverProc, SenderProc, SendJob
 from k3serve.transfer.receiver import ReceiverConfig
 from k3serve.transfer.sender import SenderConfig, SendResult
 from k3serve.transfer.spec import DEFAULT_CHUNK_BYTES, DTYPES, StateGeometry, TransferSpec

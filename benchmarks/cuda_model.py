@@ -1,6 +1,6 @@
 """The model on CUDA against the CPU fp32 reference: logit errors, greedy agreement, the serving path's tokens.
 
-Used by ``k3serve.bench.cuda_check`` (``scripts/cuda_check.sh``) on a machine with a GPU. For one preset:
+Used by ``benchmarks.cuda_check`` (``scripts/cuda_check.sh``) on a machine with a GPU. For one preset:
 
 * ``fp32``: the fp32 checkpoint on CUDA (the Triton KDA, gate, short-conv kernels; torch matmuls with TF32
   off) against the same checkpoint on the CPU. Teacher-forced: one prefill over prompt + the reference's

@@ -24,8 +24,8 @@ import statistics
 from dataclasses import dataclass
 
 from k3serve.auth import AuthConfig
-from k3serve.bench.transfer import _on_all, _random_state
-from k3serve.bench.transfer_procs import ReceiverProc, SenderProc, SendJob
+from benchmarks.transfer import _on_all, _random_state
+from benchmarks.transfer_procs import ReceiverProc, SenderProc, SendJob
 from k3serve.model.presets import preset
 from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.plan import reshard_kda

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from k3serve.bench.transfer_baselines import GrpcSink, SocketSink, grpc_source, mooncake_source, socket_source
+from benchmarks.transfer_baselines import GrpcSink, SocketSink, grpc_source, mooncake_source, socket_source
 from k3serve.transfer.chunks import all_layers, stream_plan
-from k3serve.bench.transfer_faults import NO_FAULTS, SenderFaults
+from benchmarks.transfer_faults import NO_FAULTS, SenderFaults
 from k3serve.transfer.handoff_send import SenderCache
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
 from k3serve.transfer.sender import SenderConfig, TransferFailed, TransferSender

@@ -31,8 +31,8 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from k3serve.bench.decode_floor import gemv_floor
-from k3serve.bench.numerics_compare import add_default_at_bench_threads, mode_threads, numerics_side_by_side
+from benchmarks.decode_floor import gemv_floor
+from benchmarks.numerics_compare import add_default_at_bench_threads, mode_threads, numerics_side_by_side
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
 from k3serve.engine.block_hash import model_fingerprint, prefix_key

@@ -42,7 +42,7 @@ Numerics (the contract the tests pin, tests/kernels/test_kda_cpu.py):
 in v's dtype and the final state a new fp32 tensor, as chunk_kda_torch. Training (autograd) never gets here.
 
 Compile time: ~20-40 s on the first call of a process without a cache (2 loaded cores); ``cache=True`` keeps
-the machine code under ``k3serve/kernels/__pycache__`` and later processes load it in about a second;
+the machine code under ``k3serve/kernels/cpu/__pycache__`` and later processes load it in about a second;
 ``scripts/setup.sh`` compiles it once (:func:`warm_up`). Where numba cannot be imported, :data:`NUMBA_ERROR`
 says why and ``chunk_kda`` runs the torch path (``kda.chunk_backend`` reports which).
 """
@@ -56,7 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._kda_common import check_kda_inputs, default_scale
+from .._kda_common import check_kda_inputs, default_scale
 from .kda_cpu_kernel import SUB, chunk_kda_kernel
 
 try:  # a pinned dependency (pyproject.toml); without it the dispatch keeps the torch path
@@ -148,7 +148,7 @@ def chunk_kda_cpu(
 
 @functools.lru_cache(maxsize=1)
 def narrow_tiles() -> bool:
-    """Whether this CPU runs the kernel's narrow register tiles (kda_cpu_tiles.py: 4 x 16 in the sequential
+    """Whether this CPU runs the kernel's narrow register tiles (kda_cpu_kernel.py: 4 x 16 in the sequential
     stages, 2-row passes in the score tiles): yes without AVX-512. The wide tiles hold 16 accumulators of 16 lanes,
     16 of AVX-512's 32 vector registers; on AVX2 each takes two of its 16, more than it has before an operand is
     loaded: on AVX2 the narrow tiles run 1.65-1.85x faster, on AVX-512 the wide ones are faster."""

@@ -24,13 +24,13 @@ import statistics
 import tempfile
 import time
 
-from k3serve.bench.prefix_floor import hit_floor, peak_gflops
-from k3serve.bench.numerics_compare import add_default_at_bench_threads, mode_threads, numerics_side_by_side
+from benchmarks.prefix_floor import hit_floor, peak_gflops
+from benchmarks.numerics_compare import add_default_at_bench_threads, mode_threads, numerics_side_by_side
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.engine.block_hash import model_fingerprint, prefix_key
 from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
-from k3serve.engine.prefix_cache import PrefixCachePolicy
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.model.checkpoint import load_config

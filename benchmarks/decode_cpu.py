@@ -3,7 +3,7 @@
 Wall-clock benches swing several-fold when other jobs share the cores; the CPU time a step consumes barely
 moves, so two trees can be compared back to back (docs/performance.md)::
 
-    OMP_NUM_THREADS=1 PYTHONPATH=<tree> python -m k3serve.bench.decode_cpu 1 1,8,32
+    OMP_NUM_THREADS=1 PYTHONPATH=<tree> python -m benchmarks.decode_cpu 1 1,8,32
 
 Arguments: intra-op threads, comma-separated batch sizes. Bench preset, context 256, best and median of 12 steps
 after 2 warm-up steps.
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from k3serve.bench.decode import decoding_engine
+from benchmarks.decode import decoding_engine
 from k3serve.model.checkpoint import load_config
 from k3serve.model.presets import write_preset_checkpoint
 

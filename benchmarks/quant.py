@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from k3serve.bench.decode import _decode_rate, decoding_engine
+from benchmarks.decode import _decode_rate, decoding_engine
 from k3serve.model.checkpoint import inspect_checkpoint, load_config
 from k3serve.model.config import ModelConfig
 from k3serve.model.names import SplitKind, checkpoint_specs

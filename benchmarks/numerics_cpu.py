@@ -5,7 +5,7 @@ to run; this measures the CPU time (``time.process_time``, one intra-op thread i
 worker ops, alternating the modes round by round and keeping the minimum (load only adds time), so the
 ratio is what one thread of each mode costs::
 
-    python -m k3serve.bench.numerics_cpu [--checkpoint DIR] [--context 256] [--batches 1,8,32] [--rounds 3]
+    python -m benchmarks.numerics_cpu [--checkpoint DIR] [--context 256] [--batches 1,8,32] [--rounds 3]
 
 Prints one JSON object: prefill ms per request (``context`` tokens), decode ms per step by batch, and the
 deterministic / default ratios (target <= 1.5).
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from k3serve.bench.numerics_compare import numerics_side_by_side
+from benchmarks.numerics_compare import numerics_side_by_side
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC
 from k3serve.engine.ops import DecodeBatch, PoolConfig, PrefillChunk
 from k3serve.engine.worker import ModelWorker

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3serve.kernels import kda_cpu
+from k3serve.kernels.cpu import kda_cpu
 from k3serve.kernels.flops import CHUNK, best_time, chunk_flops, matmul_gflops  # noqa: F401 (re-exported)
 from k3serve.kernels.gate import kda_gate
 from k3serve.kernels.kda import chunk_backend, chunk_kda, recurrent_kda
@@ -103,7 +103,7 @@ def run_kernel_bench(T: int = 4096, H: int = 4, K: int = 64, repeats: int = 3) -
     }
 
 
-if __name__ == "__main__":   # python -m k3serve.bench.kernels
+if __name__ == "__main__":   # python -m benchmarks.kernels
     import json
 
     print(json.dumps(run_kernel_bench(), indent=2))

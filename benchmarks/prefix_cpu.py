@@ -1,11 +1,11 @@
 """CPU time of the ``bench prefix`` TTFT trio (``time.process_time()``), for A/B comparisons on a loaded machine.
 
-The same requests as :func:`k3serve.bench.prefix.ttft_hit_vs_cold` (tiny preset, a cold ``prefix + increment``
+The same requests as :func:`benchmarks.prefix.ttft_hit_vs_cold` (tiny preset, a cold ``prefix + increment``
 prompt, a hit on the cached prefix, a cold prompt of the increment alone), each timed by the CPU time it
 consumes, which other processes' contention barely moves (a hypervisor's steal does: it is charged to the
 running process)::
 
-    OMP_NUM_THREADS=1 PYTHONPATH=<tree> python -m k3serve.bench.prefix_cpu 1 3 [--profile cold|hit|short] [--deterministic]
+    OMP_NUM_THREADS=1 PYTHONPATH=<tree> python -m benchmarks.prefix_cpu 1 3 [--profile cold|hit|short] [--deterministic]
 
 Arguments: intra-op threads, repeats (a fresh engine each; best and median reported). ``--deterministic`` runs the
 engine in numerics mode ``deterministic`` (its forwards then run ``numerics.threads`` threads). ``--profile R`` prints
@@ -23,11 +23,11 @@ import time
 
 import torch
 
-from k3serve.bench.prefix import _engine
+from benchmarks.prefix import _engine
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, DETERMINISTIC, Numerics
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
-from k3serve.engine.prefix_cache import PrefixCachePolicy
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
 from k3serve.model.checkpoint import load_config
 from k3serve.model.presets import write_preset_checkpoint
 

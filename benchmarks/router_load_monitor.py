@@ -1,4 +1,4 @@
-"""The router load burst's monitor (k3serve/bench/router_load.py): every (cluster, "short") budget sampled from
+"""The router load burst's monitor (benchmarks/router_load.py): every (cluster, "short") budget sampled from
 Redis every 20 ms, atomically per sample, and the routers' health and ``ClusterStatus`` probed every 0.2 s.
 
 A hint is compared with the first sampled moment its budget had a free room and nobody waiting for it.

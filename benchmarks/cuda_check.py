@@ -1,6 +1,6 @@
 """The CUDA path on a real GPU: rooflines, the Triton kernels' speed, the model's accuracy and decode speed.
 
-``python -m k3serve.bench.cuda_check --out DIR`` (``scripts/cuda_check.sh`` runs it after the kernel tests)
+``python -m benchmarks.cuda_check --out DIR`` (``scripts/cuda_check.sh`` runs it after the kernel tests)
 writes ``DIR/cuda_check.json``. Every part runs on its own: one that raises is recorded with its error and the
 others still run, so one device session reports everything it can.
 
@@ -77,7 +77,7 @@ def roofline(device: torch.device) -> dict:
 
 def _kda_inputs(B: int, T: int, H: int, K: int, device: torch.device, seed: int = 0):
     """``bench kernels``' inputs (K3 gate, V = K), on `device`."""
-    from k3serve.bench.kernels import _inputs
+    from benchmarks.kernels import _inputs
 
     return tuple(x.to(device) for x in _inputs(B, T, H, K, -5.0, seed))
 
@@ -128,7 +128,7 @@ def mla_decode_bench(device: torch.device, roof: dict, B: int = 32, H: int = 8, 
 
 def decode_bench(ckpt: str, device: str, roof: dict, batches=(1, 8, 32), context: int = 256,
                  steps: int = 16) -> dict:
-    from k3serve.bench.decode import decoding_engine, step_bytes
+    from benchmarks.decode import decoding_engine, step_bytes
 
     cfg = load_config(ckpt)
     out = {}
@@ -185,7 +185,7 @@ def run_cuda_check(out_dir: Path, presets=("tiny-trained", "tiny-linear", "bench
         part("recurrent_kda_step", lambda: recurrent_step_bench(device, roof))
         part("mla_decode", lambda: mla_decode_bench(device, roof))
     if roof is not None and "sweep" in parts:
-        from k3serve.bench.cuda_sweep import chunk_kda_sweep, mla_decode_sweep
+        from benchmarks.cuda_sweep import chunk_kda_sweep, mla_decode_sweep
 
         part("mla_decode_sweep", lambda: mla_decode_sweep(device, roof["copy_gbps"], cuda_time))
         part("chunk_kda_sweep", lambda: chunk_kda_sweep(device, _kda_inputs, cuda_time))
@@ -203,7 +203,7 @@ def run_cuda_check(out_dir: Path, presets=("tiny-trained", "tiny-linear", "bench
 
 
 def check_preset(ckpt: str, device: str) -> dict:
-    from k3serve.bench.cuda_model import check_preset as check
+    from benchmarks.cuda_model import check_preset as check
 
     return check(ckpt, device)
 

@@ -1,6 +1,6 @@
 """Decode step time per CPU GEMM library, side by side in one process (docs/performance.md)::
 
-    python -m k3serve.bench.cpu_gemm_ab CHECKPOINT [--libraries mkl,auto] [--rounds 5] [--threads 2]
+    python -m benchmarks.cpu_gemm_ab CHECKPOINT [--libraries mkl,auto] [--rounds 5] [--threads 2]
 
 One ModelWorker per ``numerics.default_gemm`` value on the same checkpoint, stepped alternately (a shared machine's
 bandwidth drifts between runs; interleaving keeps the pair comparable). Prints one JSON object: min and median
