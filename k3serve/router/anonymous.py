@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence
 import redis
 
 from k3serve.engine.block_hash import block_hashes
-from k3serve.engine.prefix_policy import PrefixCachePolicy
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
 from k3serve.router.membership import MembershipSnapshot
 from k3serve.router.placement import POLICIES, ClusterPicture, Placement, cached_tokens, place
 from k3serve.router.prefix_map import PrefixMap

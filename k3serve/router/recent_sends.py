@@ -21,7 +21,7 @@ import math
 from collections.abc import Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from k3serve.engine.prefix_policy import PrefixCachePolicy
+from k3serve.contracts.prefix_policy import PrefixCachePolicy
 
 __all__ = ["HALF_LIFE_S", "RecentSends", "Union", "expected_checkpoints"]
 
