@@ -56,6 +56,7 @@ class FakeCluster(cluster_pb2_grpc.ClusterServicer):
         self.behaviour = behaviour or Behaviour()
         self.seen: list[Seen] = []
         self.running: set[str] = set()
+        self.tokens_sent = 0  # over every request: a cancelled stream stops adding to it
         self._lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
         cluster_pb2_grpc.add_ClusterServicer_to_server(self, self.server)
@@ -87,6 +88,7 @@ class FakeCluster(cluster_pb2_grpc.ClusterServicer):
                     return
                 if b.delay_s:
                     time.sleep(b.delay_s)
+                self.tokens_sent += 1
                 yield cluster_pb2.ClusterGenerateResponse(
                     token_ids=[(request.absolute_offset + i) % 251], finish_reason="length" if i == n - 1 else "",
                     cached_tokens=0)

@@ -87,11 +87,10 @@ def test_a_stop_string_across_token_boundaries_ends_the_text_and_the_request_on_
     svc, url = _door(rig)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     stop = _text(3, 40)  # tokens 40, 41, 42: a match spanning three pieces
-    t0 = time.monotonic()
     out = client.completions.create(model=MODEL, prompt="x", max_tokens=200, stop=["zzz", stop])
     assert out.choices[0].text == _text(40) and out.choices[0].finish_reason == "stop"
-    assert time.monotonic() - t0 < 200 * 0.02 / 2  # it did not run to max_tokens
-    assert _wait(lambda: not fc.running, 2.0)
+    assert _wait(lambda: not fc.running, 5.0)
+    assert fc.tokens_sent < 100  # cancelled on its cluster: it did not run to max_tokens
     s = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="x", max_tokens=200, stop=stop, stream=True))
     assert s == _text(40)
