@@ -77,6 +77,8 @@ class _Decayed:
 
 
 class RecentSends:
+    """One router's sends by request key: queued tokens, pending checkpoint hashes and decayed load per cluster."""
+
     def __init__(self, half_life_s: float = HALF_LIFE_S, publish_lag_s: float = 2.0) -> None:
         if not half_life_s > 0 or publish_lag_s < 0:
             raise ValueError(f"half_life_s must be > 0 and publish_lag_s >= 0, got {half_life_s}, {publish_lag_s}")
