@@ -14,9 +14,9 @@
 Buffers come from `buffers.py`: the heap with a bounded pool of warm buffers (a fresh buffer costs ~4x a
 reused one to fill). Data planes also get landing ranges of one registered region (the sender writes there
 directly, so the region is registered once); the Mooncake engine lets any peer read and write registered
-memory, so it holds only ciphertext and what is installed is the private decrypted copy. A buffer is reused at once only when no
-stream can still be writing into it; the pool is not "staged" state (occupancy counts live transfers only).
-Idempotent by transfer id: a stream for a VERIFIED or INSTALLED transfer is acknowledged as a duplicate and
+memory, so it holds only ciphertext and what is installed is the private decrypted copy. A buffer is reused at
+once only when no stream can still be writing into it; the pool is not "staged" state (occupancy counts live
+transfers only). Idempotent by transfer id: a stream for a VERIFIED or INSTALLED transfer is acknowledged as a duplicate and
 nothing is applied. Nothing here trusts the sender's description of a chunk: the receiver derives the whole
 plan from the spec and each header must match its plan entry exactly.
 """
@@ -276,8 +276,8 @@ class StagingStore:
                                        f"from prefill rank {src}: header {h.crc32c:#010x}, landed {got:#010x}")
             if not sealed:  # the CRC held: a deliberate rewrite in the region before the copy (or no seal sent)
                 self.counters.mac_failures += 1
-                raise TransferRejected("DATA_LOSS", f"chunk.mac: the AEAD tag fails over the landed bytes of seq {h.seq} "
-                                       f"from prefill rank {src}: rewritten in the registered region")
+                raise TransferRejected("DATA_LOSS", f"chunk.mac: the AEAD tag fails over the landed bytes of seq "
+                                       f"{h.seq} from prefill rank {src}: rewritten in the registered region")
             if self._live.get(spec.transfer_id) is not t:
                 raise self._reject("FAILED_PRECONDITION", f"transfer {spec.transfer_id} was dropped mid-stream")
             t.crcs[src][h.seq] = got

@@ -285,8 +285,8 @@ class _ForeignRewrite:
 
 def test_a_foreign_rewrite_before_the_copy_keeping_the_crc_fails_the_chunk_mac(groups, fast_sender, sender_plane):
     """Issue 44 item 4: the landing window. A foreign engine rewrites a chunk in the receiver's registered region
-    after it landed and before the receiver copies it, keeping its CRC32C: the chunk's MAC (deployment secret,
-    checked over the receiver's private copy) fails, the stream is retried, and what installs is the sender's
+    after it landed and before the receiver decrypts it, keeping its CRC32C: the chunk's AEAD tag (deployment
+    secret, chunk_seal.py) fails, the stream is retried, and what installs is the sender's
     state. On main such a rewrite passed the CRC and was installed."""
     (rx,) = groups(1)
     parts, mla = random_state(1, seed=12, tokens=200)

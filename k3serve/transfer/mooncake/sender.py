@@ -13,9 +13,9 @@
 ```
 A foreign engine peer can read and write the send and landing regions: both hold only ciphertext, encrypted from
 the private source (the tensors as given; layer-wise, the worker's host buffers) and decrypted into the
-receiver's private copy, so no read sees the state and no rewrite in either region passes. The resharding is the address arithmetic of chunks.py (dst_byte at the decode rank's local head offset); the
-receiver copies nothing. Retries, backoff, deadlines, abort and cancel are the gRPC sender's (sender.py): a
-failed engine write is UNAVAILABLE (retried), a duplicate Open (VERIFIED / INSTALLED) writes nothing.
+receiver's private copy, so no read sees the state and no rewrite in either region passes. The resharding is
+the address arithmetic of chunks.py (dst_byte at the decode rank's local head offset). Retries, backoff,
+deadlines, abort and cancel are the gRPC sender's (sender.py): a failed engine write is UNAVAILABLE (retried), a duplicate Open (VERIFIED / INSTALLED) writes nothing.
 The state is encrypted once into ranges of this process' registered send region (registered once, like the
 staging region); the plaintext never enters it.
 """
