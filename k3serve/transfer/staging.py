@@ -17,8 +17,8 @@ directly, so the region is registered once); the Mooncake engine lets any peer r
 memory, so it holds only ciphertext and what is installed is the private decrypted copy. A buffer is reused at
 once only when no stream can still be writing into it; the pool is not "staged" state (occupancy counts live
 transfers only). Idempotent by transfer id: a stream for a VERIFIED or INSTALLED transfer is acknowledged as
-a duplicate and nothing is applied. Nothing here trusts the sender's description of a chunk: the receiver derives the whole
-plan from the spec and each header must match its plan entry exactly.
+a duplicate and nothing is applied. Nothing here trusts the sender's description of a chunk: the receiver
+derives the whole plan from the spec and each header must match its plan entry exactly.
 """
 
 from __future__ import annotations
