@@ -8,17 +8,17 @@
  cancel / expire   drop the buffers (tombstone CANCELLED / EXPIRED: later streams of that id are refused)
  recycle(state)    after InstallStaged copied them: buffers go back to where they came from (buffers.py)
  land(chunk)       data planes (Mooncake): the payload was already written at chunk.dst_byte of the transfer's
-                   landing range in the registered region; header == plan[src][seq]; copied out into the
-                   private buffers with CRC32C in one pass, CRC ok -> chunk present; the landing bytes wiped
+                   landing range in the registered region (ciphertext); header == plan[src][seq]; decrypted
+                   into the private buffers with CRC32C in one pass, tag + CRC ok -> chunk present; wiped
 ```
 Buffers come from `buffers.py`: the heap with a bounded pool of warm buffers (a fresh buffer costs ~4x a
 reused one to fill). Data planes also get landing ranges of one registered region (the sender writes there
 directly, so the region is registered once); the Mooncake engine lets any peer read and write registered
-memory, so what is installed is the private copy, checked when it was made. A buffer is reused at once only when no
-stream can still be writing into it; the pool is not "staged" state (occupancy counts live transfers only).
-Idempotent by transfer id: a stream for a VERIFIED or INSTALLED transfer is acknowledged as a duplicate and
-nothing is applied. Nothing here trusts the sender's description of a chunk: the receiver derives the whole
-plan from the spec and each header must match its plan entry exactly.
+memory, so it holds only ciphertext and what is installed is the private decrypted copy. A buffer is reused at
+once only when no stream can still be writing into it; the pool is not "staged" state (occupancy counts live
+transfers only). Idempotent by transfer id: a stream for a VERIFIED or INSTALLED transfer is acknowledged as
+a duplicate and nothing is applied. Nothing here trusts the sender's description of a chunk: the receiver
+derives the whole plan from the spec and each header must match its plan entry exactly.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from k3serve.transfer.v1 import transfer_pb2 as pb
 from k3serve.transfer.buffers import HeapBuffers, RegionBuffers
 from k3serve.transfer.chunks import KDA, ChunkRef, stream_plan
-from k3serve.transfer import chunk_mac
+from k3serve.transfer import chunk_seal
 from k3serve.transfer.copy_crc import copy_crc32c
 from k3serve.transfer.spec import DTYPES, TransferSpec
 from k3serve.transfer.wire import PB_TO_KIND, digest_crcs
@@ -82,14 +82,14 @@ class StagingCounters:
     bytes: int = 0
     duplicates: int = 0
     crc_failures: int = 0
-    mac_failures: int = 0  # landed chunks whose copy is not what the sender sealed (chunk_mac.py)
+    mac_failures: int = 0  # landed chunks whose AEAD tag failed (chunk_seal.py)
     rejected: int = 0
     verified: int = 0
     installed: int = 0
     cancelled: int = 0
     expired: int = 0
     landed: int = 0  # chunks written by a data plane and checked in place
-    crc_s: float = 0.0  # CPU seconds (thread time) copying out and checking (CRC32C, MAC) landed chunks
+    crc_s: float = 0.0  # CPU seconds (thread time) decrypting landed chunks out and checking them (tag, CRC32C)
     place_s: float = 0.0  # CPU seconds copying payloads to their resharded offsets + their CRC32C (one pass)
 
 
@@ -121,7 +121,7 @@ class StagingStore:
                  region: RegionBuffers | None = None, mac_secret: str = "") -> None:
         """region: a data plane lands chunks in this registered region; each is copied out into private staging
         as it is checked (any peer of the engine can write the region, so only the copy is installed), and the
-        copy must carry the sender's MAC under `mac_secret`, the deployment secret (chunk_mac.py)."""
+        chunk is decrypted out under `mac_secret`, the deployment secret (chunk_seal.py)."""
         if region is not None and not mac_secret:
             raise ValueError("a data plane's staging region needs the deployment secret (mac_secret) to check "
                              "what lands in it")
@@ -244,11 +244,11 @@ class StagingStore:
         return t, plan[h.seq]
 
     def land(self, spec: TransferSpec, src: int, h: pb.ChunkHeader) -> bool:
-        """A chunk a data plane already wrote at its planned offset: check its header against the plan, copy the
-        landed bytes out of the registered region into private staging and check their CRC32C and the sender's
-        MAC there, then wipe the landing range; False if the transfer is already verified. Any engine peer can
-        write the region: a write before the copy fails the MAC, a write after it never reaches what is
-        installed."""
+        """A chunk a data plane already wrote at its planned offset: check its header against the plan, decrypt the
+        landed ciphertext out of the registered region into private staging (chunk_seal.py: tag and CRC32C
+        over it) then wipe the landing range; False if the transfer is already verified. Any engine peer can read
+        and write the region: it reads only ciphertext, a write before the decrypt fails the tag, a write after it
+        never reaches what is installed."""
         if h.length > self.limits.max_chunk_bytes:
             raise self._reject("INVALID_ARGUMENT", f"chunk.length: {h.length} bytes exceeds max_chunk_bytes "
                                f"{self.limits.max_chunk_bytes}")
@@ -262,9 +262,11 @@ class StagingStore:
         k = 0 if c.kind == KDA else 1
         src_np = t.landing[k].reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length]
         dst_np = (t.kda, t.mla)[k].reshape(-1).view(torch.uint8).numpy()[c.dst_byte: c.dst_byte + c.length]
-        got = copy_crc32c(dst_np, src_np)
-        src_np[...] = 0  # the state leaves the region: a reader of registered memory sees it only until now
-        sealed = chunk_mac.check(self._mac_secret, spec.transfer_id, src, h.seq, dst_np, h.mac)  # over the copy
+        # the decrypt is the copy; CRC32C stays as the manifest's per-chunk summary shared with the gRPC plane
+        # (there the corruption check), taken from L2 in the same pass
+        sealed, got = chunk_seal.open_crc32c(self._mac_secret, spec.transfer_id, src, c.kind, c.src_byte, dst_np,
+                                             src_np, h.mac)
+        src_np[...] = 0  # ciphertext only, wiped all the same
         t1 = time.thread_time()
         with self._lock:
             self.counters.crc_s += t1 - t0
@@ -272,10 +274,10 @@ class StagingStore:
                 self.counters.crc_failures += 1
                 raise TransferRejected("DATA_LOSS", f"chunk.crc32c mismatch over the landed bytes of seq {h.seq} "
                                        f"from prefill rank {src}: header {h.crc32c:#010x}, landed {got:#010x}")
-            if not sealed:  # the CRC held: a deliberate rewrite in the region before the copy (or no MAC sent)
+            if not sealed:  # the CRC held: a deliberate rewrite in the region before the copy (or no seal sent)
                 self.counters.mac_failures += 1
-                raise TransferRejected("DATA_LOSS", f"chunk.mac does not match the landed bytes of seq {h.seq} "
-                                       f"from prefill rank {src}: rewritten in the registered region")
+                raise TransferRejected("DATA_LOSS", f"chunk.mac: the AEAD tag fails over the landed bytes of seq "
+                                       f"{h.seq} from prefill rank {src}: rewritten in the registered region")
             if self._live.get(spec.transfer_id) is not t:
                 raise self._reject("FAILED_PRECONDITION", f"transfer {spec.transfer_id} was dropped mid-stream")
             t.crcs[src][h.seq] = got

@@ -122,7 +122,7 @@ def decode(data: bytes) -> tuple[pb.PushMessage, memoryview | None]:
 
 
 def chunk_header(spec: TransferSpec, c: ChunkRef, crc: int, mac: bytes = b"") -> pb.ChunkHeader:
-    """mac: a landed chunk's seal (chunk_mac.py); empty on the gRPC plane, whose chunks travel in the call."""
+    """mac: a landed chunk's seal (chunk_seal.py: nonce + AEAD tag); empty on the gRPC plane, whose chunks travel in the call."""
     h = pb.ChunkHeader(transfer_id=spec.transfer_id, request_id=spec.request_id, layer=c.layer,
                        kind=KIND_TO_PB[c.kind], dtype=c.dtype, shape=list(c.shape), offset=c.offset,
                        length=c.length, crc32c=crc, seq=c.seq, mac=mac)

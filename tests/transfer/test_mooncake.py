@@ -16,6 +16,7 @@ import torch
 from transfer_helpers import make_spec, random_state, send_all
 from benchmarks.transfer_faults import SenderFaults
 from k3serve.transfer.buffers import RegionBuffers
+from k3serve.transfer.chunks import stream_plan
 from k3serve.transfer.mooncake.plane import DataPlane, MooncakeConfig
 from k3serve.transfer.plan import reshard_kda
 from k3serve.transfer.receiver import ReceiverConfig, TransferReceiver
@@ -284,8 +285,8 @@ class _ForeignRewrite:
 
 def test_a_foreign_rewrite_before_the_copy_keeping_the_crc_fails_the_chunk_mac(groups, fast_sender, sender_plane):
     """Issue 44 item 4: the landing window. A foreign engine rewrites a chunk in the receiver's registered region
-    after it landed and before the receiver copies it, keeping its CRC32C: the chunk's MAC (deployment secret,
-    checked over the receiver's private copy) fails, the stream is retried, and what installs is the sender's
+    after it landed and before the receiver decrypts it, keeping its CRC32C: the chunk's AEAD tag (deployment
+    secret, chunk_seal.py) fails, the stream is retried, and what installs is the sender's
     state. On main such a rewrite passed the CRC and was installed."""
     (rx,) = groups(1)
     parts, mla = random_state(1, seed=12, tokens=200)
@@ -308,3 +309,58 @@ def test_a_foreign_rewrite_before_the_copy_keeping_the_crc_fails_the_chunk_mac(g
         foreign.close()
     _assert_nothing_held([rx], sender_plane)
     assert not sender_plane[1].buffer.any()  # the send region was wiped as each range was released
+
+
+class _ForeignRead:
+    """A LandingTap: as each chunk lands (before the receiver decrypts it), a foreign engine reads it from the
+    receiver's registered region, and the sender's registered send region is read directly; each read is searched
+    for a 64-byte window of the chunk's plaintext state."""
+
+    def __init__(self, rx, spec, engine, scratch, send_region, plain) -> None:
+        self.rx, self.spec, self.engine, self.scratch = rx, spec, engine, scratch
+        self.send_region, self.plain = send_region, plain  # plain: kind -> the state's bytes (sender's tensor)
+        self.reads, self.found = 0, []
+
+    def active(self, attempt: int, dst: int) -> bool:
+        return True
+
+    def landed(self, index, chunk, corrupt, cancel_stream, pause) -> bool:
+        from k3serve.transfer.chunks import KDA
+
+        kda_addr, mla_addr = self.rx.store.addresses(self.spec.transfer_id)
+        addr, n = (kda_addr if chunk.kind == KDA else mla_addr) + chunk.dst_byte, chunk.length
+        buf = self.scratch[:n]
+        assert self.engine.transfer_sync_read(self.rx.segment, buf.data_ptr(), addr, n) == 0
+        window = self.plain[chunk.kind][chunk.src_byte: chunk.src_byte + 64]
+        assert len(set(window)) > 16  # distinctive: random state, not a run of zeros
+        for where, data in (("landing", buf.numpy().tobytes()), ("send", self.send_region.buffer.numpy().tobytes())):
+            if data.find(window) >= 0:
+                self.found.append((where, index))
+        self.reads += 1
+        return True
+
+
+def test_a_foreign_read_of_the_registered_regions_finds_no_plaintext(groups, fast_sender, sender_plane):
+    """Issue 44: a foreign engine reading the receiver's landing region while chunks wait there, and a read of
+    the sender's send region while it is sent, find no 64-byte window of the state: both hold ciphertext only
+    (chunk_seal.py). On the branch before, both held the state in plain text. What installs is the state."""
+    from k3serve.transfer.wire import byte_view
+
+    (rx,) = groups(1)
+    parts, mla = random_state(1, seed=13, tokens=200)
+    spec = make_spec("mc-read", parts, mla, 1)
+    foreign, scratch_region = DataPlane(MC), RegionBuffers(1 << 20, quarantine_s=0.0)
+    try:
+        foreign.register(scratch_region)
+        plain = {"kda": byte_view(parts[0]).tobytes(), "mla": byte_view(mla).tobytes()}
+        tap = _ForeignRead(rx, spec, foreign._engine, scratch_region.alloc((1 << 19,), torch.uint8),
+                           sender_plane[1], plain)
+        results = _send_all([rx], spec, parts, mla, fast_sender, sender_plane, tap)
+        assert all(isinstance(r, SendResult) for r in results), results
+        assert tap.reads == len(stream_plan(spec, 0, 0)) and tap.found == []
+        st = rx.store.take(spec.transfer_id)
+        assert torch.equal(st.kda, parts[0]) and torch.equal(st.mla, mla)
+        rx.store.recycle(st)
+    finally:
+        foreign.close()
+    _assert_nothing_held([rx], sender_plane)

@@ -3,14 +3,13 @@
 ```
  worker (PrefillStreamed): kda [L_kda, H/P, block], mla [L_mla, n, D] host buffers, filled layer by layer
  begin_send: region kda / mla = ranges of the registered send region (same shapes); LandingSession over them
- layer_ready(kind, i): region[i] <- host[i]  (the copy the after-forward export makes of the whole state, one
-                       layer at a time)  ──▶ session.layer_ready(kind, i): that layer's batches are written
-                       by the engine while later layers compute
+ layer_ready(kind, i): session.layer_ready(kind, i): that layer's chunks are encrypted from host[i] into
+                       region[i] (chunk_seal.py) and written by the engine while later layers compute
  finish / abort: the session's outcome; the region ranges are released once no write reads them
 ```
-The engine reads only registered memory, so the worker's host buffers are copied into the send region per
-layer; a layer's copy is final (nothing later in the forward writes it), so the bytes are those ExportState
-returns after the forward, as on the gRPC plane.
+The engine reads only registered memory, and any engine peer can read it, so the worker's host buffers are
+encrypted into the send region per chunk once their layer is ready; a ready layer is final (nothing later in the
+forward writes it), so the bytes are those ExportState returns after the forward, as on the gRPC plane.
 """
 
 from __future__ import annotations
@@ -39,14 +38,13 @@ class RegionStreamedSend:
                                          f"for {t.numel() * t.element_size()} bytes of {name} (mooncake.send_bytes "
                                          f"{sender.region.size})")
                 self._region[name] = out
-            # in region: no copy; each chunk's MAC over the host buffers (a write into the region fails it)
+            # the region ranges receive only ciphertext, encrypted from the host buffers chunk by chunk
             self.session = sender.begin(job.spec, self._region["kda"], self._region["mla"], (kda, mla))
         except BaseException:
             self._release()
             raise
 
     def layer_ready(self, kind: str, layer: int) -> None:
-        self._region[kind][layer].copy_(self._host[kind][layer])
         self.session.layer_ready(kind, layer)
 
     def abort(self, reason: str) -> None:
@@ -67,7 +65,7 @@ class RegionStreamedSend:
 
     def _release(self) -> None:
         for t in self._region.values():  # our own ranges: the engine reads them only inside a session's writes
-            self.sender.region.release(t.zero_(), False)  # wiped: the state is readable there only while sent
+            self.sender.region.release(t.zero_(), False)  # ciphertext, wiped all the same
         self._region = {}
 
 

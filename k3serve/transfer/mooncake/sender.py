@@ -4,19 +4,20 @@
  per (prefill rank p, decode rank d) stream, per attempt:
    Open(spec, p, d)  ──gRPC──▶ receiver: staging ranges in its registered region -> (segment, kda_addr, mla_addr)
    for each ready batch of chunks (~batch_bytes):
+       each range AES-GCM-encrypted once from private memory into send_region + chunk.src_byte (chunk_seal.py)
        engine write  src = send_region + chunk.src_byte  ──▶  dst = kda_addr|mla_addr + chunk.dst_byte
-       CRC32C and MAC (chunk_mac.py) of the source bytes, the MAC over private memory (while the write flies)
+       CRC32C of the private source bytes (while the write flies)
        (the next batch's engine write was started before this one is waited for: two in flight)
-       Push stream ◀── the batch's chunk headers in one message (no payload): the receiver CRCs what landed
+       Push stream ◀── the batch's chunk headers (nonce + tag, no payload): the receiver decrypts what landed
    Push: manifest  ──▶  verified when every prefill rank's manifest matched (as on the gRPC plane)
 ```
-A foreign engine peer can write the send and landing regions: the MAC is computed over the private source
-(the tensor before its copy into the send region; layer-wise, the worker's host buffers) and checked over the
-receiver's private copy, so no rewrite in either region passes. The resharding is the address arithmetic of chunks.py (dst_byte at the decode rank's local head offset); the
-receiver copies nothing. Retries, backoff, deadlines, abort and cancel are the gRPC sender's (sender.py): a
-failed engine write is UNAVAILABLE (retried), a duplicate Open (VERIFIED / INSTALLED) writes nothing.
-The state is copied once into this process' registered send region (registered once, like the staging
-region); a tensor already inside the region is sent from where it is.
+A foreign engine peer can read and write the send and landing regions: both hold only ciphertext, encrypted from
+the private source (the tensors as given; layer-wise, the worker's host buffers) and decrypted into the
+receiver's private copy, so no read sees the state and no rewrite in either region passes. The resharding is
+the address arithmetic of chunks.py (dst_byte at the decode rank's local head offset). Retries, backoff,
+deadlines, abort and cancel are the gRPC sender's (sender.py): a failed engine write is UNAVAILABLE (retried), a duplicate Open (VERIFIED / INSTALLED) writes nothing.
+The state is encrypted once into ranges of this process' registered send region (registered once, like the
+staging region); the plaintext never enters it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import grpc
 import torch
 
 from k3serve.auth import sign
-from k3serve.transfer import chunk_mac
+from k3serve.transfer import chunk_seal
 from k3serve.transfer.buffers import RegionBuffers
 from k3serve.transfer.chunks import KDA, MLA, ChunkRef
 from k3serve.transfer.mooncake.plane import DataPlane, DataPlaneError
@@ -84,8 +85,8 @@ class MooncakeSender(TransferSender):
 
     def begin(self, spec, kda: torch.Tensor, mla: torch.Tensor,
               sealed_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> "LandingSession":
-        """sealed_from: the private (kda, mla) whose bytes `kda` / `mla` will hold when each chunk is written (a
-        layer-wise send's host buffers); default: `kda` / `mla` themselves, before their copy into the region."""
+        """sealed_from: the private (kda, mla) to encrypt into `kda` / `mla`, ranges of the send region the caller
+        owns (a layer-wise send's host buffers); default: `kda` / `mla` are private and encrypted into new ranges."""
         return LandingSession(self, spec, kda, mla, sealed_from)
 
     def close(self) -> None:
@@ -100,33 +101,34 @@ class LandingSession(SendSession):
                  sealed_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self._owned: list[torch.Tensor] = []
         self.sender = sender
-        if sealed_from is None:  # the MACs are computed over the tensors as given, before the copy into the region
-            kda, mla = kda.contiguous(), mla.contiguous()
-            sealed_from = (kda, mla)
-        self._sealed = {KDA: byte_view(sealed_from[0]), MLA: byte_view(sealed_from[1])}
+        self._seal_lock = threading.Lock()
+        self._seals: dict[tuple[str, int, int], bytes] = {}  # (kind, src_byte, length) -> seal: encrypted once
         try:
-            kda, mla = self._in_region(spec, kda), self._in_region(spec, mla)
-            super().__init__(sender, spec, kda, mla)  # validates shapes, starts the stream threads
+            if sealed_from is None:  # private tensors as given: ciphertext goes to ranges of our own
+                kda, mla = kda.contiguous(), mla.contiguous()
+                sealed_from = (kda, mla)
+                out = (self._alloc(spec, kda), self._alloc(spec, mla))
+            else:
+                out = (kda, mla)
+            self._cipher = {KDA: byte_view(out[0]), MLA: byte_view(out[1])}  # in the send region
+            self._src = {KDA: out[0].data_ptr(), MLA: out[1].data_ptr()}
+            # the base session's views (CRC32C) are the private source; the region is never plaintext
+            super().__init__(sender, spec, sealed_from[0], sealed_from[1])  # validates shapes, starts the streams
         except BaseException:
             self._release()
             raise
-        self._src = {KDA: kda.data_ptr(), MLA: mla.data_ptr()}
 
-    def _in_region(self, spec, t: torch.Tensor) -> torch.Tensor:
+    def _alloc(self, spec, t: torch.Tensor) -> torch.Tensor:
         region = self.sender.region
-        base, end = region.base, region.base + region.size
-        if t.is_contiguous() and base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end:
-            return t  # already registered memory: no copy
         out = region.alloc(tuple(t.shape), t.dtype)
         if out is None:
             raise TransferFailed(spec.transfer_id, "RESOURCE_EXHAUSTED", f"send region full: no room for "
                                  f"{t.numel() * t.element_size()} bytes (mooncake.send_bytes {region.size})")
         self._owned.append(out)
-        out.copy_(t)
         return out
 
     def _release(self) -> None:
-        for t in self._owned:  # wiped: a foreign engine reads a request's state here only while it is sent
+        for t in self._owned:  # ciphertext, wiped all the same
             t.zero_()
             self.sender.region.release(t, False)  # our own memory: the engine reads it only inside write()
         self._owned = []
@@ -198,15 +200,15 @@ class LandingSession(SendSession):
             groups = self._batches(batch, faulty)
             ops = lambda g: [(self._src[c.kind] + c.src_byte, dst_base[c.kind] + c.dst_byte, c.length)  # noqa: E731
                              for c in g]
-            nxt = None  # the next batch's engine write, started before this batch's headers go out
+            start = lambda g: ([self._seal(c) for c in g], plane.submit(reply.segment, ops(g)))  # noqa: E731
+            nxt = None  # the next batch's seals and engine write, started before this batch's headers go out
             try:
                 for k, group in enumerate(groups):
                     try:
-                        job, nxt = nxt or plane.submit(reply.segment, ops(group)), None
+                        (macs, job), nxt = nxt or start(group), None
                         if not faulty and k + 1 < len(groups):  # two writes in flight (faults: one at a time)
-                            nxt = plane.submit(reply.segment, ops(groups[k + 1]))
+                            nxt = start(groups[k + 1])
                         crcs = [j.result() for j in [self._crc_job(c, dst) for c in group]]  # while the write flies
-                        macs = [self._seal(c) for c in group]
                         plane.wait(job)
                     except DataPlaneError as e:
                         holder["error"] = e
@@ -225,7 +227,7 @@ class LandingSession(SendSession):
                     yield head
             finally:  # a stream cut mid-batch: the write in flight must end before the send region is released
                 if nxt is not None:
-                    self._settle(nxt, holder)
+                    self._settle(nxt[1], holder)
             if last:
                 break
         crcs = self._manifest_crcs(dst)
@@ -235,9 +237,16 @@ class LandingSession(SendSession):
             num_bytes=nbytes, crc32c=digest_crcs(crcs))))
 
     def _seal(self, c: ChunkRef) -> bytes:
-        """Chunk `c`'s MAC over the private source bytes (the receiver checks it over its private copy)."""
-        data = self._sealed[c.kind][c.src_byte: c.src_byte + c.length]
-        return chunk_mac.seal(self.sender.config.auth.secret, self.spec.transfer_id, self.sender.rank, c.seq, data)
+        """Chunk `c`'s range encrypted from the private source into the send region, once per session (another
+        stream or a retry of the same range reuses it: it is never rewritten while a write may read it)."""
+        key = (c.kind, c.src_byte, c.length)
+        with self._seal_lock:
+            if key not in self._seals:
+                r = slice(c.src_byte, c.src_byte + c.length)
+                self._seals[key] = chunk_seal.seal_into(self.sender.config.auth.secret, self.spec.transfer_id,
+                                                        self.sender.rank, c.kind, c.src_byte,
+                                                        self._cipher[c.kind][r], self._views[c.kind][r])
+            return self._seals[key]
 
     def _settle(self, job, holder: dict) -> None:
         """Wait for an engine write this stream no longer needs (it is ending); a failure is recorded for the
@@ -250,6 +259,6 @@ class LandingSession(SendSession):
     def _corrupt(self, reply: pb.OpenReply, dst: int, c: ChunkRef) -> None:
         """Fault injection: the first landed byte of `c` is overwritten with its complement (a bad wire)."""
         scratch = self.sender._scratch
-        scratch[dst] = int(self._views[c.kind][c.src_byte]) ^ 0xFF
+        scratch[dst] = int(self._cipher[c.kind][c.src_byte]) ^ 0xFF
         base = reply.kda_addr if c.kind == KDA else reply.mla_addr
         self.sender.plane.write(reply.segment, [(scratch.data_ptr() + dst, base + c.dst_byte, 1)])
