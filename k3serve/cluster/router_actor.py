@@ -79,8 +79,7 @@ class RouterActor:
 
         # the clusters' block-hash key (cluster/actors.py builds the engines with the same call)
         placer = AnonymousPlacer(PrefixMap(client, ctl.namespace), prefix_key(model_fingerprint(cfg.to_hf_dict()), d.secret),
-                                 d.clusters.prefix_policy().block_size, ctl.anonymous_routing,
-                                 cache_policy=d.clusters.prefix_policy())
+                                 d.clusters.prefix_policy().block_size, ctl.anonymous_routing)
         self.service = RouterService(view, PinStore(client, ctl.namespace, ctl.pin_ttl_s), limits, d.secret,
                                      d.api_keys, gate=gate, metrics=metrics, stall_timeout_s=ctl.stall_timeout_s,
                                      max_streams=streams, quota=QuotaLimits.resolve(

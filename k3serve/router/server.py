@@ -103,8 +103,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.policy = policy or (gate.policy if gate is not None else PrefixCachePolicy())
         self.durations = durations or DurationModel()
         self.placer = placer or AnonymousPlacer(PrefixMap(view.membership._r, view.membership.namespace),
-                                                prefix_key(0, secret), self.policy.block_size,
-                                                cache_policy=self.policy)
+                                                prefix_key(0, secret), self.policy.block_size)
         self.slots = StreamSlots(max_streams)
         # per key across every router (leases in Redis, key_quota.py)
         self.quota = KeyQuota(quota or QuotaLimits.resolve(0, 0, max_streams, len(self._keys)), view.membership._r,
@@ -384,15 +383,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 rej = self.gate.refuse(serving, cls, uncached, message, expected_s=progress.remaining_s(),
                                        at_least_s=hint, unseen=(ahead, ahead * uncached))
                 hint, by = rej.retry_after_s, f"router:{serving}/{cls.name}"
-            if not req.session_id:
-                self.placer.refused(req.request_id)
             self._reject(context, hint, by, message)
         try:
             yield from self._serve(req, key, salt, serving, progress, context, record)
         finally:
             self.slots.release(progress)
-            if not req.session_id:  # however it ended (refused by admission too): no longer queued anywhere
-                self.placer.first_token(req.request_id)
 
     def _serve(self, req: ValidRequest, key: str, salt: str, cluster: str, progress: StreamProgress, context,
                record: RequestRecord | None = None):
@@ -410,8 +405,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             while True:
                 target = Target(cluster, self._stub(cluster), key, salt)
                 attempt = stream_attempt(target, req, st, progress, self._auth, self.watchdog, self._tok, context)
-                if anonymous:  # counted as queued prefill work there (since placed) until its first token
-                    attempt = _until_first(attempt, self.placer, req.request_id)
+                if anonymous:  # counted as queued prefill work there until its first token
+                    attempt = _until_first(attempt, self.placer, cluster, len(req.prompt_ids) + len(st.streamed))
                 ending = yield from attempt
                 if ending is Ending.FINISHED:
                     self.view.mark_ok(cluster)
@@ -514,8 +509,9 @@ def _unary_guard(fn):
     return handler
 
 
-def _until_first(attempt, placer: AnonymousPlacer, request_id: str):
+def _until_first(attempt, placer: AnonymousPlacer, cluster: str, tokens: int):
     """``attempt``'s messages, telling ``placer`` when the first one (or the end) comes: prefill done there."""
+    placer.sent(cluster, tokens)
     pending = True
     try:
         while True:
@@ -524,12 +520,12 @@ def _until_first(attempt, placer: AnonymousPlacer, request_id: str):
             except StopIteration as stop:
                 return stop.value
             if pending:
-                placer.first_token(request_id)
+                placer.first_token(cluster, tokens)
                 pending = False
             yield msg
     finally:
         if pending:
-            placer.first_token(request_id)
+            placer.first_token(cluster, tokens)
 
 
 def add_router_servicer(service: RouterService, server: grpc.Server) -> None:

@@ -27,8 +27,7 @@ from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.block_hash import block_hashes, prefix_key
 from k3serve.engine.prefix_cache import HybridPrefixCache
 from k3serve.contracts.prefix_policy import PrefixCachePolicy
-from k3serve.router.placement import LOAD_BOUND, ClusterPicture, place
-from k3serve.router.recent_sends import HALF_LIFE_S, RecentSends, expected_checkpoints
+from k3serve.router.placement import ClusterPicture, place
 from k3serve.router.tenancy import anonymous_identity
 from k3serve.sim.cost import CostModel
 from k3serve.sim.trace import BLOCK, TraceRequest, ideal_reuse, prompt_tokens
@@ -36,7 +35,6 @@ from k3serve.sim.trace import BLOCK, TraceRequest, ideal_reuse, prompt_tokens
 KEY = prefix_key(0x6B33, "")  # the simulated deployment's block-hash key (one tenant, no secret)
 VOCAB = 50_000
 PREFILTER_ABOVE = 128
-
 NEAR = 16  # at most this many of the clusters that served a prompt's deepest known prefix are candidates
 _ARRIVE, _DONE, _KILL = 0, 1, 2
 
@@ -58,13 +56,25 @@ class FleetSpec:
             raise ValueError(f"fleet: the prefix cache's block must be the trace's {BLOCK} tokens")
 
 
+class _Held:
+    """A cluster's checkpointed block hashes as placement sees them (what the cluster publishes)."""
+
+    __slots__ = ("has",)
+
+    def __init__(self, cache: HybridPrefixCache) -> None:
+        self.has = cache.has_checkpoint
+
+    def __contains__(self, h: object) -> bool:
+        return self.has(h)
+
+
 class _Cluster:
     def __init__(self, cid: str, spec: FleetSpec) -> None:
         self.id = cid
         self.pages = PageAllocator(spec.pages * spec.policy.pages_per_block)
         self.slots = SlotAllocator(spec.slots)
         self.cache = HybridPrefixCache(spec.policy, self.pages, self.slots, KEY)
-        self.held = frozenset()  # what the cluster publishes: its checkpoint hashes after each change
+        self.held = _Held(self.cache)
         self.queue: deque[int] = deque()
         self.queued_tokens = 0
         self.busy_until = 0.0
@@ -85,21 +95,15 @@ class _Req:
 
 
 def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: CostModel, routing: str, *,
-             slo_s: float = 2.0, kill: tuple[str, float] | None = None, seed: int = 0,
-             load_bound: float | None = LOAD_BOUND, half_life_s: float = HALF_LIFE_S,
-             slack_tokens: float | None = None) -> dict:
+             slo_s: float = 2.0, kill: tuple[str, float] | None = None, seed: int = 0) -> dict:
     """One replay. ``reqs``: (request, copy salt) in arrival order; ``kill``: (cluster id, time) when one dies
-    (its queue fails over by the same policy and its cache is lost); ``load_bound``, ``half_life_s``,
-    ``slack_tokens``: prefix-load's bound (placement.place, recent_sends.py). Returns the run's figures."""
-    started, cpu = time.monotonic(), time.process_time()
+    (its queue fails over by the same policy and its cache is lost). Returns the run's figures."""
+    started = time.monotonic()
     clusters = {f"c{i}": _Cluster(f"c{i}", spec) for i in range(spec.clusters)}
     rng = random.Random(seed)
     served_at: dict[int, set[str]] = {}  # block hash -> clusters a prompt with it was sent to (prefilter only)
     first_block: dict[tuple, str] = {}
     rs = [_Req(r, s) for r, s in reqs]
-    # the router's own record, as AnonymousPlacer keeps it; the simulated map is current at once (no lag)
-    sends = RecentSends(half_life_s, publish_lag_s=0.0)
-    alive_n = spec.clusters
     events: list[tuple[float, int, int, object]] = [(r.trace.arrival_s, i, _ARRIVE, i) for i, r in enumerate(rs)]
     seq = len(events)
     if kill is not None:
@@ -147,16 +151,10 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
         if not pool:
             refused += 1
             return
-        sends.expire(now)
-        pics = [ClusterPicture(c.id, sends.held(c.id, c.held),
-                               c.queued_tokens + max(0.0, c.busy_until - now) * cost.prefill_tps,
-                               cost.prefill_tps, sends.recent(c.id, now)) for c in pool]
-        placed = place(n, r.hashes, pics, BLOCK, policy=routing, rng=rng, fallback_key=str(i),
-                       load_bound=load_bound, slack_tokens=slack_tokens,
-                       mean_recent=sends.recent_total(now) / alive_n)
-        c = clusters[placed.cluster]
-        sends.sent(i, c.id, n, expected_checkpoints(r.hashes, n, placed.cached_tokens, BLOCK, spec.policy),
-                   n - placed.cached_tokens, now)
+        pics = [ClusterPicture(c.id, c.held, c.queued_tokens + max(0.0, c.busy_until - now) * cost.prefill_tps,
+                               cost.prefill_tps) for c in pool]
+        c = clusters[place(n, r.hashes, pics, BLOCK, policy=routing, rng=rng,
+                           fallback_key=str(i)).cluster]
         r.cluster = c.id
         if routing == "prefix-load" and len(clusters) > PREFILTER_ABOVE:
             for h in r.hashes:
@@ -177,13 +175,11 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
             fresh = -(-len(r.tokens) // c.cache.policy.page_size) - len(hit.pages)
             if c.slots.num_free < 1 or c.pages.num_free < fresh:
                 c.cache.evict(pages_needed=fresh, slots_needed=1)
-                c.held = c.cache.checkpoint_hashes()
             if c.slots.num_free < 1 or c.pages.num_free < fresh:  # larger than the cluster's whole pool
                 c.pages.decref(hit.pages)
                 c.cache.release(hit)
                 refused += 1
                 r.tokens = None
-                sends.prefilled(i, now)
                 continue
             slot = c.slots.alloc()
             pages = list(hit.pages) + c.pages.alloc(fresh)
@@ -208,11 +204,9 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
             if s is not None:
                 ckpts[b] = s
         c.cache.register(r.tokens, pages, ckpts, anonymous_identity(r.tokens))
-        c.held = c.cache.checkpoint_hashes()
         c.pages.decref(pages)
         c.slots.free(slot)
         c.running = None
-        sends.prefilled(i, now)
         r.ttft_s = now - r.trace.arrival_s
         r.tokens = None  # the prompt is rebuilt if it ever fails over again; keeps memory bounded
         start(c, now)
@@ -228,8 +222,6 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
         else:
             c = clusters[what]
             c.alive = False
-            alive_n -= 1
-            sends.drop_cluster(c.id, now)
             computed_at_kill = {k: v.computed for k, v in clusters.items()}
             lost = ([c.running[0]] if c.running else []) + list(c.queue)
             c.queue.clear()
@@ -239,11 +231,11 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
                 rs[i].tokens = None
                 assign(i, now, exclude=(c.id,))
     return _figures(rs, clusters, spec, routing, slo_s, refused, kill, moved, computed_at_kill,
-                    time.monotonic() - started, time.process_time() - cpu)
+                    time.monotonic() - started)
 
 
 def _figures(rs: list[_Req], clusters: dict[str, _Cluster], spec: FleetSpec, routing: str, slo_s: float,
-             refused: int, kill, moved: int, computed_at_kill: dict[str, int], wall_s: float, cpu_s: float) -> dict:
+             refused: int, kill, moved: int, computed_at_kill: dict[str, int], wall_s: float) -> dict:
     done = [r for r in rs if r.ttft_s >= 0]
     prompt = sum(r.trace.input_length for r in rs)
     ideal, _ = ideal_reuse(r.trace if not r.salt else _salted(r) for r in rs)
@@ -259,7 +251,7 @@ def _figures(rs: list[_Req], clusters: dict[str, _Cluster], spec: FleetSpec, rou
            "ttft_p99_s": round(float(np.percentile(ttft, 99)), 4),
            "slo_s": slo_s, "slo_attainment": round(sum(r.ttft_s <= slo_s for r in done) / len(rs), 4),
            "cache_pages_per_cluster": spec.pages, "checkpoint_slots_per_cluster": spec.slots,
-           "wall_s": round(wall_s, 2), "cpu_s": round(cpu_s, 2)}
+           "wall_s": round(wall_s, 2)}
     out["reuse_of_ideal"] = round(out["reuse"] / out["ideal_reuse"], 4) if out["ideal_reuse"] else None
     if kill is not None:
         gained = [clusters[k].computed - computed_at_kill.get(k, 0) for k in clusters if k != kill[0]]

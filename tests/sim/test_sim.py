@@ -62,20 +62,6 @@ def test_one_system_prompt_first_block_piles_on_one_cluster_prefix_load_spreads(
     assert pl["completed"] == pl["requests"] == 36 and pl["refused"] == 0
 
 
-def test_the_load_bound_spreads_what_affinity_piles_on_the_system_prompts_holder():
-    """Conversations a second apart (an idle fleet): least TTFT alone sends new conversations to the cluster that
-    first checkpointed the system prompt; the bound keeps each cluster's computed prefill tokens near the mean,
-    and the reuse near the ideal."""
-    reqs = [(r, 0) for r in shared_prompt_trace(12, 3, 3, 1, gap_s=1.0)]
-    spec = FleetSpec(3, pages=64, slots=16)
-    cost = PRESETS["k3-8gpu"]
-    free = simulate(reqs, spec, cost, "prefix-load", load_bound=None)
-    bound = simulate(reqs, spec, cost, "prefix-load")
-    assert free["load_max_over_mean"] > 1.3
-    assert bound["load_max_over_mean"] <= 1.3 and bound["reuse"] >= 0.85 * bound["ideal_reuse"]
-    assert bound["completed"] == 36
-
-
 def test_a_dead_cluster_spills_its_queue_by_the_same_policy():
     reqs = [(r, 0) for r in shared_prompt_trace(12, 3, 3, 1, gap_s=0.005)]
     run = simulate(reqs, FleetSpec(3, pages=64, slots=16), PRESETS["k3-8gpu"], "prefix-load", kill=("c0", 0.05))
