@@ -3,7 +3,9 @@
 Reads the clusters' prefix maps (prefix_map.py) and heartbeat loads (``prefill_queued_tokens``,
 ``prefill_tps``) at each membership refresh, and counts the prefill tokens it has itself sent to each cluster
 that have not yet produced a first token: a heartbeat is up to one beat old, and without its own count a burst
-of arrivals would all see the same idle cluster. The decision itself is placement.place (pure).
+of arrivals would all see the same idle cluster. It also keeps what the load bound needs of its own placements
+(load_bound.py: recent prefill tokens per cluster, prefixes seen shared). The decision itself is
+placement.place (pure).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Collection, Sequence
 import redis
 
 from k3serve.engine.block_hash import block_hashes
+from k3serve.router.load_bound import RecentLoad, SharedPrefixes
 from k3serve.router.membership import MembershipSnapshot
 from k3serve.router.placement import POLICIES, ClusterPicture, Placement, cached_tokens, place
 from k3serve.router.prefix_map import PrefixMap
@@ -34,6 +37,7 @@ class AnonymousPlacer:
         self._held: dict[str, frozenset[int]] = {}
         self._loads: dict[str, dict[str, float]] = {}
         self._sent: dict[str, int] = {}  # cluster -> prefill tokens sent by this router, no first token yet
+        self._recent, self._shared = RecentLoad(), SharedPrefixes()
         self._lock = threading.Lock()
 
     def refresh(self, snap: MembershipSnapshot) -> None:
@@ -50,9 +54,11 @@ class AnonymousPlacer:
 
     def choose(self, prompt_ids: Sequence[int], salt: str, routable: Sequence[str], exclude: Collection[str] = (),
                request_id: str = "") -> Placement:
-        """Rank the routable clusters for this prompt. ValueError when none is left."""
+        """Rank the routable clusters for this prompt and count its prefill against the chosen one. ValueError
+        when none is left."""
         hashes = block_hashes(prompt_ids, self.block_size, self.key, salt)
         with self._lock:
+            self._shared.observe(hashes)
             known = sorted(r for c in routable if (r := float(self._loads.get(c, {}).get("prefill_tps", 0.0))) > 0)
             unknown = known[len(known) // 2] if known else DEFAULT_TPS  # a new cluster: the fleet's median
             pics = []
@@ -60,9 +66,11 @@ class AnonymousPlacer:
                 load = self._loads.get(c, {})
                 queued = max(float(load.get("prefill_queued_tokens", 0.0)), float(self._sent.get(c, 0)))
                 tps = float(load.get("prefill_tps", 0.0)) or unknown
-                pics.append(ClusterPicture(c, self._held.get(c, frozenset()), queued, tps))
-        return place(len(prompt_ids), hashes, pics, self.block_size, policy=self.policy, exclude=exclude,
-                     fallback_key=request_id)
+                pics.append(ClusterPicture(c, self._held.get(c, frozenset()), queued, tps, self._recent.get(c)))
+            got = place(len(prompt_ids), hashes, pics, self.block_size, policy=self.policy, exclude=exclude,
+                        fallback_key=request_id, shared=self._shared)
+            self._recent.add(got.cluster, len(prompt_ids) - got.cached_tokens)
+        return got
 
     def cached_on(self, cluster: str, prompt_ids: Sequence[int], salt: str) -> int:
         """Tokens ``cluster`` is expected to restore for this prompt (its last published picture)."""

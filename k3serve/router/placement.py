@@ -6,6 +6,8 @@
  near-ties (cost within tie_frac of the best plus one block's prefill) -> rendezvous on the matched prefix
  extended by the prompt's next block: equal clusters spread new conversations under one system prompt, while a
  conversation's next turn, cached deeper on one cluster, is no tie and goes back there
+ load bound (load_bound.py): when the chosen cluster would restore nothing or a shared prefix and its recent
+ prefill tokens exceed (1 + load_slack) x its rate's share of the fleet's, the cheapest cluster under the bound
 ```
 Sessions with an id keep rendezvous pins (pins.py); this module is pure (no Redis, no clock), so router replicas
 given the same picture decide alike, and the fleet simulator (k3serve/sim) runs this very code. Hashes come from
@@ -23,23 +25,28 @@ from k3serve.router.hashing import rank_clusters, score
 __all__ = ["POLICIES", "ClusterPicture", "Placement", "cached_tokens", "place"]
 
 POLICIES = ("prefix-load", "first-block", "random")
+LOAD_SLACK = 0.1  # a cluster above 1.1x its share of recent prefill tokens takes no shared-prefix request
 
 
 @dataclass(frozen=True)
 class ClusterPicture:
     """What a router knows of one cluster: the block hashes a hit can end at there, the prefill work queued there
-    (tokens not yet computed) and its measured prefill rate (tokens/s)."""
+    (tokens not yet computed), its measured prefill rate (tokens/s) and the prefill tokens recently sent to it
+    (load_bound.RecentLoad)."""
 
     cluster: str
     held: Container[int]
     queued_tokens: float = 0.0
     prefill_tps: float = 1.0
+    recent_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prefill_tps > 0:
             raise ValueError(f"cluster {self.cluster}: prefill_tps must be > 0, got {self.prefill_tps}")
         if self.queued_tokens < 0:
             raise ValueError(f"cluster {self.cluster}: queued_tokens must be >= 0, got {self.queued_tokens}")
+        if self.recent_tokens < 0:
+            raise ValueError(f"cluster {self.cluster}: recent_tokens must be >= 0, got {self.recent_tokens}")
 
 
 @dataclass(frozen=True)
@@ -67,12 +74,16 @@ def cached_tokens(hashes: Sequence[int], held: Container[int], prompt_len: int, 
 
 def place(prompt_len: int, hashes: Sequence[int], pictures: Sequence[ClusterPicture], block_size: int, *,
           policy: str = "prefix-load", exclude: Collection[str] = (), fallback_key: str = "",
-          tie_frac: float = 0.1, rng: random.Random | None = None) -> Placement:
+          tie_frac: float = 0.1, rng: random.Random | None = None, shared: Container[int] = frozenset(),
+          load_slack: float | None = LOAD_SLACK) -> Placement:
     """Rank ``pictures`` (minus ``exclude``) for a prompt of ``prompt_len`` tokens whose full blocks hash to
     ``hashes``.
 
     ``prefix-load``: least expected TTFT, near-ties by rendezvous on the matched prefix plus one block
-    (``fallback_key`` when the prompt has no full block). ``first-block``: rendezvous on the first block alone
+    (``fallback_key`` when the prompt has no full block), then the load bound (``load_slack``; None: off)
+    for a request that would restore nothing on the chosen cluster or a prefix in ``shared``
+    (load_bound.SharedPrefixes).
+    ``first-block``: rendezvous on the first block alone
     (the old anonymous routing, kept as the baseline). ``random``: uniform (``rng``). ValueError when no cluster
     is left or the policy is unknown.
     """
@@ -103,8 +114,29 @@ def place(prompt_len: int, hashes: Sequence[int], pictures: Sequence[ClusterPict
         key = _key(hashes[:deepest + 1], fallback_key)
         near = [c for c in by_id if cost[c] <= best + tie_frac * (best + block_size / by_id[c].prefill_tps)]
         chosen = max(near, key=lambda c: (score(key, c), c))
+        if load_slack is not None:
+            chosen = _bounded(chosen, hashes, cached, cost, key, by_id, shared, load_slack, block_size)
         ranked = [chosen] + sorted((c for c in by_id if c != chosen), key=lambda c: (cost[c], -score(key, c), c))
     return Placement(tuple(ranked), *expected(ranked[0]))
+
+
+def _bounded(chosen: str, hashes: Sequence[int], cached: dict[str, int], cost: dict[str, float], key: str,
+             by_id: dict[str, ClusterPicture], shared: Container[int], slack: float, block_size: int) -> str:
+    """Bounded loads: ``chosen`` unless what it would restore is nothing or a shared prefix and its recent
+    prefill work is over the bound; then the cheapest cluster not over it (rendezvous on ``key`` among equal
+    costs). Work is weighed against each cluster's rate: a cluster twice as fast takes twice the tokens."""
+    depth = cached[chosen] // block_size
+    if depth and hashes[depth - 1] not in shared:
+        return chosen  # its own history (a conversation's earlier turns): affinity is the point
+    share = sum(p.recent_tokens for p in by_id.values()) / sum(p.prefill_tps for p in by_id.values())
+
+    def over(c: str) -> bool:
+        return by_id[c].recent_tokens > (1.0 + slack) * share * by_id[c].prefill_tps
+
+    if not over(chosen):
+        return chosen
+    under = [c for c in by_id if not over(c)]
+    return min(under, key=lambda c: (cost[c], -score(key, c), c)) if under else chosen
 
 
 def _key(hashes: Sequence[int], fallback: str) -> str:

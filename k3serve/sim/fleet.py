@@ -27,6 +27,7 @@ from k3serve.engine.allocators import PageAllocator, SlotAllocator
 from k3serve.engine.block_hash import block_hashes, prefix_key
 from k3serve.engine.prefix_cache import HybridPrefixCache
 from k3serve.contracts.prefix_policy import PrefixCachePolicy
+from k3serve.router.load_bound import RecentLoad, SharedPrefixes
 from k3serve.router.placement import ClusterPicture, place
 from k3serve.router.tenancy import anonymous_identity
 from k3serve.sim.cost import CostModel
@@ -103,6 +104,7 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
     rng = random.Random(seed)
     served_at: dict[int, set[str]] = {}  # block hash -> clusters a prompt with it was sent to (prefilter only)
     first_block: dict[tuple, str] = {}
+    recent, shared = RecentLoad(max(2048, 16 * spec.clusters)), SharedPrefixes(1 << 20)  # the router's memory
     rs = [_Req(r, s) for r, s in reqs]
     events: list[tuple[float, int, int, object]] = [(r.trace.arrival_s, i, _ARRIVE, i) for i, r in enumerate(rs)]
     seq = len(events)
@@ -152,9 +154,11 @@ def simulate(reqs: Sequence[tuple[TraceRequest, int]], spec: FleetSpec, cost: Co
             refused += 1
             return
         pics = [ClusterPicture(c.id, c.held, c.queued_tokens + max(0.0, c.busy_until - now) * cost.prefill_tps,
-                               cost.prefill_tps) for c in pool]
-        c = clusters[place(n, r.hashes, pics, BLOCK, policy=routing, rng=rng,
-                           fallback_key=str(i)).cluster]
+                               cost.prefill_tps, recent.get(c.id)) for c in pool]
+        shared.observe(r.hashes)
+        got = place(n, r.hashes, pics, BLOCK, policy=routing, rng=rng, fallback_key=str(i), shared=shared)
+        c = clusters[got.cluster]
+        recent.add(c.id, n - got.cached_tokens)
         r.cluster = c.id
         if routing == "prefix-load" and len(clusters) > PREFILTER_ABOVE:
             for h in r.hashes:

@@ -132,8 +132,65 @@ def test_placer_counts_its_own_sends_until_the_first_token(rclient, ns):
         c = placer.choose(p, "", IDS).cluster
         placer.sent(c, len(p))
         got.append(c)
-    # c2 counts at the fleet's median rate (2000): the two fast clusters take the burst, one each first
-    assert set(got[:2]) == {"c1", "c2"} and "c0" not in got
+    # c2 counts at the fleet's median rate (2000): the two fast clusters take the burst, one each first; then
+    # both are over their share of the recent prefill work (the load bound) and the slow one takes the third
+    assert set(got[:2]) == {"c1", "c2"} and got[2] == "c0"
     for c in got:
         placer.first_token(c, len(p))
     assert placer.choose(p, "", IDS).cluster == got[0]  # nothing queued any more
+
+
+def test_recent_load_halves_every_half_life_and_shared_prefixes_need_two_continuations():
+    from k3serve.router.load_bound import RecentLoad, SharedPrefixes
+
+    load = RecentLoad(half_life=4)
+    load.add("c0", 1000)
+    for _ in range(4):
+        load.add("c1", 0)
+    assert load.get("c0") == pytest.approx(500) and load.get("c2") == 0
+    many = RecentLoad(half_life=1)
+    for _ in range(2000):  # renormalises instead of overflowing
+        many.add("c0", 1)
+    assert many.get("c0") == pytest.approx(2.0)
+    shared = SharedPrefixes(capacity=3)
+    shared.observe([1, 2, 3])
+    shared.observe([1, 2, 3, 4])  # the same conversation going on: nothing shared
+    assert 1 not in shared and 2 not in shared and 3 not in shared
+    shared.observe([1, 5])  # a second continuation of prefix 1
+    assert 1 in shared and len(shared) == 1
+    shared.observe([7, 8])
+    shared.observe([9, 10])  # LRU of 3 prefix hashes: 2 and 3 forgotten first
+    assert 1 in shared
+    shared.observe([19, 20])
+    assert 1 not in shared
+
+
+def test_the_load_bound_moves_shared_prefix_requests_and_never_a_conversations_own_turn():
+    """c0 holds the system prompt and has taken far more than its share: a new conversation under the (shared)
+    system prompt goes to the cheapest cluster under the bound; a turn whose restore is its own history stays."""
+    seed = prefix_key(3, "")
+    system = [11] * (2 * BS)
+    conv = system + [12] * (2 * BS) + [13] * 40
+    other = system + [14] * (2 * BS) + [15] * 40
+    hs, hs_other = block_hashes(conv, BS, seed), block_hashes(other, BS, seed)
+    shared = {hs[1]}  # the system prompt's last block: two different next blocks seen
+    held = {"c0": set(hs) | set(hs_other[:2]), "c1": {hs[0]}, "c2": set()}
+
+    def pics(recent):
+        return [ClusterPicture(c, held[c], 0, 1000, recent[c]) for c in IDS]
+
+    busy = {"c0": 90_000, "c1": 5_000, "c2": 5_000}
+    new = system + [16] * (2 * BS) + [17] * 40
+    got = place(len(new), block_hashes(new, BS, seed), pics(busy), BS, shared=shared)
+    assert got.cluster == "c1" and got.cached_tokens == BS  # the cheapest under the bound
+    assert place(len(new), block_hashes(new, BS, seed), pics(busy), BS, shared=shared, load_slack=None).cluster \
+        == "c0"  # without the bound: affinity
+    turn = conv + [18] * BS
+    again = place(len(turn), block_hashes(turn, BS, seed), pics(busy), BS, shared=shared)
+    assert again.cluster == "c0" and again.cached_tokens == 4 * BS  # its own history: never moved
+    even = {"c0": 5_500, "c1": 5_000, "c2": 5_000}  # within 1.1x its share
+    assert place(len(new), block_hashes(new, BS, seed), pics(even), BS, shared=shared).cluster == "c0"
+    # rates: c0 twice as fast as the others takes twice the tokens before it is over the bound
+    fast = [ClusterPicture("c0", held["c0"], 0, 2000, 9_000), ClusterPicture("c1", held["c1"], 0, 1000, 5_000),
+            ClusterPicture("c2", held["c2"], 0, 1000, 5_000)]
+    assert place(len(new), block_hashes(new, BS, seed), fast, BS, shared=shared).cluster == "c0"
