@@ -115,13 +115,17 @@ def replay(routers: list[str], setup: ReplaySetup, vocab: int, clusters: list[st
         "wall_s": round(wall, 2)}
 
 
-def _prefill_tps(redis_url: str, namespace: str) -> float | None:
-    """Mean measured prefill rate the clusters heartbeat (the simulator's calibration), None if unknown."""
+def _prefill_tps(redis_url: str, namespace: str, secret: str) -> float | None:
+    """Mean measured prefill rate the clusters heartbeat (the simulator's calibration), None if unknown (also
+    without the deployment's secret, which signs the entries: a running deployment's is not in its endpoints
+    file unless the deploy file sets one)."""
+    if not secret:
+        return None
     from k3serve.cluster.redis_server import connect
     from k3serve.router.membership import Membership
 
     try:
-        rates = [c.load.get("prefill_tps", 0.0) for c in Membership(connect(redis_url), namespace).read()[1]]
+        rates = [c.load.get("prefill_tps", 0.0) for c in Membership(connect(redis_url), namespace, secret).read()[1]]
     except (redis.RedisError, OSError):  # a figure that cannot be read is reported as unknown
         return None
     rates = [r for r in rates if r > 0]
@@ -141,7 +145,7 @@ def run_trace_bench(setup: ReplaySetup, config: str, endpoints_file: str = "", p
         info = json.loads(Path(endpoints_file).read_text())
         vocab = load_config(info["checkpoint"]).vocab_size
         result = replay(info["routers"], setup, vocab, sorted(info["clusters"]))
-        result["prefill_tps"] = _prefill_tps(info["redis"], deploy.control.namespace)
+        result["prefill_tps"] = _prefill_tps(info["redis"], deploy.control.namespace, deploy.secret)
         result["policy"] = f"{deploy.control.anonymous_routing} (from {config}; the running deployment's own)"
         return result
     from k3serve.cluster.deployment import Deployment
@@ -149,7 +153,7 @@ def run_trace_bench(setup: ReplaySetup, config: str, endpoints_file: str = "", p
     with Deployment(deploy) as dep:
         vocab = load_config(dep.checkpoint).vocab_size
         result = replay(dep.router_addresses, setup, vocab, sorted(dep.cluster_endpoints))
-        result["prefill_tps"] = _prefill_tps(dep.redis_url, deploy.control.namespace)
+        result["prefill_tps"] = _prefill_tps(dep.redis_url, deploy.control.namespace, dep.deploy.secret)
     result["policy"] = deploy.control.anonymous_routing
     return result
 
