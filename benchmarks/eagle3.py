@@ -5,6 +5,9 @@ Two parts, measured side by side in one run:
 - offline, on held-out text (model/eagle3/chain_eval.py): greedy chain drafting against the target's greedy
   continuation, tokens per verify for k = 1..7 and per-position acceptance at k = 7; the n-gram drafter is
   simulated over the same sequences (it proposes from the context, no features).
+- held-out acceptance on filtered prompts (benchmarks/heldout_accept.py, the ``heldout`` section): greedy
+  tokens per verify and, at temperature 1, alpha = E sum_x min(p, q) and tokens per verify under rejection
+  sampling, on prompts whose greedy continuation is not a whitespace run or a loop.
 - online, through the serving path (LocalPipeline, prefill TP=1 -> decode TP=1): decode time per output token
   at batch 1 (requests one at a time) and batch b (all at once) with k drafts per verify, against plain decode
   (methods interleaved `repeats` times, the fastest pass kept);
@@ -19,34 +22,14 @@ import time
 
 import torch
 
+from benchmarks.heldout_accept import KS, ContinuationFilter, heldout_section, ngram_chain_stats
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.engine.spec.config import SpecConfig
-from k3serve.engine.spec.ngram import NgramConfig, NgramSession
 from k3serve.model.eagle3.drafter import Eagle3Drafter
 from k3serve.model.eagle3.weights import load_drafter_weights
 from k3serve.model.loader import load_model
-from k3serve.model.eagle3.chain_eval import ChainStats, EvalSet, chain_stats, make_eval_set
-
-KS = tuple(range(1, 8))
-
-
-def ngram_chain_stats(es: EvalSet, k: int, config: NgramConfig | None = None) -> ChainStats:
-    """The n-gram drafter in the same simulated greedy decode as :func:`chain_stats` (no draft: a 1-token verify)."""
-    hist = [0] * (k + 1)
-    rounds = tokens = 0
-    for row in es.seqs.tolist():
-        sess, n = NgramSession(config or NgramConfig()), es.prompt_len
-        while n + k <= len(row) - 1:
-            drafts = sess.propose(row[: n + 1], k).tokens
-            a = 0
-            while a < len(drafts) and drafts[a] == row[n + 1 + a]:
-                a += 1
-            hist[a] += 1
-            rounds += 1
-            tokens += a + 1
-            n += a + 1
-    return ChainStats(k, rounds, tokens, tuple(hist))
+from k3serve.model.eagle3.chain_eval import chain_stats, make_eval_set
 
 
 def _offline(target, drafters: dict[str, str], heldout: torch.Tensor, prompts: int, prompt_len: int,
@@ -61,7 +44,7 @@ def _offline(target, drafters: dict[str, str], heldout: torch.Tensor, prompts: i
         stats = {k: chain_stats(dr, es, k) for k in KS}
         rows.append({"method": name, "tokens_per_verify": {k: round(s.tokens_per_verify, 3) for k, s in stats.items()},
                      "acceptance_k7": [round(a, 3) for a in stats[7].position_acceptance()]})
-    ng = {k: ngram_chain_stats(es, k) for k in KS}
+    ng = {k: ngram_chain_stats(es.seqs, es.prompt_len, k) for k in KS}
     rows.append({"method": "ngram", "tokens_per_verify": {k: round(s.tokens_per_verify, 3) for k, s in ng.items()},
                  "acceptance_k7": [round(a, 3) for a in ng[7].position_acceptance()]})
     return rows
@@ -97,11 +80,16 @@ def _online(target_dir: str, method: str, spec: SpecConfig | None, prompts: list
 
 def run_eagle3_bench(target_dir: str, drafters: dict[str, str], heldout: torch.Tensor, k: int = 3,
                      batches: tuple[int, ...] = (1, 8), prompts: int = 8, prompt_len: int = 128, gen_len: int = 64,
-                     eval_prompts: int = 16, repeats: int = 2) -> dict:
+                     eval_prompts: int = 16, repeats: int = 2, heldout_prompts: int = 8,
+                     heldout_seeds: tuple[int, ...] = (0, 1), heldout_scan: int | None = None,
+                     heldout_filter: ContinuationFilter = ContinuationFilter()) -> dict:
     """drafters: row name (``eagle3-lk``, ``eagle3-kl``) -> drafter checkpoint dir, all for `target_dir`;
-    heldout: the held-out token stream (train.corpus, loaded by the command: bench does not import train)."""
+    heldout: the held-out token stream (train.corpus, loaded by the command: bench does not import train).
+    No batches: no online rows; heldout_prompts 0: no ``heldout`` section."""
     target = load_model(target_dir)
     offline = _offline(target, drafters, heldout, eval_prompts, prompt_len, gen_len)
+    section = heldout_section(target, drafters, heldout, heldout_prompts, prompt_len, gen_len, heldout_scan,
+                              heldout_seeds, flt=heldout_filter) if heldout_prompts > 0 else None
     span = heldout.numel() - prompt_len
     starts = [(2 * i + 1) * span // (2 * prompts) for i in range(prompts)]  # between the offline prompts
     ps = [tuple(heldout[s: s + prompt_len].long().tolist()) for s in starts]
@@ -126,5 +114,8 @@ def run_eagle3_bench(target_dir: str, drafters: dict[str, str], heldout: torch.T
             r["tpot_ms"] = round(r["tpot_ms"], 3)
             del r["outputs"]
         online += rows
-    return {"target": target_dir, "k_online": k, "repeats": repeats, "threads": torch.get_num_threads(), "gen_tokens": gen_len,
-            "prompt_tokens": prompt_len, "offline": offline, "online": online}
+    out = {"target": target_dir, "k_online": k, "repeats": repeats, "threads": torch.get_num_threads(),
+           "gen_tokens": gen_len, "prompt_tokens": prompt_len, "offline": offline, "online": online}
+    if section is not None:
+        out["heldout"] = section
+    return out

@@ -14,9 +14,18 @@ from pathlib import Path
 
 RECORD_VERSION = 1
 
+# The held-out acceptance section of `bench eagle3` and `bench spec` (benchmarks/heldout_accept.py), one column
+# per method and figure.
+HELDOUT_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("held-out kept", "heldout.kept"), ("scanned", "heldout.scanned"),
+    ("* greedy tok/verify k=3", "heldout.rows.*.greedy_tokens_per_verify.3"),
+    ("* T=1 alpha", "heldout.rows.*.t1_alpha_mean"), ("* T=1 tok/verify", "heldout.rows.*.t1_tokens_per_verify_mean"))
+
 # bench -> (column header, dotted path into the bench's JSON); a "*" segment makes one column per key found there.
 # Benches not listed show their top-level numbers.
 COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
+    "eagle3": (("k online", "k_online"), ("held-out k T=1", "heldout.k_t1")) + HELDOUT_COLUMNS,
+    "spec": (("preset", "preset"), ("held-out k T=1", "heldout.k_t1")) + HELDOUT_COLUMNS,
     "kernels": (("backend", "chunk_backend"), ("chunk tok/s", "chunk_tokens_per_s"),
                 ("chunk GFLOP/s", "chunk_gflops"), ("of matmul", "chunk_achieved_fraction"),
                 ("vs recurrent", "speedup"), ("vs torch path", "chunk_speedup_over_torch"),

@@ -13,6 +13,9 @@ are decoded by a fresh decode engine per configuration: plain, then k = 1..K wit
 ``tokens_per_s`` (decode tokens / decode wall time), ``plain_tokens_per_s``, ``speedup`` and ``mismatches``
 (requests whose tokens differ from the plain run's; greedy, so 0 unless a near-tie flips).
 
+Held-out acceptance (``heldout``, benchmarks/heldout_accept.py): n-gram and the run's EAGLE-3 methods on
+filtered held-out prompts, greedy and at temperature 1 (alpha, tokens per verify under rejection sampling).
+
 Memory: per request and rank, the records this scheme keeps for a verify window of k+1 tokens against k+1
 state snapshots (snapshot per draft), at the served model's geometry and at K3's (``K3_GEOMETRY``).
 """
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.heldout_accept import ContinuationFilter, heldout_section
 from k3serve.contracts.requests import PrefillRequest
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.decode.engine import DecodeConfig, DecodeEngine
@@ -34,6 +38,7 @@ from k3serve.engine.executor import LocalExecutor, WorkerSpec
 from k3serve.engine.ops import PoolConfig
 from k3serve.engine.spec.config import SpecConfig, make_drafter
 from k3serve.model.checkpoint import load_config
+from k3serve.model.loader import load_model
 from k3serve.model.presets import write_preset_checkpoint
 from k3serve.prefill.engine import PrefillConfig, PrefillEngine
 from k3serve.tokenizer import ByteTokenizer
@@ -130,12 +135,21 @@ def method_specs(preset: str, methods: tuple[str, ...]) -> dict[str, Callable[[i
 
 def run_spec_bench(preset: str = "tiny-trained", max_k: int = 7, batches: tuple[int, ...] = (1, 8),
                    sessions: int = 8, max_tokens: int = 48, chunk_bytes: int = 400,
-                   methods: tuple[str, ...] = ("ngram",)) -> dict:
+                   methods: tuple[str, ...] = ("ngram",), heldout: torch.Tensor | None = None,
+                   heldout_prompts: int = 8, heldout_seeds: tuple[int, ...] = (0, 1),
+                   heldout_filter: ContinuationFilter = ContinuationFilter()) -> dict:
     """Each method against plain decode on the agentic trace: k = 1..max_k at each batch size, plain decode
-    measured before and after the speculative runs of each batch (side by side, one run)."""
+    measured before and after the speculative runs of each batch (side by side, one run). With `heldout` (the
+    held-out token stream, loaded by the command) and heldout_prompts > 0, also the ``heldout`` section
+    (benchmarks/heldout_accept.py) for n-gram and every EAGLE-3 method of the run."""
     tok = ByteTokenizer()
     specs = method_specs(preset, methods)
+    section = None
     with _checkpoint(preset) as ckpt:
+        if heldout is not None and heldout_prompts > 0:
+            drafters = {name: make(1).drafter_dir for name, make in specs.items() if make(1).method == "eagle3"}
+            section = heldout_section(load_model(ckpt), drafters, heldout, heldout_prompts, seeds=heldout_seeds,
+                                      flt=heldout_filter)
         cfg = load_config(ckpt)
         eagle = [f for f in specs.values() if f(1).method == "eagle3"]
         capture = make_drafter(eagle[0](1), cfg).capture if eagle else None
@@ -186,11 +200,14 @@ def run_spec_bench(preset: str = "tiny-trained", max_k: int = 7, batches: tuple[
         geometry = {"kda_layers": cfg.num_kda_layers, "kda_heads": cfg.kda_num_heads,
                     "head_dim": cfg.kda_head_dim, "conv_kernel": cfg.short_conv_kernel_size, "tp": 1}
         sample = tok.decode(plain_out[f"s0t2"][:max_tokens])
-    return {"preset": preset, "trace": {"sessions": sessions, "turns": 2, "max_tokens": max_tokens,
-                                        "files": names, "sample_turn2_answer": sample},
-            "torch_threads": torch.get_num_threads(), "load_avg_1m": os.getloadavg()[0], "runs": runs,
-            "memory": {"served": {**geometry, **memory_report(**geometry, k=max_k)},
-                       "k3": {**K3_GEOMETRY, **memory_report(**K3_GEOMETRY, k=max_k)}}}
+    out = {"preset": preset, "trace": {"sessions": sessions, "turns": 2, "max_tokens": max_tokens,
+                                       "files": names, "sample_turn2_answer": sample},
+           "torch_threads": torch.get_num_threads(), "load_avg_1m": os.getloadavg()[0], "runs": runs,
+           "memory": {"served": {**geometry, **memory_report(**geometry, k=max_k)},
+                      "k3": {**K3_GEOMETRY, **memory_report(**K3_GEOMETRY, k=max_k)}}}
+    if section is not None:
+        out["heldout"] = section
+    return out
 
 
 class _checkpoint:

@@ -95,16 +95,32 @@ def spec(preset: str = typer.Option("tiny-trained", "--preset"),
                                          "preset), eagle3=DIR"),
          max_k: int = typer.Option(7, "--max-k"), batches: str = typer.Option("1,8", "--batches"),
          sessions: int = typer.Option(8, "--sessions"), max_tokens: int = typer.Option(48, "--max-tokens"),
+         heldout_prompts: int = typer.Option(8, "--heldout-prompts",
+                                             help="Filtered held-out prompts for the heldout section (0: none)."),
+         heldout_seeds: str = typer.Option("0,1", "--heldout-seeds", help="Seeds of the temperature-1 rows."),
+         heldout_min_distinct: float = typer.Option(0.5, "--heldout-min-distinct",
+                                                    help="Filter: least share of distinct 4-grams in a kept "
+                                                         "continuation (0: whitespace and run rules only)."),
          threads: int = typer.Option(1, "--threads"), as_json: bool = typer.Option(False, "--json")) -> None:
-    """Speculative vs plain decode on an agentic trace (k = 1..max-k, each batch size), and records memory
-    against snapshot-per-draft at this preset's and K3's geometry."""
+    """Speculative vs plain decode on an agentic trace (k = 1..max-k, each batch size), records memory against
+    snapshot-per-draft at this preset's and K3's geometry, and acceptance on filtered held-out prompts (greedy
+    and temperature 1) for n-gram and the EAGLE-3 methods given."""
     _threads(threads)
+    from benchmarks.heldout_accept import ContinuationFilter
     from benchmarks.spec import run_spec_bench
 
     sizes = tuple(int(b) for b in batches.split(","))
+    heldout = None
+    if heldout_prompts > 0:
+        from k3serve.train.corpus import load_corpus
+
+        heldout = load_corpus(None).heldout
     try:
         out = run_spec_bench(preset, max_k, sizes, sessions, max_tokens,
-                             methods=tuple(m.strip() for m in method.split(",") if m.strip()))
+                             methods=tuple(m.strip() for m in method.split(",") if m.strip()), heldout=heldout,
+                             heldout_prompts=heldout_prompts,
+                             heldout_seeds=tuple(int(s) for s in heldout_seeds.split(",") if s.strip()),
+                             heldout_filter=ContinuationFilter(min_distinct_4grams=heldout_min_distinct))
     except ValueError as e:
         typer.echo(f"error: --method: {e}", err=True)
         raise typer.Exit(2)

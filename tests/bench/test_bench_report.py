@@ -54,3 +54,19 @@ def test_docs_results_is_what_the_committed_records_render_to():
     records = load_records(ROOT / "bench_results")
     assert records, "bench_results/ holds the records docs/results.md is made from"
     assert (ROOT / "docs" / "results.md").read_text() == render(records, "bench_results")
+
+
+def test_the_heldout_section_renders_one_column_per_method(tmp_path):
+    """`bench eagle3` / `bench spec` records show the held-out acceptance figures of every method."""
+    row = {"greedy_tokens_per_verify": {"1": 1.5, "3": 2.25}, "t1_alpha_mean": 0.625, "t1_tokens_per_verify_mean": 1.75}
+    result = {"k_online": 3, "heldout": {"kept": 8, "scanned": 40, "k_t1": 3,
+                                         "rows": {"ngram": row, "eagle3-lk": {**row, "t1_alpha_mean": 0.75}}}}
+    (tmp_path / "e.json").write_text(json.dumps({"version": 1, "bench": "eagle3", "command": "k3serve bench eagle3",
+                                                 "recorded": "t", "host": {}, "result": result}))
+    lines = render(load_records(tmp_path), str(tmp_path)).splitlines()
+    header = [c.strip() for c in next(x for x in lines if x.startswith("| command |")).strip("|").split("|")]
+    cells = [c.strip() for c in next(x for x in lines if x.startswith("| `k3serve")).strip("|").split("|")]
+    got = dict(zip(header, cells))
+    assert got["held-out kept"] == "8" and got["scanned"] == "40"
+    assert got["ngram greedy tok/verify k=3"] == "2.25" and got["ngram T=1 alpha"] == "0.625"
+    assert got["eagle3-lk T=1 alpha"] == "0.75" and got["eagle3-lk T=1 tok/verify"] == "1.75"

@@ -30,3 +30,17 @@ def test_bench_spec_refuses_an_unknown_method():
 
     with pytest.raises(ValueError, match="method must be"):
         run_spec_bench("tiny-trained", max_k=1, batches=(1,), sessions=1, max_tokens=2, methods=("medusa",))
+
+
+def test_bench_spec_heldout_section_has_ngram_and_the_runs_eagle3_rows(one_thread):
+    from benchmarks.heldout_accept import ContinuationFilter
+    from k3serve.train.corpus import load_corpus
+
+    out = run_spec_bench("tiny-trained", max_k=1, batches=(1,), sessions=1, max_tokens=2, methods=("eagle3-kl",),
+                         heldout=load_corpus(None).heldout, heldout_prompts=1, heldout_seeds=(0,),
+                         heldout_filter=ContinuationFilter(min_distinct_4grams=0.0))
+    section = out["heldout"]
+    assert section["kept"] == 1 and section["scanned"] >= 1 and "whitespace" in section["filter"]
+    assert list(section["rows"]) == ["ngram", "eagle3-kl"]
+    for row in section["rows"].values():
+        assert 0.0 <= row["t1_alpha"][0] <= 1.0 and 1.0 <= row["t1_tokens_per_verify"][0] <= 4.0  # k_t1 = 3

@@ -82,10 +82,8 @@ def test_cli_refuses_an_unknown_loss(tmp_path):
 def test_ngram_chain_sim_on_a_repetition():
     """The bench's n-gram row runs the same simulated greedy decode: on a period-4 repetition every draft of
     the 4-token chain is accepted (k + 1 tokens per verify)."""
-    from benchmarks.eagle3 import ngram_chain_stats
-    from k3serve.model.eagle3.chain_eval import EvalSet
+    from benchmarks.heldout_accept import ngram_chain_stats
 
     seq = torch.tensor([[1, 2, 3, 4] * 10])
-    z = torch.zeros(1, 40, 2)
-    s = ngram_chain_stats(EvalSet(seq, 12, z, z, z), 4)
+    s = ngram_chain_stats(seq, 12, 4)
     assert s.accepted_hist[-1] == s.rounds and s.tokens_per_verify == 5.0

@@ -60,23 +60,39 @@ class ChainStats:
         return out
 
 
-def make_eval_set(model: HybridModel, drafter_cfg, heldout: torch.Tensor, prompts: int, prompt_len: int,
-                  gen_len: int) -> EvalSet:
-    """`prompts` held-out prompts of `prompt_len` tokens spread over the stream, each continued greedily."""
-    span = heldout.numel() - prompt_len
-    if span <= 0 or prompts < 1:
-        raise ValueError(f"held-out text has {heldout.numel()} tokens; need more than {prompt_len}")
-    starts = [i * span // prompts for i in range(prompts)]
+def greedy_continuations(model: HybridModel, heldout: torch.Tensor, starts: list[int], prompt_len: int,
+                         gen_len: int) -> torch.Tensor:
+    """The held-out prompts at `starts` (`prompt_len` tokens each) with the target's greedy continuation of
+    `gen_len` tokens (the reference generator): `[len(starts), prompt_len + gen_len]` int64."""
+    if not starts or max(starts) + prompt_len > heldout.numel() or min(starts) < 0:
+        raise ValueError(f"held-out text has {heldout.numel()} tokens; prompts of {prompt_len} tokens at {starts}")
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     seqs = []
     for s in starts:
         prompt = heldout[s: s + prompt_len].long().tolist()
         seqs.append(prompt + reference_generate(model, prompt, params).token_ids)
-    ids = torch.tensor(seqs, dtype=torch.long)
-    b = ids.shape[0]
+    return torch.tensor(seqs, dtype=torch.long)
+
+
+def eval_set_from_seqs(model: HybridModel, drafter_cfg, seqs: torch.Tensor, prompt_len: int) -> EvalSet:
+    """An :class:`EvalSet` over given prompt + continuation sequences `[N, P + M]` (one target forward)."""
+    b = seqs.shape[0]
     batch = ForwardBatch(model.new_kda_state(b), DenseLatentCache(model.cfg.num_mla_layers, b), [0] * b)
-    f = target_features(model, drafter_cfg, ids, batch)
-    return EvalSet(ids, prompt_len, f.low, f.mid, f.high)
+    f = target_features(model, drafter_cfg, seqs, batch)
+    return EvalSet(seqs, prompt_len, f.low, f.mid, f.high)
+
+
+def make_eval_set(model: HybridModel, drafter_cfg, heldout: torch.Tensor, prompts: int, prompt_len: int,
+                  gen_len: int, starts: list[int] | None = None) -> EvalSet:
+    """`prompts` held-out prompts of `prompt_len` tokens spread over the stream (or at `starts`), each continued
+    greedily."""
+    span = heldout.numel() - prompt_len
+    if span <= 0 or prompts < 1:
+        raise ValueError(f"held-out text has {heldout.numel()} tokens; need more than {prompt_len}")
+    if starts is None:
+        starts = [i * span // prompts for i in range(prompts)]
+    seqs = greedy_continuations(model, heldout, starts, prompt_len, gen_len)
+    return eval_set_from_seqs(model, drafter_cfg, seqs, prompt_len)
 
 
 @torch.no_grad()

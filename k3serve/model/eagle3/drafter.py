@@ -17,6 +17,7 @@ the weight dicts, so training passes leaves that require grad and serving passes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,14 +130,15 @@ class Eagle3Drafter:
 
     # --------------------------------------------------------------------------------------- serving
     @torch.inference_mode()
-    def draft(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor,
-              k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chain-draft k greedy tokens for B requests from their windows.
+    def draft(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor, k: int,
+              choose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain-draft k tokens for B requests from their windows (greedy unless `choose` picks otherwise).
 
         tokens `[B, W]` int64, feats `[B, W, d]` fp32: the last W committed (next token, fused feature) pairs,
         right-aligned (index W-1 is the anchor, the last committed position); counts `[B]`: valid pairs (the
-        last counts[b] entries). Returns (drafts `[B, k]` int64, the logits `[B, k, V]` fp32 each was the argmax
-        of).
+        last counts[b] entries). choose: logits `[B, V]` -> tokens `[B]` (default argmax; a sampler gives the
+        drafts of sampled speculative decoding). Returns (drafts `[B, k]` int64, the logits `[B, k, V]` fp32
+        each was chosen from).
         """
         b, win = tokens.shape
         if win != self.cfg.window:
@@ -157,6 +159,6 @@ class Eagle3Drafter:
             mask = (valid & (torch.arange(win, device=tokens.device) >= j - 1)).unsqueeze(1)  # [B, 1, W]
             d = self.finish(x, attend(self.query(x), k1, v1, mask, own_k, own_v))
             lg = self.logits(d[:, 0])
-            drafts.append(lg.argmax(-1).long())
+            drafts.append((lg.argmax(-1) if choose is None else choose(lg)).long())
             logits.append(lg)
         return torch.stack(drafts, 1), torch.stack(logits, 1)
