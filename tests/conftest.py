@@ -116,6 +116,29 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     tiers.mark(items)
+    _shared_deployment_modules_last(items)
+
+
+def _shared_deployment_modules_last(items) -> None:
+    """The modules of tests/cluster that use its shared deployment (tests/cluster/conftest.py) run after the others
+    of that folder: the deployment starts with the first of them and stops with the folder, so its idle actors
+    never compete with another module's own deployment. Modules that set SHARED_DEPLOYMENT_FAULTS (they kill parts
+    of it) run after the other users (module order otherwise kept)."""
+
+    def shared(item) -> bool:
+        defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("deployment")
+        return bool(defs) and defs[-1].baseid == "tests/cluster"
+
+    users = {item.module.__name__ for item in items if item.nodeid.startswith("tests/cluster/") and shared(item)}
+    rank = {id(item): (item.module.__name__ in users, getattr(item.module, "SHARED_DEPLOYMENT_FAULTS", False))
+            for item in items}
+    first = next((i for i, item in enumerate(items) if item.nodeid.startswith("tests/cluster/")), None)
+    if first is None:
+        return
+    block = [item for item in items if item.nodeid.startswith("tests/cluster/")]
+    rest = [item for item in items if not item.nodeid.startswith("tests/cluster/")]
+    block.sort(key=lambda item: rank[id(item)])  # stable: order within each group kept
+    items[:] = rest[:first] + block + rest[first:]
 
 
 @pytest.hookimpl(hookwrapper=True)

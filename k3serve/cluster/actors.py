@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from redis.exceptions import RedisError
@@ -91,12 +92,19 @@ class ClusterActor:
             dec_pools = dataclasses.replace(dec_pools, spec_slots=c.max_decode_batch,
                                             spec_tokens=spec.num_draft_tokens + 1)
         send_hooks, receive_hooks = self._transfer_hooks()
-        self.executors["prefill"] = RayExecutor(ray_worker_spec(self.checkpoint, c.prefill_tp, pre_pools,
-                                                                d.torch_threads, send_hooks, d.numerics), pg)
-        # decode ranks take the bundles after the prefill ranks
-        self.executors["decode"] = RayExecutor(ray_worker_spec(self.checkpoint, c.decode_tp, dec_pools,
-                                                               d.torch_threads, receive_hooks, d.numerics), pg,
-                                               bundle_offset=c.prefill_tp)
+        groups = {"prefill": (ray_worker_spec(self.checkpoint, c.prefill_tp, pre_pools, d.torch_threads, send_hooks,
+                                              d.numerics), 0),
+                  # decode ranks take the bundles after the prefill ranks
+                  "decode": (ray_worker_spec(self.checkpoint, c.decode_tp, dec_pools, d.torch_threads, receive_hooks,
+                                             d.numerics), c.prefill_tp)}
+        # both groups' processes start and load the weights at once (one after the other, the decode group's
+        # start added its whole time to every cluster build)
+        with ThreadPoolExecutor(len(groups)) as pool:
+            started = {g: pool.submit(RayExecutor, spec, pg, offset) for g, (spec, offset) in groups.items()}
+        failed = [f.exception() for f in started.values() if f.exception() is not None]
+        self.executors.update({g: f.result() for g, f in started.items() if f.exception() is None})
+        if failed:
+            raise failed[0]  # the group that started is closed with the cluster's teardown
         channel = self._channel(cfg)
         policy = c.prefix_policy()
         decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch,

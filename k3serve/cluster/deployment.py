@@ -120,13 +120,15 @@ class Deployment:
         self._start_redis()
         self.checkpoint = self._checkpoint()
         handles = {cid: self._new_cluster(cid) for cid in self.deploy.clusters.cluster_ids}
-        endpoints = ray.get([h.start.remote() for h in handles.values()], timeout=timeout_s)
-        self.clusters = handles
-        self.cluster_endpoints = dict(zip(handles, endpoints))
+        builds = [h.start.remote() for h in handles.values()]
         router = RouterActor.options(resources=dict(self.deploy.router_resources)) \
             if self.deploy.router_resources else RouterActor
+        # the routers' processes start while the clusters build; they serve once every cluster is up
         self.routers = [router.remote(self.deploy, self.checkpoint, self.redis_url, i)
                         for i in range(self.deploy.routers)]
+        endpoints = ray.get(builds, timeout=timeout_s)
+        self.clusters = handles
+        self.cluster_endpoints = dict(zip(handles, endpoints))
         self.router_addresses = ray.get([r.start.remote() for r in self.routers], timeout=timeout_s)
         self.http_addresses = ray.get([r.http_endpoint.remote() for r in self.routers], timeout=timeout_s)
         self.wait_healthy(len(handles), timeout_s=30.0)

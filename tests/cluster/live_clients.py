@@ -72,11 +72,13 @@ class Stream:
             self.done.set()
 
 
-def start_streams(address: str, prompts: list[list[int]], max_tokens: int, tag: str) -> list[Stream]:
+def start_streams(address: str, prompts: list[list[int]], max_tokens: int | list[int], tag: str) -> list[Stream]:
+    """One streaming request per prompt (``max_tokens`` for all, or one per prompt), each read on its thread."""
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
+    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
     streams = [Stream(pb.GenerateRequest(request_id=f"{tag}-{i}", session_id=f"{tag}-{i}", prompt_token_ids=p,
-                                         sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
-               for i, p in enumerate(prompts)]
+                                         sampling=pb.SamplingParams(max_tokens=n, ignore_eos=True)))
+               for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
     for s in streams:
         threading.Thread(target=s.run, args=(stub,), daemon=True).start()
     return streams
@@ -111,12 +113,18 @@ def two_cluster_kill_drill(base, **cluster_fields) -> dict:
     once every session has done a turn (8 sessions x 2 turns, 8 tokens, seed 5); `cluster_fields` override the
     clusters section (transfer plane, layer-wise export, ...). Returns the drill's report."""
     from k3serve.cluster.deployment import Deployment
-    from k3serve.cluster.drill import Fault, run_drill
 
     clusters = replace(base.clusters, count=2, max_decode_batch=16, rebuild=False, **cluster_fields)
     dep = Deployment(replace(base, clusters=clusters, routers=1)).start()
     try:
-        return run_drill(dep, Fault("cluster", "c0"), at_s=0.0, sessions=8, turns=2, max_tokens=8, seed=5,
-                         after_turns=1)
+        return kill_c0_drill(dep)
     finally:
         dep.stop()
+
+
+def kill_c0_drill(dep) -> dict:
+    """The cheap drill on a running deployment: c0 killed once every session has done a turn (8 sessions x 2
+    turns, 8 tokens, seed 5). Returns the drill's report."""
+    from k3serve.cluster.drill import Fault, run_drill
+
+    return run_drill(dep, Fault("cluster", "c0"), at_s=0.0, sessions=8, turns=2, max_tokens=8, seed=5, after_turns=1)

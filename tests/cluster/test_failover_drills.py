@@ -1,4 +1,5 @@
-"""Failover drills on a 4-cluster deployment: kill a whole cluster, then a decode rank, then a prefill rank.
+"""Failover drills on the shared deployment (tests/cluster/conftest.py: 3 clusters, 2 routers): kill a whole
+cluster, then a decode rank, then a prefill rank.
 
 Each drill runs a multi-turn workload (greedy and seeded sessions) through both routers and checks: no failed
 request, no token mismatch against the single-process reference, and (cluster kill) the failed cluster's
@@ -9,13 +10,12 @@ supervisor, and a cluster whose rank died while idle is rebuilt in place; each t
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from k3serve.cluster.deploy import load_deploy
 from k3serve.cluster.drill import Fault, run_drill
-from tests.cluster.conftest import per_request_mutations
+
+# faults on the shared deployment: after its other users, before test_service_e2e's last faults (tests/conftest.py)
+SHARED_DEPLOYMENT_FAULTS = True
 
 # gRPC sessions (i % 4 != 3) served with a wrong token: the drill must count each of their requests as not exact
 # (the state mutations are the service family's, tests/cluster/test_mutations_live.py: on these prompts of ~250
@@ -23,19 +23,8 @@ from tests.cluster.conftest import per_request_mutations
 MUTATED = {1: "wrong_token", 2: "wrong_token", 5: "wrong_token", 6: "wrong_token"}
 
 
-@pytest.fixture(scope="module")
-def four_clusters():
-    from k3serve.cluster.deployment import Deployment
-
-    base = load_deploy("configs/local.yaml")
-    with per_request_mutations():
-        dep = Deployment(dataclasses.replace(base, clusters=dataclasses.replace(base.clusters, count=4))).start()
-    yield dep
-    dep.stop()
-
-
-def test_kill_cluster(four_clusters):
-    out = run_drill(four_clusters, Fault("cluster", "c0"), at_s=3.0, sessions=24, turns=2, max_tokens=16, seed=1,
+def test_kill_cluster(deployment):
+    out = run_drill(deployment, Fault("cluster", "c0"), at_s=3.0, sessions=24, turns=2, max_tokens=16, seed=1,
                     mutate=MUTATED)
     assert out["failed"] == 0 and out["mismatches"] == 0
     assert out["mutated"] == 2 * len(MUTATED) and out["mutations_missed"] == 0  # the drill's check can fail
@@ -59,11 +48,11 @@ def _busiest(dep, names: list[str]) -> str:
 
 
 @pytest.mark.parametrize("kind,seed", [("decode", 2), ("prefill", 3)])
-def test_kill_one_rank(four_clusters, kind, seed):
+def test_kill_one_rank(deployment, kind, seed):
     from k3serve.cluster.drill import session_names
 
-    target = _busiest(four_clusters, session_names(12, seed))
-    out = run_drill(four_clusters, Fault(kind, target), at_s=3.0, sessions=12, turns=2, max_tokens=16, seed=seed)
+    target = _busiest(deployment, session_names(12, seed))
+    out = run_drill(deployment, Fault(kind, target), at_s=3.0, sessions=12, turns=2, max_tokens=16, seed=seed)
     assert out["failed"] == 0 and out["mismatches"] == 0
     assert out["in_flight_at_fault"] > 0 and out["failed_over"] > 0
     assert out["rejoined_s"] is not None  # rebuilt in place by its own agent
@@ -123,20 +112,20 @@ def _new_session_served_exactly_on(dep, target: str, prefix: str) -> None:
                    label=f"{prefix} on {target}, seed {seed}")
 
 
-def test_killed_cluster_actor_is_replaced_and_serves_again(four_clusters):
+def test_killed_cluster_actor_is_replaced_and_serves_again(deployment):
     """The deployment's supervisor starts a new c0 (killed by test_kill_cluster), which takes new sessions."""
-    dep = four_clusters
+    dep = deployment
     if not dep.restarts.get("c0"):  # run on its own
         dep.kill_cluster("c0")
     _wait_until(lambda: dep.restarts.get("c0", 0) >= 1 and "c0" in _healthy(dep), 120, "c0 was not replaced")
     _new_session_served_exactly_on(dep, "c0", "replaced")
 
 
-def test_cluster_whose_rank_died_while_idle_is_rebuilt_and_serves_again(four_clusters):
+def test_cluster_whose_rank_died_while_idle_is_rebuilt_and_serves_again(deployment):
     """A decode rank killed with no traffic: the agent notices, fails the cluster out, rebuilds it in place."""
     import ray
 
-    dep = four_clusters
+    dep = deployment
     target = _healthy(dep)[-1]
     before = ray.get(dep.clusters[target].stats.remote())["rebuilds"]
     dep.kill_rank(target, "decode")

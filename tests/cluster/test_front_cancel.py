@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from live_clients import prompt
+from tests.cluster.live_clients import prompt
 from k3serve.auth import AuthConfig, sign
 from k3serve.cluster.front import ClusterFront
 from k3serve.contracts.sampling import SamplingParams

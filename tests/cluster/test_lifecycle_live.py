@@ -19,7 +19,7 @@ import grpc
 import pytest
 import ray
 
-from live_clients import prompt
+from tests.cluster.live_clients import prompt
 from k3serve.contracts.sampling import SamplingParams
 from k3serve.v1 import router_pb2 as pb
 from k3serve.v1 import router_pb2_grpc

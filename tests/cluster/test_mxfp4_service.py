@@ -1,10 +1,7 @@
 """An MXFP4 checkpoint served by a real deployment (issue #14 acceptance 4): the deploy file names a PTQ of the
-shipped tiny-trained model, Ray runs the cluster actor, its prefill TP=2 and decode TP=1 or TP=2 rank actors and
-a router; greedy and seeded outputs through the router equal the single-process reference on the same MXFP4
-weights (compared through tests/exactness.py).
-
-One 1-cluster deployment per decode TP degree (the deploy file gives every cluster the same TP degrees), up at
-the same time on one Ray instance (the tests/cluster one when it is up). Few, short requests keep it cheap.
+shipped tiny-trained model, Ray runs the cluster actor, its prefill TP=2 and decode TP=2 rank actors and a
+router; greedy and seeded outputs through the router equal the single-process reference on the same MXFP4
+weights (compared through tests/exactness.py). Few, short requests keep it cheap.
 """
 
 from __future__ import annotations
@@ -36,29 +33,24 @@ def mxfp4_refs(mxfp4_ckpt):
 
 
 @pytest.fixture(scope="module")
-def mxfp4_deployments(mxfp4_ckpt):
-    """decode TP -> a running 1-cluster deployment (prefill TP=2) of the MXFP4 checkpoint, one router. Both are
-    up together: the second reuses the first's Ray instance (or the tests/cluster one), so Ray starts once."""
+def mxfp4_deployment(mxfp4_ckpt):
+    """A running 1-cluster deployment of the MXFP4 checkpoint, prefill TP=2 -> decode TP=2, one router. Decode
+    TP=1 of this checkpoint is the engine's (tests/engine/test_mxfp4_serving.py) and, through the service, the
+    same path as the shared deployment's (its format is read by the same loader in every rank actor)."""
     from k3serve.cluster.deployment import Deployment
 
     base = load_deploy("configs/local.yaml")
-    deps: dict[int, Deployment] = {}
-    try:
-        for d in (1, 2):
-            clusters = dataclasses.replace(base.clusters, count=1, prefill_tp=2, decode_tp=d)
-            deploy = dataclasses.replace(base, model=ModelSpec(checkpoint=mxfp4_ckpt), clusters=clusters, routers=1)
-            deps[d] = Deployment(deploy).start()
-        yield deps
-    finally:
-        for d in sorted(deps, reverse=True):  # the one that started Ray stops it, last
-            deps[d].stop()
+    clusters = dataclasses.replace(base.clusters, count=1, prefill_tp=2, decode_tp=2)
+    dep = Deployment(dataclasses.replace(base, model=ModelSpec(checkpoint=mxfp4_ckpt), clusters=clusters,
+                                         routers=1)).start()
+    yield dep
+    dep.stop()
 
 
-@pytest.mark.parametrize("decode_tp", [1, 2])
-def test_mxfp4_service_equals_reference(mxfp4_deployments, mxfp4_refs, decode_tp):
+def test_mxfp4_service_equals_reference(mxfp4_deployment, mxfp4_refs):
     import ray
 
-    dep = mxfp4_deployments[decode_tp]
+    dep = mxfp4_deployment
     ranks = ray.get(dep.clusters["c0"].rank_actors.remote())
     assert (len(ranks["prefill"]), len(ranks["decode"])) == (2, dep.deploy.clusters.decode_tp)
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(dep.router_addresses[0]))

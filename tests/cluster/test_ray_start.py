@@ -222,7 +222,7 @@ def test_the_gcs_port_wait_is_lengthened_for_the_start_unless_the_operator_set_i
 
 def test_a_loopback_deployment_keeps_the_local_ray_on_loopback(fake_ray, monkeypatch):
     """Ray resolves a node address of 127.0.0.1 to the machine's outbound address and listens on every interface
-    unless its multi-machine mode is off while it starts (tests/cluster/test_bind_hosts.py checks the sockets)."""
+    unless its multi-machine mode is off while it starts (tests/cluster/test_mooncake_service.py checks the sockets)."""
     import dataclasses
 
     from k3serve.cluster import deployment
