@@ -129,16 +129,15 @@ def _shared_deployment_modules_last(items) -> None:
         defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("deployment")
         return bool(defs) and defs[-1].baseid == "tests/cluster"
 
-    users = {item.module.__name__ for item in items if item.nodeid.startswith("tests/cluster/") and shared(item)}
-    rank = {id(item): (item.module.__name__ in users, getattr(item.module, "SHARED_DEPLOYMENT_FAULTS", False))
-            for item in items}
-    first = next((i for i, item in enumerate(items) if item.nodeid.startswith("tests/cluster/")), None)
-    if first is None:
+    here = [i for i, item in enumerate(items) if item.nodeid.startswith("tests/cluster/")]
+    if not here:
         return
-    block = [item for item in items if item.nodeid.startswith("tests/cluster/")]
-    rest = [item for item in items if not item.nodeid.startswith("tests/cluster/")]
-    block.sort(key=lambda item: rank[id(item)])  # stable: order within each group kept
-    items[:] = rest[:first] + block + rest[first:]
+    assert here == list(range(here[0], here[-1] + 1)), "pytest collects a folder's tests together"
+    block = [items[i] for i in here]
+    users = {item.module.__name__ for item in block if shared(item)}
+    block.sort(key=lambda item: (item.module.__name__ in users,  # stable: module order within a group kept
+                                 getattr(item.module, "SHARED_DEPLOYMENT_FAULTS", False)))
+    items[here[0]:here[-1] + 1] = block
 
 
 @pytest.hookimpl(hookwrapper=True)

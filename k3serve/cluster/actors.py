@@ -101,10 +101,10 @@ class ClusterActor:
         # start added its whole time to every cluster build)
         with ThreadPoolExecutor(len(groups)) as pool:
             started = {g: pool.submit(RayExecutor, spec, pg, offset) for g, (spec, offset) in groups.items()}
-        failed = [f.exception() for f in started.values() if f.exception() is not None]
-        self.executors.update({g: f.result() for g, f in started.items() if f.exception() is None})
-        if failed:
-            raise failed[0]  # the group that started is closed with the cluster's teardown
+        errors = [e for e in (f.exception() for f in started.values()) if e is not None]
+        self.executors.update({g: f.result() for g, f in started.items() if not f.exception()})
+        if errors:  # a group that did start is closed with the cluster's teardown
+            raise errors[0]
         channel = self._channel(cfg)
         policy = c.prefix_policy()
         decode = DecodeEngine(cfg, self.executors["decode"], DecodeConfig(dec_pools, max_batch=c.max_decode_batch,
