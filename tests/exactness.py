@@ -7,8 +7,8 @@ the served run's rounding tipped the other way. A divergence is excused only by 
 that one choice taken the other way (a :class:`Flip`) and finding the served run there::
 
     step:      0    1  ...  d-1   d
-    served:    the reference's tokens (and logits within LOGIT_ATOL, when the test has them) up to d, where
-               tokens, logits or the length first disagree
+    served:    the reference's tokens (and logits within LOGIT_ATOL, or served log-probabilities within
+               LOGPROB_ATOL, when the test has them) up to d, where tokens, logits or the length first disagree
     excuse:    a choice at or before d on which the reference is within eps of the other side:
                - router: at a position p <= n-1+d (the forward that chose step d) a MoE layer's k-th minus
                  (k+1)-th biased score is < EPS_ROUTER; the counterfactual routes p through the (k+1)-th
@@ -25,7 +25,7 @@ test pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,6 +41,9 @@ LOGIT_ATOL = 1e-4  # the default mode's promise on logits (fp32 rounding of anot
 # 0 expert sets flipped); logits across all paths agree to ~1e-5 (docs/numerics.md). Each eps has ~4x headroom.
 EPS_ROUTER = 1e-5  # a router near-tie: a k-th minus (k+1)-th biased score the served rounding can reorder
 EPS_LOGIT = 4e-5  # a sampler near-tie: both logits may move by EPS_LOGIT / 2
+# A served log-probability (SamplingParams.logprobs) moves by at most twice its logits' largest change: twice the
+# paths' ~1e-5, like EPS_LOGIT (the live service's unmutated logprobs were within 1.7e-6 of the reference's).
+LOGPROB_ATOL = 4e-5
 MAX_FLIPS = 2  # near-ties one served run may have tipped
 EXCUSE_SHARE = 0.1  # a test fails when more than this share of its comparisons needed an excuse
 SEEDS = (0, 1, 2)  # every exactness case runs over these (prompt seeds; sampling seeds where sampled)
@@ -210,8 +213,18 @@ class _Mismatch:
     what: str
 
 
-def _first_mismatch(ref: RefTrace, got: list[int], got_logits, prefix: bool) -> _Mismatch | None:
-    want = ref.token_ids
+@dataclass(frozen=True)
+class _Served:
+    """What a test observed of one served run: its tokens, and per step the logits `[vocab]` that chose them
+    or the log-probability the service streamed for them (SamplingParams.logprobs), when at hand."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor] | None = None
+    logprobs: list[float] | None = None
+
+
+def _first_mismatch(ref: RefTrace, served: _Served, prefix: bool) -> _Mismatch | None:
+    want, got, got_logits, got_logprobs = ref.token_ids, served.tokens, served.logits, served.logprobs
     for i in range(max(len(got), len(want))):
         if i >= len(got):
             return None if prefix else _Mismatch(i, f"served {len(got)} tokens, the reference {len(want)}")
@@ -224,6 +237,11 @@ def _first_mismatch(ref: RefTrace, got: list[int], got_logits, prefix: bool) -> 
         if got[i] != want[i]:
             gap = float(ref.logits[i][want[i]] - ref.logits[i][got[i]])
             return _Mismatch(i, f"step {i}: reference {want[i]}, served {got[i]} (reference logit gap {gap:.3g})")
+        if got_logprobs is not None and i < len(got_logprobs):
+            err = abs(got_logprobs[i] - float(torch.log_softmax(ref.logits[i], -1)[got[i]]))
+            if err > LOGPROB_ATOL:
+                return _Mismatch(i, f"the log-probability of step {i} differs from the reference's by {err:.3g} > "
+                                    f"{LOGPROB_ATOL}")
     return None
 
 
@@ -245,15 +263,15 @@ def _near_ties(ref: RefTrace, step: int, got: list[int]) -> list[Flip]:
     return sorted(out, key=lambda f: (f.position, f.layer))
 
 
-def _explain(ref: RefTrace, got: list[int], got_logits, prefix: bool, depth: int) -> list[Flip] | None:
+def _explain(ref: RefTrace, served: _Served, prefix: bool, depth: int) -> list[Flip] | None:
     """The flips (at most MAX_FLIPS - depth) whose counterfactual run the served one is; None if there are none."""
-    m = _first_mismatch(ref, got, got_logits, prefix)
+    m = _first_mismatch(ref, served, prefix)
     if m is None:
         return []
     if depth >= MAX_FLIPS:
         return None
-    for flip in _near_ties(ref, m.step, got):
-        rest = _explain(ref.counterfactual(flip), got, got_logits, prefix, depth + 1)
+    for flip in _near_ties(ref, m.step, served.tokens):
+        rest = _explain(ref.counterfactual(flip), served, prefix, depth + 1)
         if rest is not None:
             return [flip] + rest
     return None
@@ -281,8 +299,9 @@ excuse_tally = ExcuseTally()
 
 
 def compare(ref: RefTrace, got_tokens: list[int], got_logits: list[torch.Tensor] | None = None,
-            label: str = "", prefix: bool = False) -> Verdict:
-    """Check served tokens (and, when given, the logits `[vocab]` per step that chose them) against `ref`.
+            label: str = "", prefix: bool = False, got_logprobs: list[float] | None = None) -> Verdict:
+    """Check served tokens (and, when given, the logits `[vocab]` per step that chose them or the served
+    log-probability of each token) against `ref`.
 
     prefix: the served stream may stop early (a cancelled request): its tokens are checked as a prefix.
     Raises AssertionError naming the step, the difference and the near-ties looked at when the served run is
@@ -290,10 +309,11 @@ def compare(ref: RefTrace, got_tokens: list[int], got_logits: list[torch.Tensor]
     got = [int(t) for t in got_tokens]
     tag = f"{label}: " if label else ""
     excuse_tally.checked += 1
-    m = _first_mismatch(ref, got, got_logits, prefix)
+    served = _Served(got, got_logits, None if got_logprobs is None else [float(x) for x in got_logprobs])
+    m = _first_mismatch(ref, served, prefix)
     if m is None:
         return Verdict(True)
-    flips = _explain(ref, got, got_logits, prefix, 0)
+    flips = _explain(ref, served, prefix, 0)
     if flips is None:
         ties = _near_ties(ref, m.step, got)
         raise AssertionError(
@@ -314,12 +334,13 @@ class References:
         self._traces: dict[tuple, RefTrace] = {}
 
     def trace(self, prompt: list[int], params: SamplingParams) -> RefTrace:
-        key = (tuple(prompt), params)
+        key = (tuple(prompt), replace(params, logprobs=False))  # streaming log-probabilities changes no token
         if key not in self._traces:
             self._traces[key] = reference_trace(self.model, prompt, params)
         return self._traces[key]
 
     def check(self, prompt: list[int], params: SamplingParams, got_tokens: list[int],
-              got_logits: list[torch.Tensor] | None = None, label: str = "", prefix: bool = False) -> Verdict:
+              got_logits: list[torch.Tensor] | None = None, label: str = "", prefix: bool = False,
+              got_logprobs: list[float] | None = None) -> Verdict:
         """:func:`compare` the served tokens of (prompt, params) against the reference's."""
-        return compare(self.trace(prompt, params), got_tokens, got_logits, label, prefix)
+        return compare(self.trace(prompt, params), got_tokens, got_logits, label, prefix, got_logprobs)

@@ -213,7 +213,7 @@ class ClusterFront(cluster_pb2_grpc.ClusterServicer):
                                                           cached_tokens=max(item.cached_tokens, 0),
                                                           drafted_tokens=item.drafted_tokens,
                                                           accepted_tokens=item.accepted_tokens,
-                                                          verify_steps=item.verify_steps)
+                                                          verify_steps=item.verify_steps, logprobs=item.logprobs)
                 if item.finish_reason:
                     finished = True
                     self._count("completed")

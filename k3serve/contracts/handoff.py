@@ -111,6 +111,7 @@ class Handoff:
     first_token_s: float = 0.0
     draft: DraftFeatures | None = None  # the drafter's start state (PrefillConfig.draft_capture), else None
     replay: tuple[int, ...] = ()  # PrefillRequest.replay_ids: first_token is replay[0], not a new token
+    first_logprob: float | None = None  # with params.logprobs (and no replay): first_token's log-probability
 
     # convenience views of the state (empty when it is not inline)
     @property

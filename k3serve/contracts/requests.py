@@ -42,6 +42,7 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     finished: bool = False
     finish_reason: str = ""  # "stop" | "length" | "cancelled"
+    logprobs: tuple[float, ...] = ()  # with params.logprobs: one per token_ids entry (model/sampling.token_logprob)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class StreamEvent:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    logprobs: tuple[float, ...] = ()  # with params.logprobs: one per token_ids entry
 
     @property
     def final(self) -> bool:

@@ -7,7 +7,7 @@ here, in both directions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_TOKENS_LIMIT = 1 << 20
 # Every stop id is compared with every sampled token of the request, on the engine thread that serves the whole
@@ -33,6 +33,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: bool = False  # stream each token's model log-probability (raw logits, before temperature/top-k/p)
 
     @property
     def greedy(self) -> bool:
@@ -59,8 +60,7 @@ class SamplingParams:
 
     def with_max_tokens(self, max_tokens: int) -> "SamplingParams":
         """The same parameters with another token budget (a resumed request's remaining budget)."""
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, max_tokens,
-                              self.stop_token_ids, self.ignore_eos)
+        return replace(self, max_tokens=max_tokens)
 
     # ------------------------------------------------------------------------------------------- wire
     @classmethod
@@ -70,7 +70,7 @@ class SamplingParams:
         No validation here (the router validates public input; clusters validate what they run)."""
         return cls(temperature=float(msg.temperature), top_p=float(msg.top_p) or 1.0, top_k=int(msg.top_k),
                    seed=int(msg.seed), max_tokens=int(msg.max_tokens), stop_token_ids=tuple(msg.stop_token_ids),
-                   ignore_eos=bool(msg.ignore_eos))
+                   ignore_eos=bool(msg.ignore_eos), logprobs=bool(msg.logprobs))
 
     def to_proto(self):
         """As a `k3serve.v1.SamplingParams` message."""
@@ -78,4 +78,5 @@ class SamplingParams:
 
         return router_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                          seed=self.seed, max_tokens=self.max_tokens,
-                                         stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos)
+                                         stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                                         logprobs=self.logprobs)

@@ -32,7 +32,7 @@ from k3serve.engine.spec.drafter import Drafter, DraftSession, VerifyOutcome
 from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.requests import RequestFailure, TokenEvent
 from k3serve.model.profiling import profile_label
-from k3serve.model.sampling import is_stop, sample_token
+from k3serve.model.sampling import is_stop, sample_token, token_logprob
 from k3serve.model.config import ModelConfig
 from k3serve.transfer.inprocess import InProcessChannel
 
@@ -133,7 +133,8 @@ class DecodeEngine:
     def submit(self, handoff: Handoff) -> list[TokenEvent]:
         """Accept a prefilled request (its ticket); its state is installed through the channel once a slot and
         pages are free. Returns the first-token event (the prefill's token is the first one the client sees)."""
-        first = TokenEvent(handoff.request_id, (handoff.first_token,), handoff.finished, handoff.finish_reason)
+        lp = () if handoff.first_logprob is None else (handoff.first_logprob,)
+        first = TokenEvent(handoff.request_id, (handoff.first_token,), handoff.finished, handoff.finish_reason, lp)
         if handoff.replay:  # a resumed request: its first token was streamed before; nothing new yet
             first = None
         if handoff.finished or handoff.state is None:
@@ -279,7 +280,7 @@ class DecodeEngine:
             for i, run in enumerate(batch):
                 self.logits_tap(run.handoff.request_id, logits[i:i + 1])
         events = []
-        for run, tok in zip(batch, toks):
+        for i, (run, tok) in enumerate(zip(batch, toks)):
             if tok is None:
                 continue
             if run.session is not None:
@@ -287,7 +288,7 @@ class DecodeEngine:
                               VerifyOutcome(run.next_position, (run.generated[-1],), (tok,), None))
                 if self.running.get(run.handoff.request_id) is not run:
                     continue
-            ev = self._guarded(run, "stop rule", self._emit, run, (tok,))
+            ev = self._guarded(run, "stop rule", self._emit, run, (tok,), logits[i:i + 1])
             if ev is not None:
                 events.append(ev)
         return events
@@ -317,16 +318,17 @@ class DecodeEngine:
             self._guarded(d.run, "drafter", d.run.session.observe, spec.outcome(d, acc, features, i))
             if self.running.get(d.run.handoff.request_id) is not d.run:
                 continue
-            ev = self._guarded(d.run, "stop rule", self._emit, d.run, acc.tokens)
+            ev = self._guarded(d.run, "stop rule", self._emit, d.run, acc.tokens, logits[i, : len(acc.tokens)])
             if ev is not None:
                 events.append(ev)
         return events
 
-    def _emit(self, run: _Decoding, tokens: tuple[int, ...]) -> TokenEvent:
-        """Append a step's tokens (cut at a stop token or the budget) and finish the request if it ended."""
+    def _emit(self, run: _Decoding, tokens: tuple[int, ...], rows) -> TokenEvent:
+        """Append a step's tokens (cut at a stop token or the budget) and finish the request if it ended.
+        rows: the logits `[len(tokens), vocab]` that chose them (for params.logprobs)."""
         h, now = run.handoff, time.monotonic()
-        out, reason = [], ""
-        for tok in tokens:
+        out, logprobs, reason = [], [], ""
+        for row, tok in zip(rows, tokens, strict=True):
             pos = run.next_position + 1
             if run.replaying:  # feed the next replayed token (the sample is discarded): no event
                 run.generated.append(h.replay[len(run.generated)])
@@ -335,6 +337,8 @@ class DecodeEngine:
             run.generated.append(tok)
             run.token_times.append(now)
             out.append(tok)
+            if h.params.logprobs:
+                logprobs.append(token_logprob(row, tok))
             if is_stop(tok, h.params, self.cfg.eos_token_id):
                 reason = "stop"
             elif run.num_new >= h.params.max_tokens or pos + 1 >= self.cfg.max_position_embeddings:
@@ -343,7 +347,7 @@ class DecodeEngine:
                 break
         if reason:
             self._finish(run)
-        return TokenEvent(h.request_id, tuple(out), bool(reason), reason)
+        return TokenEvent(h.request_id, tuple(out), bool(reason), reason, tuple(logprobs))
 
     def _finish(self, run: _Decoding) -> None:
         h = run.handoff

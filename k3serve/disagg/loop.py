@@ -63,8 +63,9 @@ class DisaggLoop:
         for ev in self.decode.step():
             t = self.decode.timings.get(ev.request_id) if ev.finished else None
             if t is not None and t.verify_steps:
-                yield StreamEvent(ev.request_id, ev.token_ids, ev.finish_reason, -1, None, t.drafted_tokens,
-                                  t.accepted_tokens, t.verify_steps)
+                yield StreamEvent(ev.request_id, ev.token_ids, ev.finish_reason, drafted_tokens=t.drafted_tokens,
+                                  accepted_tokens=t.accepted_tokens, verify_steps=t.verify_steps,
+                                  logprobs=ev.logprobs)
                 continue
             yield _event(ev)
         yield from self._failures()
@@ -75,4 +76,4 @@ class DisaggLoop:
 
 
 def _event(ev: TokenEvent, cached_tokens: int = -1) -> StreamEvent:
-    return StreamEvent(ev.request_id, ev.token_ids, ev.finish_reason, cached_tokens)
+    return StreamEvent(ev.request_id, ev.token_ids, ev.finish_reason, cached_tokens, logprobs=ev.logprobs)

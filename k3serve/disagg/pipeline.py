@@ -33,6 +33,7 @@ class RequestOutput:
     drafted_tokens: int = 0  # speculative decoding (0 when off)
     accepted_tokens: int = 0
     verify_steps: int = 0
+    logprobs: list[float] = field(default_factory=list)  # with params.logprobs: one per token
 
 
 class LocalPipeline:
@@ -86,6 +87,7 @@ class LocalPipeline:
     @staticmethod
     def _apply(out: RequestOutput, ev: StreamEvent) -> None:
         out.token_ids.extend(ev.token_ids)
+        out.logprobs.extend(ev.logprobs)
         if ev.cached_tokens >= 0:
             out.cached_tokens = ev.cached_tokens
         if ev.error is not None:

@@ -29,6 +29,12 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
     return int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)).item())
 
 
+def token_logprob(logits: torch.Tensor, token: int) -> float:
+    """The model's log-probability of `token` under logits `[vocab]`: log-softmax of the raw logits, before
+    temperature, top-k and top-p (what SamplingParams.logprobs streams; comparable across sampling settings)."""
+    return float(torch.log_softmax(logits.detach().float().cpu(), -1)[token])
+
+
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy `params` samples from: logits `[vocab]` -> probs `[vocab]` fp32 (CPU),
     after temperature, top-k and top-p (the speculative acceptance rule compares drafts against it)."""

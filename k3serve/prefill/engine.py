@@ -38,7 +38,7 @@ from k3serve.contracts.errors import ErrorCode
 from k3serve.contracts.numerics import DEFAULT_NUMERICS, Numerics
 from k3serve.contracts.requests import PrefillRequest, RequestFailure
 from k3serve.contracts.sampling import SamplingError
-from k3serve.model.sampling import is_stop, sample_token
+from k3serve.model.sampling import is_stop, sample_token, token_logprob
 from k3serve.model.config import ModelConfig
 from k3serve.model.reference import PromptError, validate_prompt
 from k3serve.transfer.inprocess import InProcessChannel
@@ -305,10 +305,13 @@ class PrefillEngine:
         """streamed: (job, every rank's outcome) when the last chunk already streamed the state."""
         req, n = run.req, run.prompt_len
         try:  # what may raise for this request alone comes before its state leaves (nothing to take back)
+            first_logprob = None
             if req.replay_ids:  # a resumed request: its next token is already known; decode replays the rest
                 first, reason = req.replay_ids[0], ""
             else:
                 first = sample_token(logits, req.params, n)
+                if req.params.logprobs:
+                    first_logprob = token_logprob(logits, first)
                 if self.logits_tap is not None:
                     self.logits_tap(req.request_id, logits[None])
                 stop = is_stop(first, req.params, self.cfg.eos_token_id)
@@ -335,7 +338,7 @@ class PrefillEngine:
         return Handoff(req.request_id, req.session_id, req.prompt_ids, first, req.params, n, run.cached_tokens,
                        state, finished=bool(reason), finish_reason=reason, prefill_started_s=run.started_s,
                        first_token_s=time.monotonic(), draft=draft,
-                       replay=req.replay_ids)
+                       replay=req.replay_ids, first_logprob=first_logprob)
 
     def _release(self, run: _Running, keep_checkpoints: bool) -> None:
         if keep_checkpoints and self.config.enable_prefix_cache:

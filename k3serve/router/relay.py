@@ -99,7 +99,8 @@ def stream_attempt(target: Target, req: ValidRequest, st: Attempts, progress: St
             st.accepted += resp.accepted_tokens
             st.verify_steps += resp.verify_steps
             progress.advance(len(resp.token_ids))
-            msg = router_pb2.GenerateResponse(token_ids=resp.token_ids, finish_reason=resp.finish_reason)
+            msg = router_pb2.GenerateResponse(token_ids=resp.token_ids, finish_reason=resp.finish_reason,
+                                              logprobs=resp.logprobs)
             if tok is not None:
                 msg.text = st.text.decode(resp.token_ids, final=bool(resp.finish_reason))
             if resp.finish_reason:

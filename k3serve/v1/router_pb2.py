@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17k3serve/v1/router.proto\x12\nk3serve.v1\"\x9f\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xaa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x13\n\x0bprompt_text\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.k3serve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\xbe\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x12\n\ncluster_id\x18\x04 \x01(\t\x12\x11\n\tfailovers\x18\x05 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\r\x12\x14\n\x0cverify_steps\x18\x08 \x01(\r\"l\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.k3serve.v1.Usage\"\x16\n\x14\x43lusterStatusRequest\"\xee\x01\n\x0b\x43lusterInfo\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x0f\n\x07suspect\x18\x03 \x01(\x08\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x18\n\x10running_requests\x18\x05 \x01(\r\x12\x17\n\x0finflight_tokens\x18\x06 \x01(\x04\x12\x12\n\nprefill_tp\x18\x07 \x01(\r\x12\x11\n\tdecode_tp\x18\x08 \x01(\r\x12\x17\n\x0fpinned_sessions\x18\t \x01(\r\x12$\n\x05pools\x18\n \x03(\x0b\x32\x15.k3serve.v1.PoolUsage\"9\n\tPoolUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04used\x18\x02 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\"q\n\x0b\x43lassStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0finflight_tokens\x18\x02 \x01(\x04\x12\x19\n\x11inflight_requests\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x10\n\x08rejected\x18\x05 \x01(\x04\"\x9f\x01\n\x15\x43lusterStatusResponse\x12)\n\x08\x63lusters\x18\x01 \x03(\x0b\x32\x17.k3serve.v1.ClusterInfo\x12\x17\n\x0fpinned_sessions\x18\x02 \x01(\r\x12\x18\n\x10membership_stale\x18\x03 \x01(\x08\x12(\n\x07\x63lasses\x18\x04 \x03(\x0b\x32\x17.k3serve.v1.ClassStatus2\xa7\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.k3serve.v1.GenerateRequest\x1a\x1c.k3serve.v1.GenerateResponse0\x01\x12T\n\rClusterStatus\x12 .k3serve.v1.ClusterStatusRequest\x1a!.k3serve.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17k3serve/v1/router.proto\x12\nk3serve.v1\"\xb1\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xaa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x13\n\x0bprompt_text\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.k3serve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\xbe\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x12\n\ncluster_id\x18\x04 \x01(\t\x12\x11\n\tfailovers\x18\x05 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\r\x12\x14\n\x0cverify_steps\x18\x08 \x01(\r\"~\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.k3serve.v1.Usage\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\"\x16\n\x14\x43lusterStatusRequest\"\xee\x01\n\x0b\x43lusterInfo\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x0f\n\x07suspect\x18\x03 \x01(\x08\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x18\n\x10running_requests\x18\x05 \x01(\r\x12\x17\n\x0finflight_tokens\x18\x06 \x01(\x04\x12\x12\n\nprefill_tp\x18\x07 \x01(\r\x12\x11\n\tdecode_tp\x18\x08 \x01(\r\x12\x17\n\x0fpinned_sessions\x18\t \x01(\r\x12$\n\x05pools\x18\n \x03(\x0b\x32\x15.k3serve.v1.PoolUsage\"9\n\tPoolUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04used\x18\x02 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\"q\n\x0b\x43lassStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0finflight_tokens\x18\x02 \x01(\x04\x12\x19\n\x11inflight_requests\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x10\n\x08rejected\x18\x05 \x01(\x04\"\x9f\x01\n\x15\x43lusterStatusResponse\x12)\n\x08\x63lusters\x18\x01 \x03(\x0b\x32\x17.k3serve.v1.ClusterInfo\x12\x17\n\x0fpinned_sessions\x18\x02 \x01(\r\x12\x18\n\x10membership_stale\x18\x03 \x01(\x08\x12(\n\x07\x63lasses\x18\x04 \x03(\x0b\x32\x17.k3serve.v1.ClassStatus2\xa7\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.k3serve.v1.GenerateRequest\x1a\x1c.k3serve.v1.GenerateResponse0\x01\x12T\n\rClusterStatus\x12 .k3serve.v1.ClusterStatusRequest\x1a!.k3serve.v1.ClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'k3serve.v1.router_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=199
-  _globals['_GENERATEREQUEST']._serialized_start=202
-  _globals['_GENERATEREQUEST']._serialized_end=372
-  _globals['_USAGE']._serialized_start=375
-  _globals['_USAGE']._serialized_end=565
-  _globals['_GENERATERESPONSE']._serialized_start=567
-  _globals['_GENERATERESPONSE']._serialized_end=675
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=677
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=699
-  _globals['_CLUSTERINFO']._serialized_start=702
-  _globals['_CLUSTERINFO']._serialized_end=940
-  _globals['_POOLUSAGE']._serialized_start=942
-  _globals['_POOLUSAGE']._serialized_end=999
-  _globals['_CLASSSTATUS']._serialized_start=1001
-  _globals['_CLASSSTATUS']._serialized_end=1114
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1117
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1276
-  _globals['_ROUTER']._serialized_start=1279
-  _globals['_ROUTER']._serialized_end=1446
+  _globals['_SAMPLINGPARAMS']._serialized_end=217
+  _globals['_GENERATEREQUEST']._serialized_start=220
+  _globals['_GENERATEREQUEST']._serialized_end=390
+  _globals['_USAGE']._serialized_start=393
+  _globals['_USAGE']._serialized_end=583
+  _globals['_GENERATERESPONSE']._serialized_start=585
+  _globals['_GENERATERESPONSE']._serialized_end=711
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=713
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=735
+  _globals['_CLUSTERINFO']._serialized_start=738
+  _globals['_CLUSTERINFO']._serialized_end=976
+  _globals['_POOLUSAGE']._serialized_start=978
+  _globals['_POOLUSAGE']._serialized_end=1035
+  _globals['_CLASSSTATUS']._serialized_start=1037
+  _globals['_CLASSSTATUS']._serialized_end=1150
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1153
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1312
+  _globals['_ROUTER']._serialized_start=1315
+  _globals['_ROUTER']._serialized_end=1482
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from k3serve.v1 import router_pb2 as k3serve_dot_v1_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!k3serve/internal/v1/cluster.proto\x12\x13k3serve.internal.v1\x1a\x17k3serve/v1/router.proto\"s\n\x16\x43lusterGenerateRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.k3serve.v1.GenerateRequest\x12\x17\n\x0f\x61\x62solute_offset\x18\x02 \x01(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\t\"\xa1\x01\n\x17\x43lusterGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x14\n\x0cverify_steps\x18\x06 \x01(\r\"\x14\n\x12\x43lusterStatusQuery\"\xed\x01\n\x0c\x43lusterState\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x17\n\x0finflight_tokens\x18\x03 \x01(\x04\x12\x12\n\nprefill_tp\x18\x04 \x01(\r\x12\x11\n\tdecode_tp\x18\x05 \x01(\r\x12?\n\x07metrics\x18\x06 \x03(\x0b\x32..k3serve.internal.v1.ClusterState.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xc8\x01\n\x07\x43luster\x12g\n\x08Generate\x12+.k3serve.internal.v1.ClusterGenerateRequest\x1a,.k3serve.internal.v1.ClusterGenerateResponse0\x01\x12T\n\x06Status\x12\'.k3serve.internal.v1.ClusterStatusQuery\x1a!.k3serve.internal.v1.ClusterStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!k3serve/internal/v1/cluster.proto\x12\x13k3serve.internal.v1\x1a\x17k3serve/v1/router.proto\"s\n\x16\x43lusterGenerateRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.k3serve.v1.GenerateRequest\x12\x17\n\x0f\x61\x62solute_offset\x18\x02 \x01(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\t\"\xb3\x01\n\x17\x43lusterGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x14\n\x0cverify_steps\x18\x06 \x01(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\"\x14\n\x12\x43lusterStatusQuery\"\xed\x01\n\x0c\x43lusterState\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x17\n\x0finflight_tokens\x18\x03 \x01(\x04\x12\x12\n\nprefill_tp\x18\x04 \x01(\r\x12\x11\n\tdecode_tp\x18\x05 \x01(\r\x12?\n\x07metrics\x18\x06 \x03(\x0b\x32..k3serve.internal.v1.ClusterState.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xc8\x01\n\x07\x43luster\x12g\n\x08Generate\x12+.k3serve.internal.v1.ClusterGenerateRequest\x1a,.k3serve.internal.v1.ClusterGenerateResponse0\x01\x12T\n\x06Status\x12\'.k3serve.internal.v1.ClusterStatusQuery\x1a!.k3serve.internal.v1.ClusterStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLUSTERGENERATEREQUEST']._serialized_start=83
   _globals['_CLUSTERGENERATEREQUEST']._serialized_end=198
   _globals['_CLUSTERGENERATERESPONSE']._serialized_start=201
-  _globals['_CLUSTERGENERATERESPONSE']._serialized_end=362
-  _globals['_CLUSTERSTATUSQUERY']._serialized_start=364
-  _globals['_CLUSTERSTATUSQUERY']._serialized_end=384
-  _globals['_CLUSTERSTATE']._serialized_start=387
-  _globals['_CLUSTERSTATE']._serialized_end=624
-  _globals['_CLUSTERSTATE_METRICSENTRY']._serialized_start=578
-  _globals['_CLUSTERSTATE_METRICSENTRY']._serialized_end=624
-  _globals['_CLUSTER']._serialized_start=627
-  _globals['_CLUSTER']._serialized_end=827
+  _globals['_CLUSTERGENERATERESPONSE']._serialized_end=380
+  _globals['_CLUSTERSTATUSQUERY']._serialized_start=382
+  _globals['_CLUSTERSTATUSQUERY']._serialized_end=402
+  _globals['_CLUSTERSTATE']._serialized_start=405
+  _globals['_CLUSTERSTATE']._serialized_end=642
+  _globals['_CLUSTERSTATE_METRICSENTRY']._serialized_start=596
+  _globals['_CLUSTERSTATE_METRICSENTRY']._serialized_end=642
+  _globals['_CLUSTER']._serialized_start=645
+  _globals['_CLUSTER']._serialized_end=845
 # @@protoc_insertion_point(module_scope)

@@ -18,20 +18,22 @@ class ClusterGenerateRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[_router_pb2.GenerateRequest, _Mapping]] = ..., absolute_offset: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ClusterGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "cached_tokens", "drafted_tokens", "accepted_tokens", "verify_steps")
+    __slots__ = ("token_ids", "finish_reason", "cached_tokens", "drafted_tokens", "accepted_tokens", "verify_steps", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     cached_tokens: int
     drafted_tokens: int
     accepted_tokens: int
     verify_steps: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ClusterStatusQuery(_message.Message):
     __slots__ = ()
