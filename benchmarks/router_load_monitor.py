@@ -55,17 +55,14 @@ class Monitor:
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
             t = time.monotonic()  # the state is read during the call: stamp it with the call's midpoint
-            pipe = self.client.pipeline(transaction=True)
-            for c in self.clusters:
-                self.admission.stats_on(pipe, c, "short")
             try:
-                out = pipe.execute()
+                loads = self.admission.stats([(c, "short") for c in self.clusters])
             except (redis.RedisError, OSError) as e:  # a missed sample, counted: the next one reads the state anew
                 self.sample_failures.append(repr(e))
                 continue
             mid = (t + time.monotonic()) / 2
-            self.samples.append((mid, {c: Line(int(count), int(tokens), int(queued))
-                                       for c, (tokens, count, queued) in zip(self.clusters, out)}))
+            self.samples.append((mid, {c: Line(load.count, load.tokens, load.queued)
+                                       for c, load in zip(self.clusters, loads)}))
 
     def _probe(self) -> None:
         # the invariant is that routers answer under load, not how fast: a deadline a loaded 2-core host can miss

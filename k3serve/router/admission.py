@@ -11,11 +11,11 @@ Keys (``{...}`` is a Redis Cluster hash tag: all keys of one (cluster, class) sh
     k3s:{ns}:adm:{CLUSTER/CLASS}:lease   ZSET  request_id -> lease expiry (Redis ms)     in-flight reservations
     k3s:{ns}:adm:{CLUSTER/CLASS}:tok     HASH  request_id -> tokens
     k3s:{ns}:adm:{CLUSTER/CLASS}:end     HASH  request_id -> expected end (Redis ms)        retry-after source
+    k3s:{ns}:adm:{CLUSTER/CLASS}:rel     ZSET  request_id -> until (ms): released, never to be re-asserted
     k3s:{ns}:adm:{CLUSTER/CLASS}:q       ZSET  request_id -> arrival sequence number     waiters, FIFO
     k3s:{ns}:adm:{CLUSTER/CLASS}:qlease  ZSET  request_id -> waiter lease expiry (ms)
     k3s:{ns}:adm:{CLUSTER/CLASS}:qtok    HASH  request_id -> tokens wanted
     k3s:{ns}:adm:{CLUSTER/CLASS}:seq     STRING arrival counter
-    k3s:{ns}:adm:{CLUSTER/CLASS}:rel     ZSET  request_id -> until (ms): released, never to be re-asserted
     k3s:{ns}:adm:alive                   STRING PX a few renew intervals, refreshed by every router's renewer
     k3s:{ns}:adm:recover                 STRING PX grace: present = Redis lost its state, no new admissions
 
@@ -166,32 +166,26 @@ class Admission:
     and a jitter RNG: any number of instances and router processes share budgets through Redis."""
 
     def __init__(self, client: redis.Redis, namespace: str, config: AdmissionConfig = AdmissionConfig(),
-                 rng: random.Random | None = None, sleep=time.sleep, clock=time.monotonic,
                  guard: RecoveryGuard | None = None) -> None:
         self._r, self.config, self.guard = client, config, guard
         self.prefix = key_prefix(namespace)
         self._guard_keys = [f"{self.prefix}adm:alive", f"{self.prefix}adm:recover"]
-        self._rng = rng if rng is not None else random.Random()
+        self._rng = random.Random()
         self._rng_lock = threading.Lock()
-        self._sleep, self._clock = sleep, clock
         self._scripts = {name: client.register_script(getattr(lua, name))
-                         for name in ("RESERVE", "RENEW", "REASSERT", "RELEASE", "TOUCH", "STATS", "HOLDERS")}
+                         for name in ("RESERVE", "REASSERT", "RELEASE", "TOUCH", "LOAD")}
 
     def keys(self, cluster: str, cls: str) -> dict[str, str]:
-        """The keys of one (cluster, class) budget, by role (module docstring)."""
+        """The keys of one (cluster, class) budget by role, in the order its scripts take them (module docstring)."""
         check_id("cluster id", cluster)
         check_id("class name", cls)
         base = f"{self.prefix}adm:{{{cluster}/{cls}}}:"
-        return {k: base + k for k in ("lease", "tok", "end", "q", "qlease", "qtok", "seq", "rel")}
+        return {k: base + k for k in ("lease", "tok", "end", "rel", "q", "qlease", "qtok", "seq")}
 
-    def _k(self, cluster: str, cls: str, n: int) -> list[str]:
-        """The first ``n`` keys in RESERVE's order (3: a lease's, 6: with the queue's)."""
-        return list(self.keys(cluster, cls).values())[:n]
-
-    def _lease_keys(self, r: Reservation) -> list[str]:
-        """lease, tok, end, rel: what RELEASE and REASSERT touch."""
-        k = self.keys(r.cluster, r.cls)
-        return [k["lease"], k["tok"], k["end"], k["rel"]]
+    def _run(self, script: str, cluster: str, cls: str, args: Sequence = (), extra_keys: Sequence[str] = (),
+             client=None):
+        """Run one (cluster, class) script, on ``client`` (a pipeline) when given."""
+        return self._scripts[script](keys=[*self.keys(cluster, cls).values(), *extra_keys], args=args, client=client)
 
     def _guard_args(self) -> tuple[list[str], list[int]]:
         if self.guard is None:
@@ -211,25 +205,20 @@ class Admission:
         if not request_id:
             raise ValueError("empty request_id")
         gkeys, gargs = self._guard_args()
-        status, expiry_ms, qlen, recovering = (int(x) for x in self._scripts["RESERVE"](
-            keys=[*self._k(cluster, cls.name, 7), *gkeys],
+        status, expiry_ms, qlen, recovering = (int(x) for x in self._run(
+            "RESERVE", cluster, cls.name, extra_keys=gkeys,
             args=[request_id, tokens, cls.inflight_token_budget, cls.max_concurrent, ttl_ms(lease_ttl_s), mode,
                   cls.queue_limit, ttl_ms(self.config.queue_lease_s), int(max(expected_s, 0.0) * 1000), *gargs]))
         res = Reservation(cluster, cls.name, request_id, tokens, expiry_ms / 1000.0, lease_ttl_s) \
             if status == _OK else None
         return status, res, qlen, bool(recovering)
 
-    def try_reserve(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int,
-                    lease_ttl_s: float) -> Reservation | None:
-        """Reserve ``tokens`` of ``cls``'s budget on ``cluster`` now, or None (never waits, never queues).
-        Idempotent per ``request_id``: calling again while the reservation is held renews it and returns it."""
-        return self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, lua.TRY)[1]
-
     def reserve_or_wait(self, cluster: str, cls: ClassSpec, request_id: str, tokens: int, lease_ttl_s: float, *,
                         max_wait_s: float | None = None, cancel: threading.Event | None = None,
                         expected_s: float = 0.0) -> Reservation:
         """Reserve, waiting in the class queue up to ``max_wait_s`` (default ``cls.max_wait_s``). ``expected_s``:
         how long the request is expected to hold the reservation (published as its expected end, for hints).
+        Idempotent per ``request_id``: calling again while the reservation is held renews it and returns it.
 
         Raises AdmissionRejected: "queue_full" when the queue already holds ``queue_limit`` waiters, "timeout"
         after the wait, "over_budget" when waiting is disabled (max wait 0), "cancelled" when ``cancel`` is set.
@@ -237,18 +226,10 @@ class Admission:
         wait = cls.max_wait_s if max_wait_s is None else max_wait_s
         mode = lua.WAIT if wait > 0 else lua.TRY
         status, res, qlen, rec = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, mode, expected_s)
-        if status == _OK:
-            return res
-        if status == _NO:
-            raise self.rejected(cluster, cls, tokens, "over_budget",
-                                f"{cls.name} on {cluster}: over budget and no waiting allowed", expected_s, rec)
-        if status == _FULL:
-            raise self.rejected(cluster, cls, tokens, "queue_full",
-                                f"{cls.name} on {cluster}: queue full ({qlen} waiting)", expected_s, rec)
-        deadline = self._clock() + wait
+        deadline = time.monotonic() + wait
         try:
-            while True:
-                now = self._clock()
+            while status == _QUEUED:
+                now = time.monotonic()
                 if cancel is not None and cancel.is_set():
                     raise AdmissionRejected(0.0, f"{request_id} cancelled while queued for {cls.name}", "cancelled",
                                             cluster, cls.name)
@@ -256,36 +237,20 @@ class Admission:
                     self._leave_queue(cluster, cls.name, request_id)  # the hint counts only those still waiting
                     raise self.rejected(cluster, cls, tokens, "timeout",
                                         f"{cls.name} on {cluster}: not admitted within {wait:.3g}s "
-                                        f"({max(qlen - 1, 0)} waiting)", expected_s, rec)
-                self._sleep(min(self._jitter(), deadline - now))
+                                        f"({max(qlen - 1, 0)} waiting)", expected_s=expected_s, recovering=rec)
+                time.sleep(min(self._jitter(), deadline - now))
                 status, res, qlen, rec = self._call_reserve(cluster, cls, request_id, tokens, lease_ttl_s, lua.WAIT,
                                                             expected_s)
-                if status == _OK:
-                    return res
-                # _FULL: our waiter lease lapsed (a stall past queue_lease_s) and the queue filled meanwhile
-                if status == _FULL:
-                    raise self.rejected(cluster, cls, tokens, "queue_full",
-                                        f"{cls.name} on {cluster}: lost its place in a full queue", expected_s, rec)
         except BaseException:
             self._leave_queue(cluster, cls.name, request_id)
             raise
-
-    def renew(self, reservation: Reservation, lease_ttl_s: float | None = None) -> Reservation | None:
-        """Extend the lease by ``lease_ttl_s`` (default: the reservation's) from now; None when the lease was
-        already gone (expired or released): the caller no longer holds budget and should re-reserve or fail."""
-        ttl = reservation.lease_ttl_s if lease_ttl_s is None else lease_ttl_s
-        return self.renew_many([reservation], ttl)[0]
-
-    def renew_many(self, reservations: Sequence[Reservation],
-                   lease_ttl_s: float | None = None) -> list[Reservation | None]:
-        """``renew`` for every reservation a router holds, in one round trip (a pipeline of script calls)."""
-        pipe = self._r.pipeline(transaction=False)
-        for r in reservations:
-            self._scripts["RENEW"](keys=self._k(r.cluster, r.cls, 3),
-                                   args=[r.request_id, ttl_ms(lease_ttl_s or r.lease_ttl_s)], client=pipe)
-        return [None if int(e) == 0 else
-                Reservation(r.cluster, r.cls, r.request_id, r.tokens, int(e) / 1000.0, lease_ttl_s or r.lease_ttl_s)
-                for r, e in zip(reservations, pipe.execute(), strict=True)]
+        if status == _OK:
+            return res
+        # _FULL after waiting: our waiter lease lapsed (a stall past queue_lease_s) and the queue filled meanwhile
+        reason, why = ("over_budget", "over budget and no waiting allowed") if status == _NO \
+            else ("queue_full", f"queue full ({qlen} waiting)")
+        raise self.rejected(cluster, cls, tokens, reason, f"{cls.name} on {cluster}: {why}", expected_s=expected_s,
+                            recovering=rec)
 
     def reassert_many(self, held: Sequence[tuple[Reservation, float]]) -> list[tuple[Reservation, bool]]:
         """Renew the leases of running requests (reservation, expected remaining seconds) in one round trip, and
@@ -293,9 +258,8 @@ class Admission:
         released meanwhile stays released (its new reservation expires at 0)."""
         pipe = self._r.pipeline(transaction=False)
         for r, remaining_s in held:
-            self._scripts["REASSERT"](keys=self._lease_keys(r),
-                                      args=[r.request_id, ttl_ms(r.lease_ttl_s), r.tokens,
-                                            int(max(remaining_s, 0) * 1000)], client=pipe)
+            self._run("REASSERT", r.cluster, r.cls, client=pipe,
+                      args=[r.request_id, ttl_ms(r.lease_ttl_s), r.tokens, int(max(remaining_s, 0) * 1000)])
         return [(Reservation(r.cluster, r.cls, r.request_id, r.tokens, int(expiry) / 1000.0, r.lease_ttl_s),
                  bool(int(lost))) for (r, _), (expiry, lost) in zip(held, pipe.execute(), strict=True)]
 
@@ -305,53 +269,42 @@ class Admission:
             return False
         return bool(int(self._scripts["TOUCH"](keys=self._guard_keys, args=self._guard_args()[1])))
 
-    def release(self, reservation: Reservation) -> bool:
+    def release(self, res: Reservation) -> bool:
         """Return the tokens to the budget. Idempotent: True if this call released them, False if they were
         already gone (released before, or the lease expired)."""
-        return bool(int(self._scripts["RELEASE"](keys=self._lease_keys(reservation),
-                                                 args=[reservation.request_id, ttl_ms(reservation.lease_ttl_s)])))
+        return bool(int(self._run("RELEASE", res.cluster, res.cls, args=[res.request_id, ttl_ms(res.lease_ttl_s)])))
 
     # ---------------------------------------------------------------------------------------- reads
-    def stats(self, cluster: str, cls: str) -> ClassLoad:
-        """In-flight tokens and requests and queue length of one (cluster, class), expired entries purged first."""
-        return self.stats_many([(cluster, cls)])[0]
-
-    def stats_many(self, pairs: Sequence[tuple[str, str]]) -> list[ClassLoad]:
-        """``stats`` of many (cluster, class) pairs in one round trip (status and metrics read them all)."""
-        pipe = self._r.pipeline(transaction=False)
+    def stats(self, pairs: Sequence[tuple[str, str]]) -> list[ClassLoad]:
+        """In-flight tokens and requests and queue length of each (cluster, class), in one atomic round trip."""
+        pipe = self._r.pipeline(transaction=True)
         for cluster, cls in pairs:
-            self.stats_on(pipe, cluster, cls)
-        return [ClassLoad(*(int(x) for x in row)) for row in pipe.execute()]
-
-    def stats_on(self, pipe, cluster: str, cls: str) -> None:
-        """Queue ``stats`` of one (cluster, class) on a caller's pipeline (its row is ``ClassLoad``'s fields), so
-        a monitor can read the raw keys atomically beside it."""
-        self._scripts["STATS"](keys=self._k(cluster, cls, 6), client=pipe)
-
-    def inflight(self, cluster: str, cls: str) -> tuple[int, int]:
-        """(in-flight tokens, in-flight requests) of one (cluster, class)."""
-        s = self.stats(cluster, cls)
-        return s.tokens, s.count
+            self._run("LOAD", cluster, cls, client=pipe)
+        loads = []
+        for row in pipe.execute():
+            held = [int(t) for t in row[3::2]]
+            loads.append(ClassLoad(sum(held), len(held), int(row[1])))
+        return loads
 
     def retry_after(self, cluster: str, cls: ClassSpec, tokens: int, round_s: float = 0.0,
                     unseen: tuple[int, int] = (0, 0)) -> float:
         """``drain_wait_s`` for a request of ``tokens`` on (cluster, cls) behind its waiters, from the holders'
         published ends. ``unseen`` = (requests, tokens) ahead of it that Redis does not show yet (a router's
         streams that hold a stream slot but have not reached admission): counted as waiters ahead."""
-        raw = [int(x) for x in self._scripts["HOLDERS"](keys=self._k(cluster, cls.name, 6))]
+        raw = [int(x) for x in self._run("LOAD", cluster, cls.name)]
         now, queued, queued_tokens = raw[:3]
-        # a holder that published no end (a caller without a duration estimate): the class turns over in about
-        # max_wait_s
+        # a holder that published no end (no duration estimate): the class turns over in about max_wait_s
         unknown = now + int(max(cls.max_wait_s, 0.1) * 1000)
         holders = [(t, e if e >= 0 else unknown) for t, e in zip(raw[3::2], raw[4::2])]
         return drain_wait_s(now, holders, queued + unseen[0], queued_tokens + unseen[1], tokens,
                             cls.inflight_token_budget, cls.max_concurrent, round_s)
 
-    def rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str,
+    def rejected(self, cluster: str, cls: ClassSpec, tokens: int, reason: str, message: str, *,
                  expected_s: float = 0.0, recovering: bool = False, unseen: tuple[int, int] = (0, 0),
                  at_least_s: float = 0.0) -> AdmissionRejected:
-        """The refusal with its hint: the expected drain time (not before ``at_least_s``), scaled late and
-        jittered +0-``HINT_JITTER``; the recovery grace while Redis recovers from a state loss."""
+        """The refusal with its hint: the expected drain time, scaled late and jittered +0-``HINT_JITTER``, not
+        before ``at_least_s`` (a refusing router's own reason, e.g. its stream limit); the recovery grace while
+        Redis recovers from a state loss."""
         if recovering and self.guard is not None:
             return AdmissionRejected(self.guard.grace_s, f"{message} (admission state recovering after a Redis loss)",
                                      reason, cluster, cls.name)
@@ -360,14 +313,9 @@ class Admission:
         except (redis.RedisError, OSError):
             hint = max(cls.max_wait_s, 0.1)  # no holders to read: the queue turns over in about max_wait_s
         with self._rng_lock:
-            hint = max(hint, at_least_s, MIN_RETRY_AFTER_S) * HINT_LATENESS * self._rng.uniform(1.0, 1.0 + HINT_JITTER)
+            # at_least_s is already a hint (slots.retry_after_s scales its own): only the drain estimate runs late
+            hint = max(hint * HINT_LATENESS, at_least_s, MIN_RETRY_AFTER_S) * self._rng.uniform(1.0, 1.0 + HINT_JITTER)
         return AdmissionRejected(round(hint, 3), message, reason, cluster, cls.name)
-
-    def refuse(self, cluster: str, cls: ClassSpec, tokens: int, message: str, *, expected_s: float = 0.0,
-               at_least_s: float = 0.0, unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
-        """The refusal of a request turned away before admission (a router at its stream limit): when this budget
-        is expected to have room for it, not before ``at_least_s`` (the router's own reason to refuse)."""
-        return self.rejected(cluster, cls, tokens, "refused", message, expected_s, False, unseen, at_least_s)
 
     # ------------------------------------------------------------------------------------- internals
     def _leave_queue(self, cluster: str, cls: str, request_id: str) -> None:

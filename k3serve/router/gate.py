@@ -30,8 +30,7 @@ import redis
 import xxhash
 
 from k3serve.contracts.prefix_policy import PrefixCachePolicy
-from k3serve.router.admission import (Admission, AdmissionConfig, AdmissionRejected, ClassSpec, RecoveryGuard,
-                                      Reservation, classify)
+from k3serve.router.admission import Admission, AdmissionRejected, ClassSpec, RecoveryGuard, Reservation, classify
 from k3serve.router.membership import key_prefix
 from k3serve.router.metrics import Counters
 
@@ -50,36 +49,28 @@ class _Held:
 
 class AdmissionGate:
     """Admission for one router process. ``renew_interval_s`` (default min(lease/3, 0.5 s)) is the renewer's beat;
-    with ``recovery`` the state-loss guard holds new admissions for three beats after Redis lost its state;
-    ``config`` the waiting behaviour (``AdmissionConfig``'s defaults when None)."""
+    the state-loss guard holds new admissions for three beats after Redis lost its state."""
 
     def __init__(self, client: redis.Redis, namespace: str, classes: Sequence[ClassSpec], *, enabled: bool = True,
                  lease_ttl_s: float = 10.0, policy: PrefixCachePolicy | None = None, context_ttl_s: float = 3600.0,
-                 renew_interval_s: float | None = None, recovery: bool = True,
-                 config: AdmissionConfig | None = None) -> None:
+                 renew_interval_s: float | None = None) -> None:
         self.client, self.classes, self.enabled = client, list(classes), enabled
         self.policy = policy or PrefixCachePolicy()
         self.lease_ttl_s, self.context_ttl_s = lease_ttl_s, context_ttl_s
         self.renew_interval_s = renew_interval_s or min(lease_ttl_s / 3, 0.5)
-        guard = RecoveryGuard(alive_ttl_s=6 * self.renew_interval_s, grace_s=3 * self.renew_interval_s) \
-            if recovery else None
-        self.admission = Admission(client, namespace, config or AdmissionConfig(), guard=guard)
+        guard = RecoveryGuard(alive_ttl_s=6 * self.renew_interval_s, grace_s=3 * self.renew_interval_s)
+        self.admission = Admission(client, namespace, guard=guard)
         self._prefix = key_prefix(namespace)
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
         self.counters = Counters("bypassed", "reasserted")
-        if guard is not None:
-            try:  # a fresh router on a fresh Redis: nothing to recover, so no grace to wait out
-                client.set(f"{self._prefix}adm:alive", "1", px=int(guard.alive_ttl_s * 1000), nx=True)
-            except (redis.RedisError, OSError) as e:
-                log.warning("admission guard not armed at start (Redis: %s: %s)", type(e).__name__, e)
+        try:  # a fresh router on a fresh Redis: nothing to recover, so no grace to wait out
+            client.set(f"{self._prefix}adm:alive", "1", px=int(guard.alive_ttl_s * 1000), nx=True)
+        except (redis.RedisError, OSError) as e:
+            log.warning("admission guard not armed at start (Redis: %s: %s)", type(e).__name__, e)
         self._closed = threading.Event()
         self._renewer = threading.Thread(target=self._renew_loop, name="lease-renewer", daemon=True)
         self._renewer.start()
-
-    @property
-    def block_size(self) -> int:
-        return self.policy.block_size
 
     # --------------------------------------------------------------------------------------- classification
     def uncached_tokens(self, session: str, prompt: Sequence[int], cluster: str | None = None) -> int:
@@ -150,15 +141,9 @@ class AdmissionGate:
     def refuse(self, cluster: str, cls: ClassSpec, uncached: int, message: str, *, expected_s: float = 0.0,
                at_least_s: float = 0.0, unseen: tuple[int, int] = (0, 0)) -> AdmissionRejected:
         """The refusal of a request turned away before admission (a router at its stream limit), hinted when
-        (cluster, cls) is expected to have room for it, not before ``at_least_s`` (Admission.refuse). Redis
-        unusable: the hint is ``at_least_s``."""
-        try:
-            rej = self.admission.refuse(cluster, cls, max(uncached, 1), message, expected_s=expected_s,
-                                        at_least_s=at_least_s, unseen=unseen)
-        except (redis.RedisError, OSError) as e:
-            log.info("refusal hinted by the router alone (Redis: %s: %s)", type(e).__name__, e)
-            rej = AdmissionRejected(max(at_least_s, 0.05), message, "refused", cluster, cls.name)
-        return self._refused(rej)
+        (cluster, cls) is expected to have room for it, not before ``at_least_s`` (Admission.rejected)."""
+        return self._refused(self.admission.rejected(cluster, cls, max(uncached, 1), "refused", message,
+                                                     expected_s=expected_s, unseen=unseen, at_least_s=at_least_s))
 
     def move(self, res: Reservation | None, cluster: str) -> Reservation | None:
         """A failover: the request keeps the class and tokens it was admitted with, now held on ``cluster``.
@@ -167,13 +152,12 @@ class AdmissionGate:
         budget until it ends; the next admissions there wait for it)."""
         if res is None:
             return None
-        with self._lock:
-            held = self._held.pop(res.request_id, None)
-        self._release_in_redis(res)
         new = Reservation(cluster, res.cls, res.request_id, res.tokens, 0.0, res.lease_ttl_s)
-        remaining = held.remaining_s if held else (lambda: 0.0)
         with self._lock:
-            self._held[new.request_id] = _Held(new, remaining)
+            held = self._held.get(res.request_id)
+            remaining = held.remaining_s if held else (lambda: 0.0)
+            self._held[res.request_id] = _Held(new, remaining)
+        self._release_in_redis(res)
         try:
             [(new, _)] = self.admission.reassert_many([(new, remaining())])
         except (redis.RedisError, OSError) as e:
@@ -192,10 +176,6 @@ class AdmissionGate:
             self.admission.release(res)
         except (redis.RedisError, OSError) as e:
             log.info("release of %s deferred to its lease (Redis: %s)", res.request_id, type(e).__name__)
-
-    def held(self) -> list[Reservation]:
-        with self._lock:
-            return [h.res for h in self._held.values()]
 
     def _renew_loop(self) -> None:
         while not self._closed.wait(self.renew_interval_s):
@@ -219,8 +199,8 @@ class AdmissionGate:
         with self._lock:
             for (old, _), (new, lost) in zip(held, renewed):
                 h = self._held.get(old.request_id)
-                if h is None:
-                    gone.append(new)  # released while we renewed: the renewal must not resurrect it
+                if h is None or h.res is not old:
+                    gone.append(new)  # released or moved while we renewed: the renewal must not resurrect it
                     continue
                 h.res = new
                 if lost:
@@ -234,7 +214,7 @@ class AdmissionGate:
         """Per class: in-flight tokens, requests and queued waiters summed over `clusters` (one round trip)."""
         pairs = [(c, cls.name) for cls in self.classes for c in clusters]
         try:
-            loads = self.admission.stats_many(pairs)
+            loads = self.admission.stats(pairs)
         except (redis.RedisError, OSError) as e:
             log.info("class stats unavailable (Redis: %s)", type(e).__name__)
             loads = []

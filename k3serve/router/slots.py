@@ -1,20 +1,18 @@
 """The router's bound on concurrent Generate streams, so that no request waits in a hidden queue.
 
-gRPC's thread pool serves one stream per thread, and a request that waits for admission waits on its thread
-too. Without a bound, streams beyond the pool queue invisibly inside gRPC, and health checks and status queue
-behind them. So the server runs ``max_streams`` + headroom threads (the headroom keeps health, status and quick
-rejections answering), and a stream over ``max_streams`` is refused at once with RESOURCE_EXHAUSTED and a
-retry-after: when its streams are expected to have freed slots (see ``retry_after_s``), or when the admission
-budget the request would join is expected to have room, whichever is later (server.py).
+gRPC serves one stream per thread, and a request waiting for admission waits on its thread too: streams beyond
+the pool would queue invisibly inside gRPC, with health checks and status behind them. So the server runs
+``max_streams`` + headroom threads (for health, status and quick rejections) and refuses a stream over
+``max_streams`` at once with RESOURCE_EXHAUSTED and a retry-after: when its streams are expected to have freed
+slots (``retry_after_s``) or the admission budget it would join to have room, whichever is later (server.py).
 """
 
 from __future__ import annotations
 
 import threading
 
-from k3serve.router.retry_hint import HINT_LATENESS, MIN_RETRY_AFTER_S
 from k3serve.router.progress import StreamProgress
-
+from k3serve.router.retry_hint import HINT_LATENESS, MIN_RETRY_AFTER_S
 
 
 class StreamSlots:

@@ -189,8 +189,8 @@ def test_router_kill_loses_nothing_for_clients_that_retry(deployment):
     adm = Admission(connect(deployment.redis_url), deployment.deploy.control.namespace)
     deadline = time.monotonic() + 20
     while True:
-        held = sum(adm.inflight(c, cls.name)[1] for c in deployment.cluster_endpoints
-                   for cls in deployment.deploy.request_classes)
+        held = sum(load.count for load in adm.stats([(c, cls.name) for c in deployment.cluster_endpoints
+                                                     for cls in deployment.deploy.request_classes]))
         if held == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.5)

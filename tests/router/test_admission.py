@@ -3,6 +3,7 @@ limit and max wait."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -13,7 +14,9 @@ from k3serve.router.admission import (
     Admission,
     AdmissionConfig,
     AdmissionRejected,
+    ClassLoad,
     ClassSpec,
+    Reservation,
     classify,
     validate_classes,
 )
@@ -28,6 +31,22 @@ def spec(**kw) -> ClassSpec:
                 queue_limit=8, max_wait_s=1.0)  # fmt: skip
     base.update(kw)
     return ClassSpec(**base)
+
+
+def reserve_now(adm: Admission, cluster: str, cls: ClassSpec, request_id: str, tokens: int,
+                lease_ttl_s: float) -> Reservation | None:
+    """The reservation, or None when not admitted at once: the production entry point with waiting disabled."""
+    try:
+        return adm.reserve_or_wait(cluster, cls, request_id, tokens, lease_ttl_s, max_wait_s=0)
+    except AdmissionRejected as e:
+        assert e.reason == "over_budget"
+        return None
+
+
+def load(adm: Admission, cls: str = "short") -> ClassLoad:
+    """In-flight tokens, in-flight requests and waiters of (c0, cls)."""
+    [got] = adm.stats([("c0", cls)])
+    return got
 
 
 def in_thread(fn, *args, **kw):
@@ -87,97 +106,95 @@ def test_class_spec_validation():
 # ----------------------------------------------------------------------------------------- budget math
 def test_budget_math_and_release(rclient, ns):
     adm = Admission(rclient, ns)
-    r1 = adm.try_reserve("c0", SHORT, "r1", 600, lease_ttl_s=30)
-    r2 = adm.try_reserve("c0", SHORT, "r2", 400, lease_ttl_s=30)
+    r1 = reserve_now(adm, "c0", SHORT, "r1", 600, lease_ttl_s=30)
+    r2 = reserve_now(adm, "c0", SHORT, "r2", 400, lease_ttl_s=30)
     assert r1 and r2 and r1.tokens == 600 and r1.cls == "short" and r1.cluster == "c0"
-    assert adm.inflight("c0", "short") == (1000, 2)
-    assert adm.try_reserve("c0", SHORT, "r3", 1, lease_ttl_s=30) is None  # 1001 > 1000
-    assert adm.try_reserve("c1", SHORT, "r3", 1, lease_ttl_s=30)  # other cluster: its own budget
+    assert load(adm) == ClassLoad(1000, 2, 0)
+    assert reserve_now(adm, "c0", SHORT, "r3", 1, lease_ttl_s=30) is None  # 1001 > 1000
+    assert reserve_now(adm, "c1", SHORT, "r3", 1, lease_ttl_s=30)  # other cluster: its own budget
     assert adm.release(r2) is True
     assert adm.release(r2) is False  # idempotent
-    assert adm.inflight("c0", "short") == (600, 1)
-    assert adm.try_reserve("c0", SHORT, "r3", 400, lease_ttl_s=30)
-    assert adm.stats("c0", "short").queued == 0
+    assert load(adm) == ClassLoad(600, 1, 0)
+    assert reserve_now(adm, "c0", SHORT, "r3", 400, lease_ttl_s=30)
+    assert load(adm).queued == 0
 
 
 def test_max_concurrent(rclient, ns):
     adm = Admission(rclient, ns)
-    got = [adm.try_reserve("c0", SHORT, f"r{i}", 1, 30) for i in range(6)]
+    got = [reserve_now(adm, "c0", SHORT, f"r{i}", 1, 30) for i in range(6)]
     assert [g is not None for g in got] == [True] * 4 + [False] * 2
-    assert adm.inflight("c0", "short") == (4, 4)
+    assert load(adm) == ClassLoad(4, 4, 0)
 
 
 def test_reserve_is_idempotent_per_request_id(rclient, ns):
     adm = Admission(rclient, ns)
-    a = adm.try_reserve("c0", SHORT, "r1", 600, 30)
-    b = adm.try_reserve("c0", SHORT, "r1", 600, 30)  # e.g. a retry after a lost reply
+    a = reserve_now(adm, "c0", SHORT, "r1", 600, 30)
+    b = reserve_now(adm, "c0", SHORT, "r1", 600, 30)  # e.g. a retry after a lost reply
     assert a and b and b.expires_at >= a.expires_at
-    assert adm.inflight("c0", "short") == (600, 1)
+    assert load(adm) == ClassLoad(600, 1, 0)
 
 
 def test_oversized_request_runs_alone(rclient, ns):
     adm = Admission(rclient, ns)
-    small = adm.try_reserve("c0", SHORT, "small", 10, 30)
-    assert adm.try_reserve("c0", SHORT, "big", 5000, 30) is None  # > budget: only when the class is empty
+    small = reserve_now(adm, "c0", SHORT, "small", 10, 30)
+    assert reserve_now(adm, "c0", SHORT, "big", 5000, 30) is None  # > budget: only when the class is empty
     adm.release(small)
-    big = adm.try_reserve("c0", SHORT, "big", 5000, 30)
+    big = reserve_now(adm, "c0", SHORT, "big", 5000, 30)
     assert big is not None
-    assert adm.inflight("c0", "short") == (5000, 1)
-    assert adm.try_reserve("c0", SHORT, "small2", 1, 30) is None  # nothing joins it
+    assert load(adm) == ClassLoad(5000, 1, 0)
+    assert reserve_now(adm, "c0", SHORT, "small2", 1, 30) is None  # nothing joins it
     adm.release(big)
-    assert adm.try_reserve("c0", SHORT, "small2", 1, 30)
+    assert reserve_now(adm, "c0", SHORT, "small2", 1, 30)
 
 
 def test_keys_are_namespaced_and_hash_tagged(rclient, ns):
     adm = Admission(rclient, ns)
-    adm.try_reserve("c0", SHORT, "r1", 10, 30)
+    reserve_now(adm, "c0", SHORT, "r1", 10, 30)
     keys = set(rclient.keys(f"k3s:{ns}:*"))
     assert keys == {f"k3s:{ns}:adm:{{c0/short}}:lease", f"k3s:{ns}:adm:{{c0/short}}:tok"}
     with pytest.raises(ValueError):
-        adm.try_reserve("c:0", SHORT, "r1", 10, 30)
+        reserve_now(adm, "c:0", SHORT, "r1", 10, 30)
     with pytest.raises(ValueError):
-        adm.try_reserve("c0", SHORT, "r2", -1, 30)
+        reserve_now(adm, "c0", SHORT, "r2", -1, 30)
     with pytest.raises(ValueError):
-        adm.try_reserve("c0", SHORT, "r2", 1, 0)
+        reserve_now(adm, "c0", SHORT, "r2", 1, 0)
 
 
 # ----------------------------------------------------------------------------------------------- leases
 def test_lease_expiry_after_a_crashed_router(new_client, ns):
     crashed = Admission(new_client(), ns)
-    assert crashed.try_reserve("c0", SHORT, "lost", 1000, lease_ttl_s=0.3)
+    assert reserve_now(crashed, "c0", SHORT, "lost", 1000, lease_ttl_s=0.3)
     # ... the router dies here: no renew, no release.
     other = Admission(new_client(), ns)
-    assert other.try_reserve("c0", SHORT, "next", 500, lease_ttl_s=30) is None
+    assert reserve_now(other, "c0", SHORT, "next", 500, lease_ttl_s=30) is None
     time.sleep(0.35)
-    assert other.try_reserve("c0", SHORT, "next", 500, lease_ttl_s=30) is not None
-    assert other.inflight("c0", "short") == (500, 1)
+    assert reserve_now(other, "c0", SHORT, "next", 500, lease_ttl_s=30) is not None
+    assert load(other) == ClassLoad(500, 1, 0)
 
 
-def test_renew_keeps_and_expired_lease_is_not_revived(rclient, ns):
+def test_renewal_keeps_the_lease_and_an_expired_one_is_not_revived(rclient, ns):
     adm = Admission(rclient, ns)
-    r = adm.try_reserve("c0", SHORT, "r1", 1000, lease_ttl_s=0.3)
+    r = reserve_now(adm, "c0", SHORT, "r1", 1000, lease_ttl_s=0.3)
     time.sleep(0.2)
-    r2 = adm.renew(r, lease_ttl_s=0.6)
-    assert r2 is not None and r2.expires_at > r.expires_at and r2.lease_ttl_s == 0.6
+    [(r2, lost)] = adm.reassert_many([(dataclasses.replace(r, lease_ttl_s=0.6), 1.0)])  # the renewer's beat
+    assert not lost and r2.expires_at > r.expires_at and r2.lease_ttl_s == 0.6
     time.sleep(0.2)  # past the first lease, within the renewed one
-    assert adm.try_reserve("c0", SHORT, "r2", 1, 30) is None
-    [r3] = adm.renew_many([r2])
-    assert r3 is not None
-    time.sleep(0.65)
-    assert adm.renew(r3) is None  # expired: budget may be promised elsewhere
-    assert adm.renew_many([r3]) == [None]
-    assert adm.inflight("c0", "short") == (0, 0)
-    assert adm.release(r3) is False
+    assert reserve_now(adm, "c0", SHORT, "r2", 1, 30) is None
+    time.sleep(0.5)
+    assert load(adm) == ClassLoad(0, 0, 0)  # expired: budget may be promised elsewhere
+    assert adm.release(r2) is False
+    [(r3, lost)] = adm.reassert_many([(r2, 1.0)])  # a renewal after the release does not revive it
+    assert r3.expires_at == 0 and not lost and load(adm) == ClassLoad(0, 0, 0)
 
 
 def test_budgets_survive_a_router_restart(new_client, ns):
     before = Admission(new_client(), ns)
-    r = before.try_reserve("c0", SHORT, "r1", 900, 30)
+    r = reserve_now(before, "c0", SHORT, "r1", 900, 30)
     after = Admission(new_client(), ns)  # a new process: all state is in Redis
-    assert after.inflight("c0", "short") == (900, 1)
-    assert after.try_reserve("c0", SHORT, "r2", 200, 30) is None
+    assert load(after) == ClassLoad(900, 1, 0)
+    assert reserve_now(after, "c0", SHORT, "r2", 200, 30) is None
     assert after.release(r)  # and it can release what the old one reserved
-    assert after.try_reserve("c0", SHORT, "r2", 200, 30)
+    assert reserve_now(after, "c0", SHORT, "r2", 200, 30)
 
 
 # ------------------------------------------------------------------------------------------------- races
@@ -210,7 +227,7 @@ def test_racing_routers_never_exceed_the_budget(new_client, ns):
             while time.monotonic() < deadline:
                 i += 1
                 tokens = rng.randint(50, 400)
-                r = adm.try_reserve("c0", cls, f"w{wid}-{i}", tokens, 30)
+                r = reserve_now(adm, "c0", cls, f"w{wid}-{i}", tokens, 30)
                 if r is None:
                     continue
                 with lock:
@@ -219,9 +236,9 @@ def test_racing_routers_never_exceed_the_budget(new_client, ns):
                     state["grants"] += 1
                     state["max_tokens"] = max(state["max_tokens"], state["tokens"])
                     state["max_count"] = max(state["max_count"], state["count"])
-                t, c = adm.inflight("c0", cls.name)
-                if t > cls.inflight_token_budget or c > cls.max_concurrent:
-                    errors.append((t, c))
+                now = load(adm, cls.name)
+                if now.tokens > cls.inflight_token_budget or now.count > cls.max_concurrent:
+                    errors.append(now)
                 with lock:
                     state["tokens"] -= tokens
                     state["count"] -= 1
@@ -235,7 +252,7 @@ def test_racing_routers_never_exceed_the_budget(new_client, ns):
     assert state["max_count"] <= cls.max_concurrent
     assert state["grants"] > 100
     assert state["max_tokens"] >= cls.inflight_token_budget - 400  # the budget was actually contended
-    assert routers[0].inflight("c0", cls.name) == (0, 0)
+    assert load(routers[0], cls.name) == ClassLoad(0, 0, 0)
 
 
 def test_racing_waiters_all_get_in_without_exceeding(new_client, ns):
@@ -266,7 +283,7 @@ def test_racing_waiters_all_get_in_without_exceeding(new_client, ns):
     assert not errors
     assert state["done"] == 48
     assert state["max"] <= 1000
-    assert routers[0].stats("c0", "short").queued == 0
+    assert load(routers[0]).queued == 0
 
 
 # ------------------------------------------------------------------------------------------- waiting
@@ -275,7 +292,7 @@ def test_queue_full_is_rejected_at_once_with_a_retry_hint(rclient, ns):
     cls = spec(queue_limit=2, max_wait_s=2.0)
     holder = adm.reserve_or_wait("c0", cls, "holder", 1000, 30, expected_s=2.0)
     waiters = [in_thread(adm.reserve_or_wait, "c0", cls, f"w{i}", 600, 30) for i in range(2)]
-    assert wait_until(lambda: adm.stats("c0", "short").queued == 2)
+    assert wait_until(lambda: load(adm).queued == 2)
     t0 = time.monotonic()
     with pytest.raises(AdmissionRejected) as e:
         adm.reserve_or_wait("c0", cls, "third", 600, 30)
@@ -293,20 +310,20 @@ def test_queue_full_is_rejected_at_once_with_a_retry_hint(rclient, ns):
     for t, box in waiters:
         t.join(2)
         assert "value" in box, box
-    assert adm.stats("c0", "short").queued == 0
+    assert load(adm).queued == 0
 
 
 def test_max_wait_times_out_and_leaves_the_queue(rclient, ns):
     adm = Admission(rclient, ns, FAST)
     cls = spec(max_wait_s=0.2)
-    adm.try_reserve("c0", cls, "holder", 1000, 30)
+    reserve_now(adm, "c0", cls, "holder", 1000, 30)
     t0 = time.monotonic()
     with pytest.raises(AdmissionRejected) as e:
         adm.reserve_or_wait("c0", cls, "late", 10, 30)
     waited = time.monotonic() - t0
     assert 0.2 <= waited < 0.5
     assert e.value.reason == "timeout" and e.value.retry_after_s > 0 and "short" in e.value.message
-    assert adm.stats("c0", "short").queued == 0
+    assert load(adm).queued == 0
     with pytest.raises(AdmissionRejected) as e:  # waiting disabled
         adm.reserve_or_wait("c0", spec(max_wait_s=0), "now", 10, 30)
     assert e.value.reason == "over_budget"
@@ -317,44 +334,44 @@ def test_max_wait_times_out_and_leaves_the_queue(rclient, ns):
 
 def test_cancel_while_waiting(rclient, ns):
     adm = Admission(rclient, ns, FAST)
-    adm.try_reserve("c0", SHORT, "holder", 1000, 30)
+    reserve_now(adm, "c0", SHORT, "holder", 1000, 30)
     cancel = threading.Event()
     t, box = in_thread(adm.reserve_or_wait, "c0", SHORT, "w", 10, 30, cancel=cancel)
-    assert wait_until(lambda: adm.stats("c0", "short").queued == 1)
+    assert wait_until(lambda: load(adm).queued == 1)
     cancel.set()
     t.join(2)
     assert box["error"].reason == "cancelled"
-    assert adm.stats("c0", "short").queued == 0
+    assert load(adm).queued == 0
 
 
 def test_a_waiting_oversized_request_is_not_starved(rclient, ns):
     """Small requests keep coming; the oversized head of the queue blocks newcomers so the class drains."""
     adm = Admission(rclient, ns, FAST)
     cls = spec(max_wait_s=3.0)
-    a = adm.try_reserve("c0", cls, "a", 100, 30)
+    a = reserve_now(adm, "c0", cls, "a", 100, 30)
     t, box = in_thread(adm.reserve_or_wait, "c0", cls, "big", 5000, 30)
-    assert wait_until(lambda: adm.stats("c0", "short").queued == 1)
-    assert adm.try_reserve("c0", cls, "b", 100, 30) is None  # would fit the budget, but may not pass the head
+    assert wait_until(lambda: load(adm).queued == 1)
+    assert reserve_now(adm, "c0", cls, "b", 100, 30) is None  # would fit the budget, but may not pass the head
     adm.release(a)
     t.join(2)
     assert "value" in box and box["value"].tokens == 5000
-    assert adm.try_reserve("c0", cls, "b", 100, 30) is None  # the big one runs alone
+    assert reserve_now(adm, "c0", cls, "b", 100, 30) is None  # the big one runs alone
     adm.release(box["value"])
-    assert adm.try_reserve("c0", cls, "b", 100, 30)
+    assert reserve_now(adm, "c0", cls, "b", 100, 30)
 
 
 def test_newcomers_cannot_delay_a_blocked_head(rclient, ns):
     adm = Admission(rclient, ns, FAST)
     cls = spec(max_wait_s=3.0)
-    adm.try_reserve("c0", cls, "a", 500, 30)
-    b = adm.try_reserve("c0", cls, "b", 400, 30)
+    reserve_now(adm, "c0", cls, "a", 500, 30)
+    b = reserve_now(adm, "c0", cls, "b", 400, 30)
     t, box = in_thread(adm.reserve_or_wait, "c0", cls, "head", 200, 30)  # 900 + 200 > 1000: waits
-    assert wait_until(lambda: adm.stats("c0", "short").queued == 1)
-    assert adm.try_reserve("c0", cls, "tiny", 50, 30) is None  # fits (950), but the head would not fit after it
+    assert wait_until(lambda: load(adm).queued == 1)
+    assert reserve_now(adm, "c0", cls, "tiny", 50, 30) is None  # fits (950), but the head would not fit after it
     adm.release(b)
     t.join(2)
     assert "value" in box  # 500 + 200
-    assert adm.try_reserve("c0", cls, "tiny", 50, 30)  # 750, nobody waiting
+    assert reserve_now(adm, "c0", cls, "tiny", 50, 30)  # 750, nobody waiting
 
 
 def frozen_waiter(adm: Admission, cls: ClassSpec, request_id: str, tokens: int) -> None:
@@ -366,25 +383,25 @@ def frozen_waiter(adm: Admission, cls: ClassSpec, request_id: str, tokens: int) 
 def test_newcomers_may_pass_a_head_that_still_fits(rclient, ns):
     adm = Admission(rclient, ns)
     cls = spec()
-    a = adm.try_reserve("c0", cls, "a", 900, 30)
+    a = reserve_now(adm, "c0", cls, "a", 900, 30)
     frozen_waiter(adm, cls, "head", 200)
     adm.release(a)  # the head would fit now, but has not polled yet
-    assert adm.try_reserve("c0", cls, "n1", 500, 30)  # 500 + head 200 <= 1000: may pass
-    assert adm.try_reserve("c0", cls, "n2", 400, 30) is None  # 900 + head 200 > 1000: may not
-    assert adm.try_reserve("c0", cls, "head", 200, 30)  # the head's next poll gets in
-    assert adm.inflight("c0", "short") == (700, 2)
+    assert reserve_now(adm, "c0", cls, "n1", 500, 30)  # 500 + head 200 <= 1000: may pass
+    assert reserve_now(adm, "c0", cls, "n2", 400, 30) is None  # 900 + head 200 > 1000: may not
+    assert reserve_now(adm, "c0", cls, "head", 200, 30)  # the head's next poll gets in
+    assert load(adm) == ClassLoad(700, 2, 0)
 
 
 def test_a_crashed_waiter_leaves_the_queue_after_its_lease(new_client, ns):
     cfg = AdmissionConfig(poll_min_s=0.002, poll_max_s=0.01, queue_lease_s=0.3)
     crashed, other = Admission(new_client(), ns, cfg), Admission(new_client(), ns, cfg)
     cls = spec(queue_limit=1, max_wait_s=5.0)
-    other.try_reserve("c0", cls, "holder", 900, 30)
+    reserve_now(other, "c0", cls, "holder", 900, 30)
     frozen_waiter(crashed, cls, "ghost", 500)
     with pytest.raises(AdmissionRejected) as e:  # the queue (limit 1) is full of the ghost
         other.reserve_or_wait("c0", cls, "x", 50, 30)
     assert e.value.reason == "queue_full"
-    assert other.try_reserve("c0", cls, "x", 50, 30) is None  # and the ghost head (500) would not fit after it
+    assert reserve_now(other, "c0", cls, "x", 50, 30) is None  # and the ghost head (500) would not fit after it
     time.sleep(0.35)
-    assert other.try_reserve("c0", cls, "x", 50, 30) is not None  # its waiter lease ran out
-    assert other.stats("c0", "short").queued == 0
+    assert reserve_now(other, "c0", cls, "x", 50, 30) is not None  # its waiter lease ran out
+    assert load(other).queued == 0

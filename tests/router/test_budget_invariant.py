@@ -54,12 +54,12 @@ def test_budget_holds_when_redis_loses_the_leases_mid_stream(own_redis, ns, faul
         time.sleep(1.2)  # a few renewal beats: A has put its leases back; the newcomer must still wait
         assert "res" not in box, "admitted over budget while A's two streams still run"
         probe = Admission(connect(own_redis.url), ns)
-        assert probe.stats("c0", "short").count == 2
+        assert probe.stats([("c0", "short")])[0].count == 2
         assert a.counters["reasserted"] >= 2  # A knows it had lost them
         a.release(running[0])
         waiter.join(5)
         assert box.get("res") is not None  # the freed budget goes to the newcomer, and only then
-        assert probe.stats("c0", "short").count == 2
+        assert probe.stats([("c0", "short")])[0].count == 2
     finally:
         a.close()
         b.close()
@@ -71,13 +71,13 @@ def test_a_renewal_racing_a_release_never_puts_the_lease_back(rclient, ns):
     rooms until the renewer noticed; the router-load burst sampled exactly that)."""
     adm = Admission(rclient, ns)
     cls = CLASSES[0]
-    ended = adm.try_reserve("c0", cls, "ended", 10, 5.0)
-    running = adm.try_reserve("c0", cls, "running", 10, 5.0)
+    ended = adm.reserve_or_wait("c0", cls, "ended", 10, 5.0, max_wait_s=0)
+    running = adm.reserve_or_wait("c0", cls, "running", 10, 5.0, max_wait_s=0)
     snapshot = [(ended, 1.0), (running, 1.0)]  # what the renewer read
     adm.release(ended)
-    newcomer = adm.try_reserve("c0", cls, "newcomer", 10, 5.0)
+    newcomer = adm.reserve_or_wait("c0", cls, "newcomer", 10, 5.0, max_wait_s=0)  # admitted at once, or raises
     assert newcomer is not None
     (_, put_back), (_, lost) = adm.reassert_many(snapshot)
-    assert not put_back and not lost and adm.stats("c0", "short").count == 2
+    assert not put_back and not lost and adm.stats([("c0", "short")])[0].count == 2
     rclient.delete(adm.keys("c0", "short")["lease"])  # Redis forgets a running lease: that one is put back
     assert adm.reassert_many([(running, 1.0)])[0][1] is True

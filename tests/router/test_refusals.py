@@ -22,8 +22,8 @@ def test_the_room_a_refused_request_was_denied_goes_to_the_next_one_present(rcli
             adm.reserve_or_wait("c0", ONE, f"gone{i}", 10, 30, expected_s=1.0)
         assert e.value.reason == "over_budget" and e.value.retry_after_s > 0
     adm.release(holder)
-    assert adm.stats("c0", "short") == ClassLoad(0, 0, 0)  # nothing left of them
-    assert adm.try_reserve("c0", ONE, "newcomer", 10, 30) is not None
+    assert adm.stats([("c0", "short")]) == [ClassLoad(0, 0, 0)]  # nothing left of them
+    assert adm.reserve_or_wait("c0", ONE, "newcomer", 10, 30) is not None  # at once: ONE never waits
 
 
 def test_a_waiter_that_times_out_leaves_the_line_and_those_behind_move_up(rclient, ns):
@@ -45,7 +45,7 @@ def test_a_waiter_that_times_out_leaves_the_line_and_those_behind_move_up(rclien
     second.start()
     first.join(3)
     assert isinstance(box["impatient"], AdmissionRejected) and box["impatient"].reason == "timeout"
-    assert adm.stats("c0", "short").queued == 1  # only the one still waiting
+    assert adm.stats([("c0", "short")])[0].queued == 1  # only the one still waiting
     adm.release(holder)
     second.join(3)
     assert box["patient"].cls == "short"  # admitted: the timed-out waiter held no place ahead of it
@@ -65,8 +65,17 @@ def test_the_budget_holds_through_a_flush_with_refused_requests_around(rclient, 
         time.sleep(0.5)  # the renewer puts the running lease back
         with pytest.raises(AdmissionRejected):
             gate.admit("c0", "r", 10)
-        assert probe.stats("c0", "short").count == 1
+        assert probe.stats([("c0", "short")])[0].count == 1
         gate.release(running)
         assert gate.admit("c0", "r2", 10) is not None
     finally:
         gate.close()
+
+
+def test_a_refusing_routers_own_hint_is_a_floor_not_scaled_again(rclient, ns):
+    """A router at its stream limit passes slots.retry_after_s (already scaled late) as at_least_s: the refusal's
+    hint is that floor (plus jitter) when the class budget would drain sooner, not the floor scaled once more."""
+    from k3serve.router.retry_hint import HINT_JITTER
+
+    rej = Admission(rclient, ns).rejected("c0", ONE, 10, "refused", "router full", expected_s=0.1, at_least_s=10.0)
+    assert 10.0 <= rej.retry_after_s <= 10.0 * (1 + HINT_JITTER) + 1e-3
