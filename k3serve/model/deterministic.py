@@ -1,9 +1,11 @@
 """The model's matmul and reduction operators per numerics mode (contracts/numerics.py, docs/numerics.md).
 
 Layers call ``ops.linear`` (replicated or column-parallel weights), ``ops.row_linear`` (row-parallel: the
-TP-reduced result) and ``ops.reduce`` (a rank's partial sum of whole-row outputs); :class:`DefaultOps` is the
-former code (``F.linear`` and one all-reduce), :class:`DeterministicOps` computes the same values in shapes
-and orders that do not depend on how many rows share the call or on the TP degree:
+TP-reduced result), ``ops.reduce`` (a rank's partial sum of whole-row outputs) and the few others of
+:class:`DefaultOps`, each defined by what it computes; which library runs a GEMM (MKL, oneDNN's packed GEMM) and
+the packed copies are the ops' ``gemm``'s (model/cpu_gemm.py, model/packed_gemm.py). :class:`DefaultOps` computes
+in the batch's shapes with one all-reduce, :class:`DeterministicOps` the same values in shapes and orders that
+do not depend on how many rows share the call or on the TP degree:
 
 ```
  rows     x [N, K] ──pad to >= 16 rows─▶ one [N, K] x [K, n] GEMM: each row has the bits of its [R, K] x [K, n]
@@ -32,11 +34,11 @@ import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
 
-from k3serve.contracts.numerics import Numerics
+from k3serve.contracts.numerics import GemmLibrary, Numerics
 from k3serve.model.cpu_gemm import CpuGemm
-from k3serve.model.packed_gemm import PackedWeights, packed_gemm_available
+from k3serve.model.gemm_facts import check_packed_rows, check_row_floor, linear_shapes
+from k3serve.model.packed_gemm import DeterministicGemm
 from k3serve.model.tp import TPGroup
 
 # Elements per padded elementwise call: a multiple of 2 x the widest vector (AVX-512: 16 floats).
@@ -82,67 +84,53 @@ def shard_units(cfg) -> int:
 
 class DefaultOps:
     """The default mode: whatever shapes the batch gives, one all-reduce per row-parallel output; the linears on
-    ``gemm`` (model/cpu_gemm.py: oneDNN's packed GEMM or MKL per call; None: ``F.linear``)."""
+    ``gemm`` (model/cpu_gemm.py: oneDNN's packed GEMM or MKL per call; MKL's ``F.linear`` where none is given).
+
+    What a layer calls, each operator defined by the values it computes (in the deterministic mode, by their
+    bits): ``linear``, ``stack_linear``, ``linear_pair``, ``transient_linear``, ``row_linear``, ``reduce``,
+    ``unary``, ``softmax0``, ``row_dot``; ``threads`` scopes a forward. Which library runs a GEMM, packing and
+    the packed copies are ``gemm``'s; ``packs`` is the one thing a layer asks about that choice (see there)."""
 
     deterministic = False
     col_units = 1  # units of a column-parallel weight on this rank (pass to linear)
 
     def __init__(self, tp: TPGroup, gemm: CpuGemm | None = None) -> None:
         self.tp = tp
-        self.gemm = gemm
-
-    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, w) if self.gemm is None else self.gemm.linear(x, w)
+        self.gemm = gemm if gemm is not None else CpuGemm(GemmLibrary.MKL)  # MKL: F.linear, no packed copies
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, units: int = 1) -> torch.Tensor:
-        """x `[..., K]`, w `[n, K]` (replicated, or this rank's column slice of `units` units) -> `[..., n]`."""
-        return self._linear(x, w)
+        """x `[..., K]` times w `[n, K]` -> `[..., n]`: a weight whose shape is the same on every TP (replicated, a
+        routed expert on its owning rank; units 1), or this rank's column slice of `units` shard units."""
+        return self.gemm.linear(x, w)
 
     def stack_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[..., K]` times a layer's row-stacked input projections w `[sum n_i, K]` (layers/stacked.py: this
         rank's column slices next to replicated weights, so its width changes with TP) -> `[..., sum n_i]`."""
-        return self._linear(x, w)
+        return self.gemm.linear(x, w)
 
-    def whole_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x `[N, K]` times a model weight w `[n, K]` whose shape is the same on every TP (a routed expert on its
-        owning rank, a replicated projection) -> `[N, n]`."""
-        return self._linear(x, w)
-
-    def whole_linear_pair(self, x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x w_a^T, x w_b^T) for two weights of ``whole_linear`` with the same input (an expert's gate and up)."""
-        if self.gemm is not None:
-            return self.gemm.linear_pair(x, w_a, w_b)
-        return self.whole_linear(x, w_a), self.whole_linear(x, w_b)
-
-    def prepack_experts(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], downs: list[torch.Tensor]) -> None:
-        """Make now what ``whole_linear_pair`` / ``whole_linear`` would make on an expert's first token."""
-        if self.gemm is not None:
-            self.gemm.prepack(downs, pairs)
+    def linear_pair(self, x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(x, w_a), linear(x, w_b)) for two weights of one input `[N, K]` (an expert's gate and up): one
+        call, so that the GEMM may run both as one."""
+        return self.gemm.linear_pair(x, w_a, w_b)
 
     def transient_linear(self, x: torch.Tensor, w: torch.Tensor, whole: tuple[int, int] | None = None
                          ) -> torch.Tensor:
         """x `[N, K]` times a weight w `[n, K]` made for this call (a block of rows of a dequantised MXFP4 weight
-        of shape `whole`) -> `[N, n]`."""
-        return F.linear(x, w) if self.gemm is None else self.gemm.transient(x, w, whole)
+        of shape `whole`) -> `[N, n]`: ``linear`` for a weight that is not the model's, so never kept packed."""
+        return self.gemm.transient(x, w, whole)
 
-    def gemm_loops_experts(self, x: torch.Tensor, n: int, k: int) -> bool:
-        """Whether routed experts of weight shape `[n, k]` (their gate) with input x `[N, k]` run one
-        ``whole_linear_pair`` and one ``whole_linear`` (or an MXFP4 expert's ``tiled``) per active expert on the
-        CPU GEMM of model/cpu_gemm.py, instead of the stacked forms' MKL grouped / padded GEMMs."""
-        return self.gemm is not None and self.gemm.takes_shape(x, n, k)
-
-    def uses_packed(self, k: int, n: int, dtype: torch.dtype, sized: bool = False) -> bool:
-        """Whether a GEMM unit of reduction `k` and width `n` runs on the packed GEMM (deterministic mode only)."""
-        return False
-
-    def whole_packed(self, w: torch.Tensor) -> bool:
-        """Whether ``whole_linear`` multiplies by the CPU weight w `[n, K]` on the packed GEMM."""
-        return False
+    def packs(self, x: torch.Tensor, n: int, k: int) -> bool:
+        """Whether ``linear`` of x `[..., k]` by a weight `[n, k]` runs on oneDNN's packed GEMM rather than
+        torch's mm. The MoE has forms of its own for many experts' products (grouped and padded GEMMs over the
+        stacked experts, the MXFP4 kernel), which are torch's mm: it takes them only where ``linear`` would not
+        pack. That keeps the deterministic mode's bits ``linear``'s; here it leaves a packed expert on the faster
+        library."""
+        return self.gemm.takes_shape(x, n, k)
 
     def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x `[..., K_local]`, w `[n, K_local]` (this rank's input columns) -> the TP-reduced `[..., n]`."""
-        return self.tp.all_reduce(self._linear(x, w))
+        return self.tp.all_reduce(self.gemm.linear(x, w))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a per-rank partial `[...]` over the TP group."""
@@ -163,37 +151,38 @@ class DefaultOps:
         return torch.matmul(x, v)
 
     def threads(self) -> contextlib.AbstractContextManager:
+        """The scope of one forward: the deterministic mode fixes the intra-op thread count there."""
         return contextlib.nullcontext()
 
 
 class DeterministicOps(DefaultOps):
     """Fixed row tiles, fixed shard units, unit-ordered TP sums, a fixed thread count (numerics mode
-    ``deterministic``)."""
+    ``deterministic``); the long reductions and large fixed-shape units on oneDNN's packed GEMM (``gemm``). One
+    operator more: ``head_gemm``, for the blocked MLA attention that only this mode runs."""
 
     deterministic = True
 
     def __init__(self, tp: TPGroup, numerics: Numerics, units: int) -> None:
-        super().__init__(tp)
         if units % tp.world:
             raise ValueError(f"shard units {units} are not divisible by TP {tp.world}")
+        self.tp = tp
         self.numerics, self.units, self.units_local = numerics, units, units // tp.world
         self.col_units = self.units_local
         self.tile = numerics.row_tile
-        # oneDNN's packed GEMM for long reductions (model/packed_gemm.py); None: MKL tiles for every linear
-        self.packed = PackedWeights() if numerics.packs and packed_gemm_available() else None
+        # which GEMM units take oneDNN's packed GEMM (model/packed_gemm.py), by shapes the same on every TP
+        self.gemm = DeterministicGemm(numerics, BMM_MIN_OUT)
 
-    def uses_packed(self, k: int, n: int, dtype: torch.dtype, sized: bool = False) -> bool:
-        """Whether a GEMM unit of reduction `k` and width `n` runs on the packed GEMM (model/packed_gemm.py).
+    def check_gemm_facts(self, weights: dict[str, torch.Tensor]) -> None:
+        """Refuse a CPU whose GEMMs break the mode's row facts for the shapes of `weights` (model/gemm_facts.py)."""
+        shapes = linear_shapes(weights, self.units, BMM_MIN_OUT)
+        threads = self.numerics.threads
+        # a shape packed by size only (experts, row-parallel units) may be a linear's on MKL tiles too: both
+        check_row_floor([(k, n) for k, n in shapes if not self.gemm.takes(k, n, torch.float32)], MIN_TILE, threads)
+        check_packed_rows([(k, n) for k, n in shapes if self.gemm.takes(k, n, torch.float32, sized=True)], threads)
 
-        Both numbers must be TP-invariant, so that every TP picks the same kernel: K against
-        ``numerics.packed_min_k`` always, and with `sized` (a shard unit of a column- or row-parallel weight, a
-        replicated weight, a routed expert: shapes that do not change with TP) also the size k x n against
-        ``numerics.packed_min_elements``; a rank's stack of input projections (stack_linear) changes width with
-        TP and decides by K alone."""
-        if self.packed is None or n < BMM_MIN_OUT or dtype != torch.float32:
-            return False
-        min_k, min_elements = self.numerics.packed_min_k, self.numerics.packed_min_elements
-        return bool(min_k and k >= min_k) or bool(sized and min_elements and k * n >= min_elements)
+    def packs(self, x: torch.Tensor, n: int, k: int) -> bool:
+        # the weight's shape decides (``linear`` with units 1), whatever x's rows
+        return x.is_cpu and self.gemm.takes(k, n, x.dtype, sized=True)
 
     # ------------------------------------------------------------------------------------------- tiles
     def _tiled(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -223,10 +212,10 @@ class DeterministicOps(DefaultOps):
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k)
         n_u = w.shape[0] // units
-        if self.uses_packed(k, n_u, w.dtype, sized=True) and _packable(x, w):
+        if self.gemm.takes(k, n_u, w.dtype, sized=True) and _packable(x, w):
             # a column's bits do not depend on the GEMM's width: the local weight in one call is each unit's GEMM
             # (a unit's shape, like a replicated weight's, is the same on every TP, so it may decide by size)
-            out = self.packed.linear(flat, w)
+            out = self.gemm.packed.linear(flat, w)
         elif units == 1 or n_u < BMM_MIN_OUT:  # narrow units: every output column is its own (narrow_linear)
             out = self._tiled(flat, w)
         elif (tile := self._one_tile(flat)) is not None:  # (n_u >= BMM_MIN_OUT here)
@@ -241,45 +230,28 @@ class DeterministicOps(DefaultOps):
     def stack_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k)
-        if self.uses_packed(k, w.shape[0], w.dtype) and _packable(x, w):  # by K only (docstring)
-            return self.packed.linear(flat, w).view(*lead, w.shape[0])
+        if self.gemm.takes(k, w.shape[0], w.dtype) and _packable(x, w):  # by K only: the width changes with TP
+            return self.gemm.packed.linear(flat, w).view(*lead, w.shape[0])
         return self._tiled(flat, w).view(*lead, w.shape[0])
 
-    def whole_packed(self, w: torch.Tensor) -> bool:
-        return w.is_cpu and self.uses_packed(w.shape[1], w.shape[0], w.dtype, sized=True)
-
-    def whole_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.whole_packed(w) and x.dtype == torch.float32:
-            return self.packed.linear(x, w)
-        return self.linear(x, w)
-
-    def prepack_experts(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], downs: list[torch.Tensor]) -> None:
-        # a decode step routes to experts it has not seen for dozens of steps: packing each on its first token
-        # would slow the first deterministic steps by a third
-        for w_a, w_b in pairs:
-            if w_a.shape == w_b.shape and self.whole_packed(w_a):
-                self.packed.get_stacked((w_a, w_b))
-        for w in downs:
-            if self.whole_packed(w):
-                self.packed.get(w)
-
-    def whole_linear_pair(self, x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        if w_a.shape == w_b.shape and self.whole_packed(w_a) and x.dtype == torch.float32:
+    def linear_pair(self, x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if w_a.shape == w_b.shape and self.gemm.takes_weight(w_a) and x.dtype == torch.float32:
             # one packed GEMM over [w_a; w_b]: a column's bits do not depend on the other columns of the call
-            both = self.packed.linear_stacked(x, (w_a, w_b))
+            both = self.gemm.packed.linear_stacked(x, (w_a, w_b))
             return both[:, : w_a.shape[0]], both[:, w_a.shape[0]:]
         both = _adjacent_rows(w_a, w_b)
-        if both is not None and min(w_a.shape[0], w_b.shape[0]) >= BMM_MIN_OUT and not self.whole_packed(both):
+        if both is not None and min(w_a.shape[0], w_b.shape[0]) >= BMM_MIN_OUT and not self.gemm.takes_weight(both):
             # w_b's rows follow w_a's in memory (an expert's w1 and w3, views of its stacked w13: moe_grouped.py):
             # one tiled GEMM over both, whose columns have the bits of the two GEMMs (each alone would take the
             # same one-GEMM path of _tiled, being at least BMM_MIN_OUT wide); one padding and one call, not two
             out = self._tiled(x, both)
             return out[:, : w_a.shape[0]], out[:, w_a.shape[0]:]
-        return self.whole_linear(x, w_a), self.whole_linear(x, w_b)
+        return self.linear(x, w_a), self.linear(x, w_b)
 
     def transient_linear(self, x: torch.Tensor, w: torch.Tensor, whole: tuple[int, int] | None = None
                          ) -> torch.Tensor:
+        # MKL tiles whatever the shape: the packed copies are kept per model weight, and one made per call is not
         return self._tiled(x, w)
 
     def head_gemm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -287,8 +259,8 @@ class DeterministicOps(DefaultOps):
         GEMMs (layers/mla_blocked.py), packed per head when a head's `[n, K]` is large (its shape does not change
         with TP), else ``per_head_gemm``'s padded bmm."""
         heads, _, k = x.shape
-        if self.uses_packed(k, w.shape[1], w.dtype, sized=True) and _packable(x, w):
-            return torch.stack([self.packed.linear(x[h], w[h]) for h in range(heads)])
+        if self.gemm.takes(k, w.shape[1], w.dtype, sized=True) and _packable(x, w):
+            return torch.stack([self.gemm.packed.linear(x[h], w[h]) for h in range(heads)])
         return per_head_gemm(x, w)
 
     def row_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -296,8 +268,8 @@ class DeterministicOps(DefaultOps):
         flat = x.reshape(-1, k)
         ul, n = self.units_local, w.shape[0]
         width = k // ul
-        if self.uses_packed(width, n, w.dtype, sized=True) and _packable(x, w):
-            parts = self.packed.unit_partials(flat, w, ul)  # [units_local, N, n]: a packed copy per unit
+        if self.gemm.takes(width, n, w.dtype, sized=True) and _packable(x, w):
+            parts = self.gemm.packed.unit_partials(flat, w, ul)  # [units_local, N, n]: a packed copy per unit
         elif n >= BMM_MIN_OUT:
             # the units' partial GEMMs [N, K/U] x [K/U, n] (N padded to MIN_TILE) as one bmm over the unit slices
             # of x and w (strided views, no copies: a GEMM's bits do not depend on its operands' leading
@@ -394,8 +366,11 @@ def _adjacent_rows(w_a: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor | None:
     return w_a.as_strided((w_a.shape[0] + w_b.shape[0], w_a.shape[1]), w_a.stride())
 
 
-def make_ops(cfg, tp: TPGroup, numerics: Numerics | None) -> DefaultOps:
-    """The operators for `numerics` (None: default)."""
+def make_ops(cfg, tp: TPGroup, numerics: Numerics | None, weights: dict[str, torch.Tensor]) -> DefaultOps:
+    """The operators for `numerics` (None: default) of a model of this rank's `weights`. Deterministic ones first
+    check this CPU's GEMMs for the weights' shapes, and refuse to start where the mode cannot hold."""
     if numerics is None or not numerics.deterministic:
         return DefaultOps(tp, CpuGemm((numerics or Numerics()).default_gemm))
-    return DeterministicOps(tp, numerics, shard_units(cfg))
+    ops = DeterministicOps(tp, numerics, shard_units(cfg))
+    ops.check_gemm_facts(weights)
+    return ops

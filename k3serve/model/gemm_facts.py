@@ -99,7 +99,7 @@ def check_packed_rows(shapes: list[tuple[int, int]], threads: int) -> None:
     """Raise NumericsError if oneDNN's packed GEMM (model/packed_gemm.py) breaks one of its facts for a (K, n)
     of `shapes` at `threads` threads: a row's bits the same for 1 (padded), 2, 3, 17 and 37 rows and at another
     place in x, and a column's the same in a GEMM of half the width (a shard unit's slice) and of twice the width
-    (two weights stacked, ``DeterministicOps.whole_linear_pair``)."""
+    (two weights stacked, ``DeterministicOps.linear_pair``)."""
     with _threads(threads):
         g = torch.Generator().manual_seed(0)
         rows = 2 * 16 + _EXTRA_ROWS

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from k3serve.contracts.numerics import Numerics
 from k3serve.model.config import ModelConfig
-from k3serve.model.deterministic import BMM_MIN_OUT, MIN_TILE, DefaultOps, make_ops
-from k3serve.model.gemm_facts import check_packed_rows, check_row_floor, linear_shapes
+from k3serve.model.deterministic import DefaultOps, make_ops
 from k3serve.model.layers.attn_res import attn_res_mix
 from k3serve.model.layers.ffn import MoE, DenseFFN
 from k3serve.model.layers.kda import KDAAttention
@@ -68,14 +67,7 @@ class HybridModel:
         """numerics: the mode (contracts/numerics.py); None is the default mode."""
         cfg.check_tp(tp.world)
         self.cfg, self.tp = cfg, tp
-        self.ops = make_ops(cfg, tp, numerics)
-        if self.ops.deterministic:  # refuse a CPU whose GEMMs break the mode's row fact (model/gemm_facts.py)
-            shapes = linear_shapes(weights, self.ops.units, BMM_MIN_OUT)
-            # a shape packed by size only (experts, row-parallel units) may be a linear's on MKL tiles too: both
-            check_row_floor([(k, n) for k, n in shapes if not self.ops.uses_packed(k, n, torch.float32)], MIN_TILE,
-                            numerics.threads)
-            check_packed_rows([(k, n) for k, n in shapes if self.ops.uses_packed(k, n, torch.float32, sized=True)],
-                              numerics.threads)
+        self.ops = make_ops(cfg, tp, numerics, weights)  # deterministic: refuses a CPU that breaks its GEMM facts
         p = cfg.name_prefix
         self.embed = weights[p + "embed_tokens.weight"]
         self.layers = [DecoderLayer(cfg, weights, i, tp, self.ops) for i in range(cfg.num_hidden_layers)]

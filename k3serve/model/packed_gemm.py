@@ -12,7 +12,7 @@ whatever the row count (checked for every bench / tiny preset shape, 1 and 2 thr
 
 and it runs one row near the GEMV's time and many rows faster than MKL. Each call has a fixed cost that small
 weights do not repay, so the mode uses it only for long reductions and large
-fixed-shape units (``DeterministicOps.uses_packed``: ``numerics.packed_min_k``, ``numerics.packed_min_elements``,
+fixed-shape units (``DeterministicGemm.takes``: ``numerics.packed_min_k``, ``numerics.packed_min_elements``,
 both decided from TP-invariant shapes). The facts are checked for the model's own shapes when it is built
 (model/gemm_facts.py) and pinned for the bench preset's shapes by tests/model/test_packed_gemm.py.
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3serve.contracts.numerics import NumericsError
+from k3serve.contracts.numerics import Numerics, NumericsError
 
 # A one-row call takes another kernel for K > 1024; two rows and more the same one.
 PACKED_MIN_ROWS = 2
@@ -56,7 +56,7 @@ class PackedWeights:
 
     def _lookup(self, w: torch.Tensor, extra, make):
         # data_ptr (storage + offset), shape and strides name the view; the version names its contents
-        key = (w.data_ptr(), w.shape, w.stride(), extra)  # fp32 only (DeterministicOps.uses_packed)
+        key = (w.data_ptr(), w.shape, w.stride(), extra)  # fp32 only (DeterministicGemm.takes)
         hit = self._cache.get(key)
         if hit is None or hit[0]._version != hit[2]:
             hit = self._cache[key] = (w, make(w.detach()), w._version)  # made anew after an in-place update
@@ -114,3 +114,42 @@ class PackedWeights:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+
+class DeterministicGemm:
+    """Numerics mode deterministic's GEMM library choice: which linears run on the packed GEMM (the others on MKL
+    tiles, model/deterministic.py) and their packed copies. The choice is made from shapes that are the same on
+    every TP, so every TP takes the same kernel for a weight; which shapes those are is the caller's to say."""
+
+    def __init__(self, numerics: Numerics, min_out: int) -> None:
+        """min_out: the narrowest weight that runs as a GEMM at all (narrower ones are row-local sums)."""
+        self.min_k, self.min_elements, self.min_out = numerics.packed_min_k, numerics.packed_min_elements, min_out
+        self.packed = PackedWeights() if numerics.packs and packed_gemm_available() else None
+
+    def takes(self, k: int, n: int, dtype: torch.dtype, sized: bool = False) -> bool:
+        """Whether a GEMM unit of reduction `k` and width `n` runs on the packed GEMM.
+
+        Both numbers must be TP-invariant, so that every TP picks the same kernel: K against
+        ``numerics.packed_min_k`` always, and with `sized` (a shard unit of a column- or row-parallel weight, a
+        replicated weight, a routed expert: shapes that do not change with TP) also the size k x n against
+        ``numerics.packed_min_elements``; a rank's stack of input projections changes width with TP and decides
+        by K alone."""
+        if self.packed is None or n < self.min_out or dtype != torch.float32:
+            return False
+        return bool(self.min_k and k >= self.min_k) or bool(sized and self.min_elements and k * n >= self.min_elements)
+
+    def takes_weight(self, w: torch.Tensor) -> bool:
+        """Whether the CPU weight w `[n, K]`, whose shape is the same on every TP (a routed expert, a replicated
+        projection), runs on the packed GEMM."""
+        return w.is_cpu and self.takes(w.shape[1], w.shape[0], w.dtype, sized=True)
+
+    def prepack(self, ws: list[torch.Tensor], pairs: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
+        """Pack now the weights `ws` and the stacked pairs that the first calls would (a MoE layer's experts)."""
+        # a decode step routes to experts it has not seen for dozens of steps: packing each on its first token
+        # would slow the first deterministic steps by a third
+        for a, b in pairs:
+            if a.shape == b.shape and self.takes_weight(a):
+                self.packed.get_stacked((a, b))
+        for w in ws:
+            if self.takes_weight(w):
+                self.packed.get(w)

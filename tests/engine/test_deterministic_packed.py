@@ -47,7 +47,7 @@ def test_the_packed_gemm_is_taken_and_agrees_with_the_mkl_tiles(tiny_ckpt, packe
     (on the AVX-512 CPU of this wave the two even agree in bits at the tiny preset's short reductions)."""
     prompt, params = list(range(5, 45)), _requests([1], 0, "x")[0].params
     ref = det_ref(prompt, params)
-    assert len(packed_model.ops.packed) > 10
+    assert len(packed_model.ops.gemm.packed) > 10
     mkl = reference_generate(load_model(tiny_ckpt, numerics=DETERMINISTIC), prompt, params, keep_logits=True)
     torch.testing.assert_close(mkl.logits[0], ref.logits[0], rtol=0, atol=1e-4)
 

@@ -56,6 +56,6 @@ def test_a_deterministic_model_with_packed_linears_builds_and_uses_them() -> Non
 
     cfg = preset("tiny")
     model = HybridModel(cfg, random_weights(cfg, 0), numerics=dataclasses.replace(DETERMINISTIC, packed_min_k=64))
-    assert model.ops.uses_packed(cfg.hidden_size, cfg.vocab_size, torch.float32)
-    assert not HybridModel(cfg, random_weights(cfg, 0), numerics=DETERMINISTIC).ops.uses_packed(
+    assert model.ops.gemm.takes(cfg.hidden_size, cfg.vocab_size, torch.float32)
+    assert not HybridModel(cfg, random_weights(cfg, 0), numerics=DETERMINISTIC).ops.gemm.takes(
         cfg.hidden_size, cfg.vocab_size, torch.float32)  # tiny's K (256) is under the default 1024

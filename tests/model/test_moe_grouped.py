@@ -98,8 +98,8 @@ def test_deterministic_padded_tiles_equal_the_deterministic_loop_bitwise(name: s
     cfg = preset(name)
     weights = random_weights(cfg, 0)
     tp = TPGroup()
-    fast = MoE(cfg, weights, f"{cfg.name_prefix}layers.{LAYER}.", tp, make_ops(cfg, tp, DETERMINISTIC))
-    plain = MoE(cfg, weights, f"{cfg.name_prefix}layers.{LAYER}.", tp, make_ops(cfg, tp, DETERMINISTIC))
+    fast = MoE(cfg, weights, f"{cfg.name_prefix}layers.{LAYER}.", tp, make_ops(cfg, tp, DETERMINISTIC, weights))
+    plain = MoE(cfg, weights, f"{cfg.name_prefix}layers.{LAYER}.", tp, make_ops(cfg, tp, DETERMINISTIC, weights))
     assert fast.w_in is not None and fast.stacked is not None
     plain.w_in, plain.stacked = None, None  # separate projections, per-expert loop
     x = torch.randn(rows, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(rows))

@@ -40,9 +40,9 @@ class DenseLinear:
         return tuple(self.weight.shape)
 
     def tiled(self, x: torch.Tensor, ops) -> torch.Tensor:
-        """x `[N, in]` -> `[N, out]` through the numerics mode's ``ops.whole_linear`` (model/deterministic.py:
+        """x `[N, in]` -> `[N, out]` through the numerics mode's ``ops.linear`` (model/deterministic.py:
         fixed row tiles, or the packed GEMM for a large expert)."""
-        return ops.whole_linear(x, self.weight)
+        return ops.linear(x, self.weight)
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,9 @@ class MoE:
             self.latent_norm = weights[m + "routed_expert_norm.weight"]
             self.w_up = weights[m + "routed_expert_up_proj.weight"]
         self._stack_input_projections()
+        # pack now what the experts' first tokens would (a decode step reaches a new expert for dozens of steps)
         dense = [t for t in self.experts.values() if all(isinstance(m, DenseLinear) for m in t)]
-        self.ops.prepack_experts([(w1.weight, w3.weight) for w1, w3, _ in dense], [w2.weight for _, _, w2 in dense])
+        self.ops.gemm.prepack([w2.weight for _, _, w2 in dense], [(w1.weight, w3.weight) for w1, w3, _ in dense])
 
     def _stack_input_projections(self) -> None:
         """Numerics mode ``deterministic``: the projections of the layer's input (router, latent down, shared
@@ -198,7 +199,7 @@ class MoE:
             run = counts_t[e0 + first: e0 + last]
             act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
             width = max(counts[e0 + first: e0 + last])
-            if self.ops.gemm_loops_experts(z, *self.stacked.w1.shape[1:]):  # the CPU GEMM of model/cpu_gemm.py
+            if self.ops.packs(z, *self.stacked.w1.shape[1:]):  # oneDNN for these experts (model/cpu_gemm.py)
                 y = looped_experts(z[rows], [counts[e0 + i] for i in active], self.stacked, active, *act, self.ops)
             elif decode and len(active) >= PADDED_MIN_ACTIVE and width <= PADDED_MAX_ROWS:  # 2 padded bmm
                 expert = ids.reshape(-1)[mine] - (e0 + first)
@@ -216,7 +217,7 @@ class MoE:
         for e, rows, slot in expert_runs(order, counts, k, self.expert_ids):
             w1, w3, w2 = self.experts[e]
             zi = z[rows]
-            if self.ops.gemm_loops_experts(zi, *w1.shape):  # as the stacked experts; MXFP4 blocks as plain weights
+            if self.ops.packs(zi, *w1.shape):  # as the stacked experts; MXFP4 blocks as plain weights
                 h = glu(w1.tiled(zi, self.ops), w3.tiled(zi, self.ops), c.hidden_act, c.activation_situ_beta,
                         c.activation_situ_linear_beta)
                 y = w2.tiled(h, self.ops)
@@ -290,7 +291,7 @@ def moe_deterministic(moe: MoE, flat: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = moe.experts[e]
         zi = z.index_select(0, a // k)
         if isinstance(w1, DenseLinear) and isinstance(w3, DenseLinear):
-            gate, up = ops.whole_linear_pair(zi, w1.weight, w3.weight)
+            gate, up = ops.linear_pair(zi, w1.weight, w3.weight)
         else:
             gate, up = w1.tiled(zi, ops), w3.tiled(zi, ops)
         out = w2.tiled(glu(gate, up, c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta), ops)
@@ -328,8 +329,8 @@ def _tiled_experts(moe: MoE, z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     inter, e_in = moe.stacked.w1.shape[1], moe.stacked.w1.shape[2]
     if min(inter, e_in) < BMM_MIN_OUT or inter % ELEMENTWISE_VEC:
         return False
-    if ops.whole_packed(moe.stacked.w1[0]) or ops.whole_packed(moe.stacked.w2[0]):
-        return False  # ops.whole_linear runs these experts on the packed GEMM (model/packed_gemm.py): the loop
+    if ops.packs(z, inter, e_in) or ops.packs(z, e_in, inter):
+        return False  # ops.linear runs these experts on the packed GEMM (model/packed_gemm.py): the loop
     act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
     k = ids.shape[1]
     if longest <= ops.tile and len(active) >= PADDED_MIN_ACTIVE:
@@ -378,7 +379,7 @@ def _finish_deterministic(moe: MoE, flat: torch.Tensor, y: torch.Tensor, shared_
         u += y[:, s]
     shared = moe.shared.reduced(flat, *shared_in) if moe.shared is not None else None
     if c.uses_latent_moe:
-        routed = ops.whole_linear(rms_norm(u.to(flat.dtype), moe.latent_norm, c.rms_norm_eps), moe.w_up)
+        routed = ops.linear(rms_norm(u.to(flat.dtype), moe.latent_norm, c.rms_norm_eps), moe.w_up)
     else:
         routed = u.to(flat.dtype)
     return routed if shared is None else routed + shared

@@ -157,14 +157,14 @@ def looped_experts(z_sorted: torch.Tensor, counts: list[int], stacked: StackedEx
     down ``mm``; used when most of a span's experts are idle, whose empty groups grouped_mm would still visit
     (~12% of the layer's expert time at batch 1 on the bench preset). ops
     (model/deterministic.DefaultOps on oneDNN, model/cpu_gemm.py): the gate and up as one
-    ``ops.whole_linear_pair``, the down ``ops.whole_linear``, on the packed weights."""
+    ``ops.linear_pair``, the down ``ops.linear``, on the packed weights."""
     out, at = torch.empty_like(z_sorted), 0
     if ops is not None:
         for n, i in zip(counts, active):
             w1, w3, w2 = stacked.per_expert[i]
             zi = z_sorted[at: at + n]
-            gate, up = ops.whole_linear_pair(zi, w1, w3)
-            out[at: at + n] = ops.whole_linear(glu(gate, up, act, beta1, beta2), w2)
+            gate, up = ops.linear_pair(zi, w1, w3)
+            out[at: at + n] = ops.linear(glu(gate, up, act, beta1, beta2), w2)
             at += n
         return out
     fused, inner = stacked.per_expert_fused, stacked.inner
