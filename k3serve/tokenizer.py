@@ -26,6 +26,10 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a special id has none): what a per-token log-probability names."""
+        return bytes((token_id,)) if 0 <= token_id < 256 else b""
+
     def stream_decoder(self) -> "StreamDecoder":
         """An incremental decoder for one streamed request (see :class:`StreamDecoder`)."""
         return StreamDecoder()

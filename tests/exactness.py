@@ -309,6 +309,8 @@ def compare(ref: RefTrace, got_tokens: list[int], got_logits: list[torch.Tensor]
     got = [int(t) for t in got_tokens]
     tag = f"{label}: " if label else ""
     excuse_tally.checked += 1
+    if got_logprobs is not None and len(got_logprobs) != len(got):
+        raise AssertionError(f"{tag}{len(got_logprobs)} log-probabilities served for {len(got)} tokens")
     served = _Served(got, got_logits, None if got_logprobs is None else [float(x) for x in got_logprobs])
     m = _first_mismatch(ref, served, prefix)
     if m is None:

@@ -2,6 +2,10 @@
 worker thread, its messages turned into the door's events, stop strings matched, and the client's disconnect
 made a cancel, as gRPC's would be.
 
+Texts are decoded here token by token (one decoder per choice, across failovers), so a stop string ends the
+choice at the token that completed it: that token and those before it are returned (token ids, logprobs,
+usage.completion_tokens), the text only up to the match, as vLLM does.
+
 ``CallContext`` is what the request path needs of a ``grpc.ServicerContext`` (abort raises; callbacks run on
 cancel), so both doors share one path: validation, tenancy, slots, pins, admission, failover, stall detection.
 """
@@ -75,7 +79,8 @@ class CallContext:
 
 @dataclass(frozen=True)
 class Piece:
-    """Text (and token ids) of one choice; ``finish_reason`` and usage on its last piece."""
+    """Text and token ids of one choice (with logprobs asked for: one log-probability per token, and where each
+    token's text begins in the choice's text); ``finish_reason`` and usage on its last piece."""
 
     index: int
     text: str
@@ -86,6 +91,8 @@ class Piece:
     cached_tokens: int = 0
     cluster_id: str = ""  # the cluster that finished it ("" when a stop string ended it)
     failovers: int = 0
+    logprobs: tuple[float, ...] = ()
+    text_offsets: tuple[int, ...] = ()
 
 
 @dataclass
@@ -106,29 +113,52 @@ class Call:
 
 
 def drive(service: RouterService, call: Call, api_key: str, stops: tuple[str, ...],
-          emit: Callable[[object], None]) -> None:
+          emit: Callable[[object], None], logprobs: bool = False) -> None:
     """Run one choice to its end on this thread, emitting ``Piece``s and at most one ``Failed``; returns when the
     request has left the router (slot, reservation and cluster call released)."""
     record = RequestRecord()
     matcher = StopMatcher(stops) if stops else None
+    tok = service.tokenizer
+    dec = tok.stream_decoder() if tok is not None else None  # None: a token-id model, whose texts are empty
+    decoded = 0  # characters decoded so far: where the next token's text begins
     streamed = 0
     gen = service.serve_request(call.req, api_key, call.ctx, record)
     try:
         for msg in gen:
-            streamed += len(msg.token_ids)
-            text, hit = matcher.feed(msg.text) if matcher else (msg.text, False)
+            ids, lps = tuple(msg.token_ids), tuple(msg.logprobs) if logprobs else ()
+            if logprobs and len(lps) != len(ids):
+                raise RuntimeError(f"a cluster sent {len(lps)} logprobs for {len(ids)} tokens")
+            texts = [dec.decode((t,)) if dec else "" for t in ids]
+            offsets = []
+            for piece in texts:
+                offsets.append(decoded)
+                decoded += len(piece)
+            units = texts or [""]  # what the stop matcher is fed, one token at a time
+            if dec and msg.finish_reason:
+                tail = dec.decode((), final=True)  # an unfinished UTF-8 sequence, as U+FFFD
+                units[-1] += tail
+                decoded += len(tail)
+            text, hit, kept = "", False, len(ids)
+            for j, unit in enumerate(units):
+                piece, hit = matcher.feed(unit) if matcher else (unit, False)
+                text += piece
+                if hit:
+                    kept = min(j + 1, len(ids))
+                    break
+            ids, lps, offsets = ids[:kept], lps[:kept], tuple(offsets[:kept]) if logprobs else ()
+            streamed += kept
             if hit:
                 record.finish_reason = "stop"
                 call.ctx.cancel()  # ends it on its cluster now; the path then sees a client that left
                 st = record.attempts
-                emit(Piece(call.index, text, tuple(msg.token_ids), "stop", len(call.req.prompt_ids), streamed,
-                           st.cached if st else 0, "", st.failovers if st else 0))
+                emit(Piece(call.index, text, ids, "stop", len(call.req.prompt_ids), streamed,
+                           st.cached if st else 0, "", st.failovers if st else 0, lps, offsets))
                 return
             if msg.finish_reason and matcher:
                 text += matcher.flush()
             u = msg.usage
-            emit(Piece(call.index, text, tuple(msg.token_ids), msg.finish_reason, u.prompt_tokens,
-                       u.completion_tokens, u.cached_tokens, u.cluster_id, u.failovers))
+            emit(Piece(call.index, text, ids, msg.finish_reason, u.prompt_tokens, u.completion_tokens,
+                       u.cached_tokens, u.cluster_id, u.failovers, lps, offsets))
     except CallAborted as e:
         emit(Failed(call.index, e))
     except Exception as e:  # a router bug must reach the client as an error, not a hung stream

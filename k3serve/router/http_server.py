@@ -30,12 +30,14 @@ from k3serve.router.http_errors import ApiError, bad, from_status, param_of
 from k3serve.router.openai_requests import Plan, parse
 from k3serve.router.server import HEADROOM_THREADS, MAX_MESSAGE_BYTES, RouterService
 from k3serve.router.validate import InvalidRequest
+from k3serve.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = MAX_MESSAGE_BYTES  # the gRPC door's message limit
 SESSION_HEADER = "X-Session-Id"
 DISCONNECT_POLL_S = 0.25  # how often a waiting call looks whether its client is still connected
+MIN_LOGPROB = -9999.0  # what a -inf log-probability is sent as (JSON has no infinity), as vLLM does
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,29 @@ class ClientGone(Exception):
 def _served(end: Piece) -> dict:
     """Where a choice ran (with return_token_ids, as gRPC's usage reports it): drills and exactness checks."""
     return {"cluster_id": end.cluster_id, "failovers": end.failovers}
+
+
+def _token(tok: ByteTokenizer | None, token_id: int) -> tuple[str, list[int] | None]:
+    """A token as a logprob entry names it: its own bytes (decoded with U+FFFD for a partial UTF-8 sequence) and
+    those bytes; ``token_id:<id>`` and no bytes for a token-id model, as vLLM."""
+    if tok is None:
+        return f"token_id:{token_id}", None
+    raw = tok.token_bytes(token_id)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _logprobs(plan: Plan, tok: ByteTokenizer | None, ids, lps, offsets) -> dict | None:
+    """OpenAI's ``logprobs`` of a choice or chunk over these tokens (None when not asked for): chat's ``content``
+    list, completions' parallel lists; only the sampled token's log-probability (``top_logprobs`` empty/null)."""
+    if not plan.logprobs:
+        return None
+    names = [_token(tok, t) for t in ids]
+    lps = [max(lp, MIN_LOGPROB) for lp in lps]
+    if plan.chat:
+        return {"content": [{"token": name, "logprob": lp, "bytes": raw, "top_logprobs": []}
+                            for (name, raw), lp in zip(names, lps, strict=True)]}
+    return {"tokens": [name for name, _ in names], "token_logprobs": lps, "top_logprobs": None,
+            "text_offset": list(offsets)}
 
 
 class HttpDoor:
@@ -165,7 +190,7 @@ class HttpDoor:
 
     def _run(self, call: Call, api_key: str, plan: Plan, emit) -> None:
         try:
-            drive(self.service, call, api_key, plan.stops, emit)
+            drive(self.service, call, api_key, plan.stops, emit, plan.logprobs)
         finally:
             emit(_Done(call.index))
 
@@ -242,6 +267,8 @@ class HttpDoor:
     async def _collect(self, request, plan: Plan, calls: list[Call], queue) -> web.Response:
         texts = {c.index: [] for c in calls}
         ids = {c.index: [] for c in calls}
+        lps = {c.index: [] for c in calls}
+        offsets = {c.index: [] for c in calls}
         last: dict[int, Piece] = {}
         done = 0
         while done < len(calls):
@@ -253,12 +280,15 @@ class HttpDoor:
             else:
                 texts[ev.index].append(ev.text)
                 ids[ev.index].extend(ev.token_ids)
+                lps[ev.index].extend(ev.logprobs)
+                offsets[ev.index].extend(ev.text_offsets)
                 if ev.finish_reason:
                     last[ev.index] = ev
         choices = []
         for c in calls:
             text = "".join(texts[c.index])
-            ch = {"index": c.index, "finish_reason": last[c.index].finish_reason, "logprobs": None}
+            ch = {"index": c.index, "finish_reason": last[c.index].finish_reason,
+                  "logprobs": _logprobs(plan, self.service.tokenizer, ids[c.index], lps[c.index], offsets[c.index])}
             if plan.chat:
                 ch["message"] = {"role": "assistant", "content": text}
             else:
@@ -288,12 +318,14 @@ class HttpDoor:
             except ConnectionError:
                 raise ClientGone from None
 
-        def choice(i: int, text: str | None, finish: str | None, ids=None, end: Piece | None = None) -> dict:
+        def choice(i: int, text: str | None, finish: str | None, ids=None, end: Piece | None = None,
+                   tokens: Piece | None = None) -> dict:
             if plan.chat:
                 ch = {"index": i, "delta": {} if text is None else {"content": text}}
             else:
                 ch = {"index": i, "text": text or ""}
-            ch.update(finish_reason=finish, logprobs=None)
+            ch.update(finish_reason=finish, logprobs=None if tokens is None else _logprobs(
+                plan, self.service.tokenizer, tokens.token_ids, tokens.logprobs, tokens.text_offsets))
             if plan.return_token_ids and ids is not None:
                 ch["token_ids"] = list(ids)
             if plan.return_token_ids and end is not None:
@@ -318,7 +350,7 @@ class HttpDoor:
                                                                                   "content": ""},
                                                      "finish_reason": None, "logprobs": None}]})
                 if ev.text or ev.token_ids:
-                    await send(choice(ev.index, ev.text, None, ev.token_ids))
+                    await send(choice(ev.index, ev.text, None, ev.token_ids, tokens=ev))
                 if ev.finish_reason:
                     last[ev.index] = ev
                     await send(choice(ev.index, None if plan.chat else "", ev.finish_reason, end=ev))

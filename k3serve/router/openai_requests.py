@@ -3,7 +3,9 @@
 Only the HTTP shape is checked here (types, names, OpenAI's own limits), each problem an ApiError naming the
 parameter; ranges that gRPC clients share (context length, vocabulary, max_tokens) are the one shared
 validation's (validate.py), reached through RouterService.validated. Unknown parameters are refused, as OpenAI
-does; ones OpenAI has but k3serve does not implement are accepted only at their no-op values.
+does; ones OpenAI has but k3serve does not implement are accepted only at their no-op values. Log-probabilities
+are the sampled token's only (SamplingParams.logprobs): chat's ``logprobs: true`` (``top_logprobs`` 0), completions'
+``logprobs: 0``.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ CHAT_MAX_TOKENS = 256  # a chat request's max_tokens when it gives none (complet
 _SAMPLING = {"max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user",
              "top_k", "stop_token_ids", "ignore_eos", "cache_salt", "return_token_ids", "model"}
 # OpenAI parameters without an implementation: allowed at the value that changes nothing
-_NO_OP = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (None, False),
+_NO_OP = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
           "logit_bias": (None,), "best_of": (None, 1), "echo": (False,), "suffix": (None, ""),
           "top_logprobs": (None, 0), "parallel_tool_calls": (None,), "tools": (None,), "tool_choice": (None, "none"),
           "response_format": (None,), "service_tier": (None, "auto"), "store": (None, False), "metadata": (None,)}
-_COMPLETION = _SAMPLING | {"prompt"}
-_CHAT = _SAMPLING | {"messages", "max_completion_tokens"}
+_COMPLETION = _SAMPLING | {"prompt", "logprobs"}  # top_logprobs is no completions parameter: a no-op there
+_CHAT = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_ONLY_SAMPLED = "k3serve serves only the sampled token's log-probability"
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Plan:
     return_token_ids: bool
     prompt_param: str  # the parameter a prompt problem is reported under: "prompt" or "messages"
     max_tokens_param: str = "max_tokens"  # or "max_completion_tokens" (chat)
+    logprobs: bool = False  # each choice carries its tokens' log-probabilities (sampling.logprobs)
 
 
 def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
@@ -113,6 +117,26 @@ def _stops(body: dict) -> tuple[str, ...]:
     if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise bad("stop", f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
     return tuple(stops)
+
+
+def _logprobs(body: dict, chat: bool) -> bool:
+    """Whether the sampled tokens' log-probabilities are asked for, in the endpoint's own shape."""
+    if chat:
+        on = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", 0)
+        if top:
+            raise bad("top_logprobs", f"top_logprobs must be 0: {_ONLY_SAMPLED} (logprobs: true), got {top}")
+        if top is not None and not on:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+        return on
+    v = body.get("logprobs")
+    if v is None or v is False:  # false: the no-op value accepted before logprobs were served
+        return False
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise bad("logprobs", f"logprobs must be an integer >= 0 (the number of top log-probabilities), got {v!r}")
+    if v > 0:
+        raise bad("logprobs", f"logprobs must be 0: {_ONLY_SAMPLED} (logprobs: 0), got {v}")
+    return True
 
 
 def _prompts(v) -> list[str | list[int]]:
@@ -203,11 +227,12 @@ def parse(body, chat: bool, model: str, template: ChatTemplate | None, session_i
     if max_tokens is None and chat:
         sp["max_tokens"] = CHAT_MAX_TOKENS
     cache_salt = _str(body, "cache_salt", 1 << 16)
+    logprobs = _logprobs(body, chat)
     base = uuid.uuid4().hex
     reqs = []
     for p, prompt in enumerate(prompts):
         for i in range(n):
-            sampling = router_pb2.SamplingParams(**sp)
+            sampling = router_pb2.SamplingParams(**sp, logprobs=logprobs)
             if seed is not None:
                 sampling.seed = (seed + i) % (1 << 64)
             r = router_pb2.GenerateRequest(request_id=f"{base}-{p}-{i}", session_id=session_id, sampling=sampling,
@@ -218,4 +243,4 @@ def parse(body, chat: bool, model: str, template: ChatTemplate | None, session_i
                 r.prompt_token_ids.extend(prompt)
             reqs.append(r)
     return Plan(chat, model, tuple(reqs), n, stream, bool(opts and opts.get("include_usage")), _stops(body),
-                _bool(body, "return_token_ids"), "messages" if chat else "prompt", name)
+                _bool(body, "return_token_ids"), "messages" if chat else "prompt", name, logprobs)

@@ -167,6 +167,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(64)))
 
     @property
+    def tokenizer(self) -> ByteTokenizer | None:
+        """The model's tokenizer; None for a token-id model (its texts are empty)."""
+        return self._tok
+
+    @property
     def keys_enabled(self) -> bool:
         """Whether the deployment has API keys (without them every caller is the anonymous tenant)."""
         return self._keys.enabled

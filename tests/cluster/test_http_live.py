@@ -81,10 +81,10 @@ def test_completions_streamed_and_not_equal_the_reference(dep, model, refs):
     c = _client(dep)
     text = "The quick brown fox"
     ids = TOK.encode(text, add_bos=True)
-    out = c.completions.create(model=model, prompt=text, max_tokens=20, temperature=0,
+    out = c.completions.create(model=model, prompt=text, max_tokens=20, temperature=0, logprobs=0,
                                extra_body={"ignore_eos": True, "return_token_ids": True})
     got = out.choices[0].model_extra["token_ids"]
-    refs.check(ids, _greedy(20), got, label="completion")
+    refs.check(ids, _greedy(20), got, label="completion", got_logprobs=out.choices[0].logprobs.token_logprobs)
     assert out.choices[0].text == TOK.decode(got) and out.usage.prompt_tokens == len(ids)
     chunks = list(_client(dep, 1).completions.create(model=model, prompt=[ids], max_tokens=20, temperature=0,
                                                      stream=True, extra_body={"ignore_eos": True}))
@@ -95,9 +95,9 @@ def test_chat_streamed_and_not_equal_the_reference_on_the_templates_rendering(de
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
     ids = TOK.encode(ChatTemplate(load_chat_template(dep.checkpoint)).render(msgs), add_bos=True)
     out = _client(dep).chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0,
-                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+                                               logprobs=True, extra_body={"ignore_eos": True, "return_token_ids": True})
     got = out.choices[0].model_extra["token_ids"]
-    refs.check(ids, _greedy(16), got, label="chat")
+    refs.check(ids, _greedy(16), got, label="chat", got_logprobs=[e.logprob for e in out.choices[0].logprobs.content])
     parts = list(_client(dep, 1).chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0,
                                                          stream=True, extra_body={"ignore_eos": True}))
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == out.choices[0].message.content

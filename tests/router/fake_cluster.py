@@ -2,7 +2,8 @@
 the router against a real redis-server and real gRPC without Ray or a model.
 
 Token i of a request (absolute position offset + i) is ``(offset + i) % 251``, so a stream with a gap or a
-duplicate across a failover is visible in its tokens.
+duplicate across a failover is visible in its tokens. With ``sampling.logprobs`` each token comes with
+``expected_logprob(token)``, exact in float32.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def expected_tokens(n: int, offset: int = 0) -> list[int]:
     return [(offset + i) % 251 for i in range(n)]
 
 
+def expected_logprob(token: int) -> float:
+    return -(token + 1) / 16
+
+
 @dataclass
 class Behaviour:
     delay_s: float = 0.0  # between tokens
@@ -38,6 +43,7 @@ class Behaviour:
     stall_after: int | None = None  # stop sending (until cancelled) after this many tokens (once)
     first_delay_s: float = 0.0  # before the first token (a long prefill)
     internal_after: int | None = None  # abort INTERNAL (an op or sampling that raised for it) after this many tokens
+    per_message: int = 1  # tokens per response message (speculative decoding sends several)
 
 
 @dataclass
@@ -48,6 +54,7 @@ class Seen:
     prompt_len: int
     offset: int
     seed: int = 0
+    logprobs: bool = False
 
 
 class FakeCluster(cluster_pb2_grpc.ClusterServicer):
@@ -67,7 +74,7 @@ class FakeCluster(cluster_pb2_grpc.ClusterServicer):
         req, b = request.request, self.behaviour
         with self._lock:
             self.seen.append(Seen(req.request_id, req.session_id, request.cache_salt, len(req.prompt_token_ids),
-                                  request.absolute_offset, req.sampling.seed))
+                                  request.absolute_offset, req.sampling.seed, req.sampling.logprobs))
             if req.request_id in self.running:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running")
             self.running.add(req.request_id)
@@ -75,6 +82,7 @@ class FakeCluster(cluster_pb2_grpc.ClusterServicer):
             if b.first_delay_s:
                 time.sleep(b.first_delay_s)
             n = req.sampling.max_tokens
+            batch: list[int] = []
             for i in range(n):
                 if b.internal_after is not None and i == b.internal_after:
                     context.abort(grpc.StatusCode.INTERNAL, "sampling failed: RuntimeError at /srv/engine.py:42")
@@ -88,10 +96,14 @@ class FakeCluster(cluster_pb2_grpc.ClusterServicer):
                     return
                 if b.delay_s:
                     time.sleep(b.delay_s)
-                self.tokens_sent += 1
+                batch.append((request.absolute_offset + i) % 251)
+                if len(batch) < b.per_message and i < n - 1:
+                    continue
+                self.tokens_sent += len(batch)
                 yield cluster_pb2.ClusterGenerateResponse(
-                    token_ids=[(request.absolute_offset + i) % 251], finish_reason="length" if i == n - 1 else "",
-                    cached_tokens=0)
+                    token_ids=batch, finish_reason="length" if i == n - 1 else "", cached_tokens=0,
+                    logprobs=[expected_logprob(t) for t in batch] if req.sampling.logprobs else [])
+                batch = []
         finally:
             with self._lock:
                 self.running.discard(req.request_id)

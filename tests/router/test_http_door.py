@@ -22,19 +22,19 @@ from k3serve.router.server import RouterService
 from k3serve.router.validate import ModelLimits
 from k3serve.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
 from k3serve.v1 import router_pb2 as pb
-from tests.router.fake_cluster import SECRET, Behaviour, Rig, default_classes, expected_tokens
+from tests.router.fake_cluster import SECRET, Behaviour, Rig, default_classes, expected_logprob, expected_tokens
 
 MODEL = "tiny-test"
 
 
-def _door(rig: Rig, api_keys=(), max_streams: int = 16):
+def _door(rig: Rig, api_keys=(), max_streams: int = 16, tokenizer: bool = True):
     client = connect(rig.url, timeout_s=2.0)
     view = MembershipView(Membership(client, rig.ns, SECRET), refresh_interval_s=0.1,
                           breaker=CircuitBreaker(BreakerConfig(cool_down_s=30.0)))
     gate = AdmissionGate(client, rig.ns, default_classes(), lease_ttl_s=3.0, renew_interval_s=0.2)
-    svc = RouterService(view, PinStore(client, rig.ns), ModelLimits(BYTE_VOCAB_SIZE, 4096, True), SECRET,
+    svc = RouterService(view, PinStore(client, rig.ns), ModelLimits(BYTE_VOCAB_SIZE, 4096, tokenizer), SECRET,
                         api_keys, gate=gate, max_streams=max_streams)
-    door = HttpDoor(svc, MODEL, ChatTemplate())
+    door = HttpDoor(svc, MODEL, ChatTemplate() if tokenizer else None)
     addr = door.start()
     rig.routers.append((svc, _Stopper(door), addr))
     return svc, f"http://{addr}"
@@ -155,6 +155,16 @@ BAD = [  # (body or raw bytes, status, param)
     ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "bogus"),
     ({"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 0}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": False, "top_logprobs": 1}, 400,
+     "top_logprobs"),
 ]
 
 
@@ -205,10 +215,12 @@ def test_a_stream_that_fails_over_stays_one_stream_without_repeated_text(rig):
     rig.add_cluster("c1", once)
     svc, url = _door(rig)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=30, stream=True,
+    chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=30, stream=True, logprobs=0,
                                             extra_body={"return_token_ids": True}))
     assert "".join(c.choices[0].text for c in chunks) == _text(30)
     assert [t for c in chunks for t in (c.choices[0].model_extra.get("token_ids") or [])] == expected_tokens(30)
+    assert [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs] == [
+        expected_logprob(t) for t in expected_tokens(30)]  # none repeated, none missing across the failover
     assert svc.counters["failovers"] == 1
     end = chunks[-1].choices[0]
     assert end.finish_reason == "length" and end.model_extra["failovers"] == 1
@@ -243,3 +255,100 @@ def test_n_choices_get_consecutive_seeds_and_the_chat_template_comes_from_the_ch
         {"chat_template": [{"name": "default", "template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"}]}))
     tpl = ChatTemplate(load_chat_template(tmp_path))
     assert tpl.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]) == "[hi][yo]"
+
+
+def _completion_logprobs(n: int, offset: int = 0) -> tuple[list[str], list[float], list[int]]:
+    """tokens, token_logprobs and text_offset of the fake cluster's first n tokens (ASCII: one character each)."""
+    ids = expected_tokens(n, offset)
+    return [chr(t) for t in ids], [expected_logprob(t) for t in ids], list(range(n))
+
+
+def test_logprobs_are_served_in_openai_shapes_streamed_and_not_and_are_off_by_default(rig):
+    fc = rig.add_cluster("c0")
+    _, url = _door(rig)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=40, logprobs=0,
+                                    extra_body={"return_token_ids": True})
+    lp = out.choices[0].logprobs
+    assert (lp.tokens, lp.token_logprobs, lp.text_offset) == _completion_logprobs(40) and lp.top_logprobs is None
+    assert out.choices[0].model_extra["token_ids"] == expected_tokens(40) and fc.seen[-1].logprobs
+    chunks = list(client.completions.create(model=MODEL, prompt="hello", max_tokens=30, logprobs=0, stream=True))
+    got = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert ([t for g in got for t in g.tokens], [x for g in got for x in g.token_logprobs],
+            [x for g in got for x in g.text_offset]) == _completion_logprobs(30)
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].choices[0].logprobs is None
+    ids = expected_tokens(140)  # 128 on: bytes that are no UTF-8 character of their own
+    want = [(bytes([t]).decode("utf-8", errors="replace"), expected_logprob(t), [t], []) for t in ids]
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=140, logprobs=True, top_logprobs=0)
+    assert [(e.token, e.logprob, e.bytes, e.top_logprobs) for e in chat.choices[0].logprobs.content] == want
+    assert want[130][0] == "\ufffd" and chat.choices[0].message.content == _text(140)
+    deltas = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=140, logprobs=True,
+                                                 stream=True))
+    assert [(e.token, e.logprob, e.bytes, e.top_logprobs) for d in deltas if d.choices[0].logprobs
+            for e in d.choices[0].logprobs.content] == want
+    assert deltas[0].choices[0].logprobs is None  # the role chunk carries no token
+    # off by default: null, and the cluster is not asked for them
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).choices[0].logprobs is None
+    assert client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3).choices[0].logprobs is None
+    assert all(c.choices[0].logprobs is None for c in client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=3, stream=True, logprobs=False))
+    assert not fc.seen[-1].logprobs and not fc.seen[-2].logprobs
+
+
+def test_logprobs_refusals_say_only_the_sampled_token_is_served(rig):
+    rig.add_cluster("c0")
+    _, url = _door(rig)
+    for path, body, param in [
+            ("/v1/completions", {"prompt": "x", "logprobs": 5}, "logprobs"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                      "top_logprobs": 5}, "top_logprobs")]:
+        r = httpx.post(url + path, json={"model": MODEL, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+        assert "only the sampled token's log-probability" in r.json()["error"]["message"]
+    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": None}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["logprobs"] is None
+
+
+def test_a_token_id_model_names_each_logprob_token_by_its_id(rig):
+    rig.add_cluster("c0")
+    _, url = _door(rig, tokenizer=False)
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 5,
+                                                   "logprobs": 0}, timeout=30).json()
+    assert r["choices"][0]["text"] == ""
+    assert r["choices"][0]["logprobs"] == {"tokens": [f"token_id:{t}" for t in range(5)],
+                                           "token_logprobs": [expected_logprob(t) for t in range(5)],
+                                           "top_logprobs": None, "text_offset": [0] * 5}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_keeps_tokens_logprobs_and_usage_up_to_the_token_that_completed_it(rig, stream):
+    """Several tokens a message (speculative decoding): the choice ends at the token that completed the stop,
+    inside its message, not at the message's end."""
+    rig.add_cluster("c0", Behaviour(per_message=4))  # messages: tokens 0-3, 4-7, ...
+    _, url = _door(rig)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    # "12" (tokens 49, 50) completes inside message 48-51; "234" (50, 51, 52) across two messages: the first
+    # completed wins. With "234" alone: tokens up to 52, text up to 50
+    for stop, kept, text in ([["234", "12"], 51, 49], [["234"], 53, 50]):
+        kw = dict(model=MODEL, prompt="x", max_tokens=200, stop=stop, logprobs=0, stream=stream,
+                  extra_body={"return_token_ids": True})
+        if stream:
+            chunks = list(client.completions.create(**kw, stream_options={"include_usage": True}))
+            usage = chunks[-1].usage
+            chs = [c.choices[0] for c in chunks if c.choices]
+            assert chs[-1].finish_reason == "stop"
+        else:
+            out = client.completions.create(**kw)
+            usage, chs = out.usage, out.choices
+            assert chs[0].finish_reason == "stop"
+        assert "".join(c.text for c in chs) == _text(text)
+        assert [t for c in chs for t in (c.model_extra.get("token_ids") or [])] == expected_tokens(kept)
+        lps = [c.logprobs for c in chs if c.logprobs]
+        assert [t for g in lps for t in g.tokens] == _completion_logprobs(kept)[0]
+        assert [x for g in lps for x in g.token_logprobs] == _completion_logprobs(kept)[1]
+        assert usage.completion_tokens == kept
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=200,
+                                          stop="234", logprobs=True)
+    assert chat.choices[0].message.content == _text(50) and chat.choices[0].finish_reason == "stop"
+    assert [e.logprob for e in chat.choices[0].logprobs.content] == [expected_logprob(t) for t in range(53)]
