@@ -26,10 +26,17 @@ FAST_NODE_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeou
                    "RAY_health_check_failure_threshold": "4", "RAY_health_check_initial_delay_ms": "1000"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: each socket stays bound until all are picked (closed one by one, the OS may hand
+    out the same port twice, which `ray start` refuses)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclass
@@ -55,7 +62,7 @@ class TwoNodeRay:
                  "--metrics-export-port", "--node-manager-port", "--object-manager-port"]
         cmd = [ray_bin, "start", *args, "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}",
                f"--temp-dir={self.temp_dir}", "--disable-usage-stats", "--include-log-monitor=false",
-               "--object-store-memory=100000000", *[f"{p}={_free_port()}" for p in ports]]
+               "--object-store-memory=100000000", *[f"{p}={n}" for p, n in zip(ports, free_ports(len(ports)))]]
         proc = subprocess.Popen(cmd, env={**os.environ, **FAST_NODE_DEATH, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
                                      **(env or {})}, start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -66,10 +73,10 @@ class TwoNodeRay:
 
     def start(self) -> "TwoNodeRay":
         self.temp_dir = tempfile.mkdtemp(prefix="k3n-", dir="/tmp")  # short: Unix socket paths are <= 107 bytes
-        port = _free_port()
+        port, dash, client = free_ports(3)
         try:
-            self._ray("--head", f"--port={port}", "--include-dashboard=false", f"--dashboard-port={_free_port()}",
-                      f"--ray-client-server-port={_free_port()}", f'--resources={{"{self.head_resource}": 100}}')
+            self._ray("--head", f"--port={port}", "--include-dashboard=false", f"--dashboard-port={dash}",
+                      f"--ray-client-server-port={client}", f'--resources={{"{self.head_resource}": 100}}')
             self.address = f"127.0.0.1:{port}"
             self.add_worker()
         except BaseException:

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import pytest
 
 from tests.cluster.live_clients import (check_refused_while_draining, prompt, start_streams, wait_for_file,
                                         write_deploy)
-from tests.cluster.ray_nodes import kill_ray_session
+from tests.cluster.ray_nodes import free_ports, kill_ray_session
 from k3serve.contracts.sampling import SamplingParams
 from tests.exactness import References
 
@@ -93,17 +92,12 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path, tiny_ckpt, refs)
     print(f"SIGTERM -> exit 0 in {took:.1f} s; {log.strip().splitlines()[-1]}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(shutil.which("ray", path=str(BIN)) is None, reason="no ray CLI in this environment")
 def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, refs):
     # short temp dir: Ray's socket paths must fit in 107 bytes
     temp_dir = Path(f"/tmp/k3t-{os.getpid()}-{time.monotonic_ns() % 10**6}")
-    dash = f"http://127.0.0.1:{(port := _free_port())}"
+    port, agent, agent_grpc, env_agent, metrics = free_ports(5)
+    dash = f"http://127.0.0.1:{port}"
     # the job supervisor SIGKILLs a stopped job after RAY_JOB_STOP_WAIT_TIME_S (3 s by default): it must
     # exceed the deployment's drain_timeout_s, or in-flight streams are cut
     head_env = _env(RAY_AUTH_MODE="token", RAY_JOB_STOP_WAIT_TIME_S="150")
@@ -114,9 +108,8 @@ def test_ray_job_stop_drains_the_submitted_serve_job(tmp_path, tiny_ckpt, refs):
                              # the agent's own ports too: by default 52365 and friends, which another Ray of this
                              # process (the package's shared deployment) may hold, leaving this head without a job
                              # agent ("No available agent to submit job")
-                             f"--dashboard-agent-listen-port={_free_port()}",
-                             f"--dashboard-agent-grpc-port={_free_port()}",
-                             f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+                             f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+                             f"--runtime-env-agent-port={env_agent}", f"--metrics-export-port={metrics}",
                              f"--temp-dir={temp_dir}", "--disable-usage-stats"],
                             env=head_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
