@@ -37,6 +37,8 @@ class CallAborted(Exception):
 class CallContext:
     """The grpc.ServicerContext surface the request path uses, for an HTTP call (no deadline)."""
 
+    decodes_text = True  # ``drive`` decodes per token (stop strings, logprobs): the relay leaves msg.text empty
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []

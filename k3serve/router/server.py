@@ -409,7 +409,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             while True:
                 target = Target(cluster, self._stub(cluster), key, salt)
-                attempt = stream_attempt(target, req, st, progress, self._auth, self.watchdog, self._tok, context)
+                tok = None if getattr(context, "decodes_text", False) else self._tok  # decoded once, by its door
+                attempt = stream_attempt(target, req, st, progress, self._auth, self.watchdog, tok, context)
                 if anonymous:  # counted as queued prefill work there until its first token
                     attempt = _until_first(attempt, self.placer, cluster, len(req.prompt_ids) + len(st.streamed))
                 ending = yield from attempt
