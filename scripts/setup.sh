@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian machine with Python 3.11: venv, pinned packages, redis-server.
 # Re-runs are fast: pip runs again only when pyproject.toml changed.
-# K3SERVE_MOONCAKE=1 also installs the Mooncake data plane (apt: libibverbs1 librdmacm1 libnuma1; pip: the
+# K3SERVE_MOONCAKE=1 also installs the Mooncake data plane (apt: libibverbs1 librdmacm1 libnuma1, gcc; pip: the
 # k3serve[mooncake] extra) and fails if it cannot; K3SERVE_MOONCAKE=auto tries and warns (scripts/test.sh);
 # unset or 0: skipped (the default plane, gRPC, needs neither).
 set -euo pipefail
@@ -42,6 +42,12 @@ if [ "$MOONCAKE" != 0 ]; then
     else
       echo "setup: installing the Mooncake data plane failed" >&2; exit 1
     fi
+  fi
+  # the bind() library that keeps each engine's listeners on its host (k3serve/transfer/mooncake/listeners.py)
+  if [ -f "$mc_stamp" ]; then
+    command -v cc >/dev/null 2>&1 || { $SUDO apt-get update -qq >/dev/null && \
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc >/dev/null; }
+    .venv/bin/python -m k3serve.transfer.mooncake.listeners >/dev/null
   fi
 fi
 

@@ -100,7 +100,8 @@ class ClusterActor:
         # both groups' processes start and load the weights at once (one after the other, the decode group's
         # start added its whole time to every cluster build)
         with ThreadPoolExecutor(len(groups)) as pool:
-            started = {g: pool.submit(RayExecutor, spec, pg, offset) for g, (spec, offset) in groups.items()}
+            env = self._rank_env()
+            started = {g: pool.submit(RayExecutor, spec, pg, offset, env) for g, (spec, offset) in groups.items()}
         errors = [e for e in (f.exception() for f in started.values()) if e is not None]
         self.executors.update({g: f.result() for g, f in started.items() if not f.exception()})
         if errors:  # a group that did start is closed with the cluster's teardown
@@ -145,6 +146,16 @@ class ClusterActor:
             mc = d.clusters.mooncake.config()
             return MooncakeSendHooks(mc, d.internal_bind), MooncakeReceiverHooks(rx, mc)
         return GrpcSendHooks(), ReceiverHooks(rx)
+
+    def _rank_env(self) -> dict[str, str]:
+        """What rank processes start with beyond the job's environment: the bind() that keeps each Mooncake
+        engine's listeners on its host (transfer/mooncake/listeners.py), unless the operator chose listen_any."""
+        c = self.deploy.clusters
+        if c.transfer != "mooncake" or c.mooncake.listen_any:
+            return {}
+        from k3serve.transfer.mooncake.listeners import build_shim, process_env
+
+        return process_env(build_shim())
 
     def _channel(self, cfg):
         """The StateChannel between this cluster's groups (`clusters.transfer`)."""

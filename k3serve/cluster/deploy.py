@@ -115,7 +115,7 @@ class MooncakeSpec:
     host: str = ""  # the address peers reach a rank's engine at ("": the bind host, else this node's address)
     staging_mib: int = 512  # registered staging region per decode rank
     send_mib: int = 256  # registered send region per prefill rank
-    listen_any: bool = False  # required: the engine listens on every interface (transfer/mooncake/plane.py)
+    listen_any: bool = False  # the engine's listeners on every interface, firewalled by the operator; else its host
 
     def config(self):
         from k3serve.transfer.mooncake.plane import MooncakeConfig
@@ -288,11 +288,8 @@ class DeployConfig:
         if c.transfer not in TRANSFER_PLANES:
             raise DeployError(f"clusters.transfer must be one of {', '.join(TRANSFER_PLANES)}, got {c.transfer!r}")
         c.mooncake.config()  # raises DeployError naming the field
-        if (c.transfer == "mooncake" or any(p.transfer == "mooncake" for p in c.placement)) \
-                and c.mooncake.listen_any is not True:
-            from k3serve.transfer.mooncake.plane import LISTEN_ANY_REFUSAL
-
-            raise DeployError(f"clusters.{LISTEN_ANY_REFUSAL}")
+        if not isinstance(c.mooncake.listen_any, bool):
+            raise DeployError(f"clusters.mooncake.listen_any must be true or false, got {c.mooncake.listen_any!r}")
         seen: set[str] = set()
         for i, p in enumerate(c.placement):
             where = f"clusters.placement[{i}]"

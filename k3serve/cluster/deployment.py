@@ -22,7 +22,7 @@ from pathlib import Path
 import ray
 import psutil  # Ray's own copy (ray/thirdparty_files, which `import ray` puts on sys.path)
 
-from k3serve.cluster.deploy import DeployConfig
+from k3serve.cluster.deploy import DeployConfig, DeployError
 from k3serve.cluster.nodes import LostNode
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class Deployment:
         if not self.workdir:
             self._tmp = tempfile.TemporaryDirectory(prefix="k3serve-deploy-")
             self.workdir = self._tmp.name
+        self._prepare_planes()
         self._start_ray()
         if self.on_ray_ready is not None:
             self.on_ray_ready()
@@ -136,6 +137,18 @@ class Deployment:
             self._supervisor = threading.Thread(target=self._supervise, name="k3serve-supervisor", daemon=True)
             self._supervisor.start()
         return self
+
+    def _prepare_planes(self) -> None:
+        """Fail before anything starts when a Mooncake cluster's engine cannot be kept on its host here (its
+        bind() library is built now, on this node, for the clusters that run here too)."""
+        if any(self.deploy.for_cluster(cid).clusters.transfer == "mooncake"
+               for cid in self.deploy.clusters.cluster_ids) and not self.deploy.clusters.mooncake.listen_any:
+            from k3serve.transfer.mooncake.listeners import ListenerError, build_shim
+
+            try:
+                build_shim()
+            except ListenerError as e:
+                raise DeployError(f"clusters.mooncake: {e}") from None
 
     def _pg_name(self, cluster_id: str) -> str:
         return f"k3serve-{self._uid}-{cluster_id}"

@@ -93,16 +93,17 @@ class RankActor:
 class RayExecutor:
     """The Executor interface over a group of RankActors (see engine/executor.py)."""
 
-    def __init__(self, spec: WorkerSpec, placement_group=None, bundle_offset: int = 0) -> None:
+    def __init__(self, spec: WorkerSpec, placement_group=None, bundle_offset: int = 0,
+                 env_vars: dict[str, str] | None = None) -> None:
+        """env_vars: set in each rank's process before it starts (merged over the job's runtime_env)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.tp = spec.tp
-        opts = {}
+        opts = {"runtime_env": {"env_vars": dict(env_vars)}} if env_vars else {}
         self.actors = []
         for rank in range(spec.tp):
             if placement_group is not None:
-                opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group,
-                                                                                 bundle_offset + rank)}
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, bundle_offset + rank)
             self.actors.append(RankActor.options(**opts).remote(spec, rank))
         init = None
         if spec.tp > 1:

@@ -70,19 +70,15 @@ def test_transfer_planes_and_the_mooncake_section(tmp_path):
         load_deploy(_write(tmp_path, "clusters: {transfer: mooncake, mooncake: {protocol: udp}}\n"))
     with pytest.raises(DeployError, match=r"unknown key deploy\.clusters\.mooncake\.region"):
         load_deploy(_write(tmp_path, "clusters: {mooncake: {region: 5}}\n"))
-    assert mc.listen_any is True  # the example config opts in, saying why
+    assert mc.listen_any is False  # the example keeps the engine on its host
 
 
-@pytest.mark.parametrize("clusters", ["{transfer: mooncake}", "{transfer: mooncake, mooncake: {listen_any: false}}",
-                                      "{placement: [{clusters: [c0], decode: {b: 1}, transfer: mooncake}]}"])
-def test_the_mooncake_plane_needs_the_operators_word_on_its_wildcard_listeners(tmp_path, clusters):
-    """The engine binds 0.0.0.0 and :: whatever bind_host says: a deploy file must opt in, naming the key."""
-    with pytest.raises(DeployError, match=r"clusters\.mooncake\.listen_any: .*every interface"):
-        load_deploy(_write(tmp_path, f"clusters: {clusters}\n"))
-    from k3serve.transfer.mooncake.plane import DataPlane, DataPlaneError, MooncakeConfig
-
-    with pytest.raises(DataPlaneError, match="listen_any"):  # also where a plane is built without a deploy file
-        DataPlane(MooncakeConfig())
+def test_listen_any_is_a_boolean_and_off_unless_set(tmp_path):
+    """Off, the engine's listeners are kept on its host (transfer/mooncake/listeners.py); on, the operator
+    firewalls them."""
+    assert load_deploy(_write(tmp_path, "clusters: {transfer: mooncake}\n")).clusters.mooncake.listen_any is False
+    with pytest.raises(DeployError, match="clusters.mooncake.listen_any must be true or false"):
+        load_deploy(_write(tmp_path, "clusters: {transfer: mooncake, mooncake: {listen_any: 'yes'}}\n"))
 
 
 def test_numerics_key(tmp_path):

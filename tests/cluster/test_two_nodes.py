@@ -33,7 +33,7 @@ clusters:
   prefill_pools: {kda_slots: 16, mla_pages: 256, page_size: 64}
   decode_pools: {kda_slots: 16, mla_pages: 256, page_size: 64}
   max_decode_batch: 16
-  mooncake: {protocol: tcp, metadata: P2PHANDSHAKE, staging_mib: 16, send_mib: 8, listen_any: true}
+  mooncake: {protocol: tcp, metadata: P2PHANDSHAKE, staging_mib: 16, send_mib: 8}
   rebuild_backoff_s: 5.0
   placement:
     - {clusters: [c0], front: {k3_node_a: 1}, prefill: {k3_node_a: 1}, decode: {k3_node_b: 1}}

@@ -12,33 +12,27 @@ Dynamo move KV with it) needs `libibverbs1 librdmacm1 libnuma1` even for TCP: `p
 or `K3SERVE_MOONCAKE=1 bash scripts/setup.sh`, installs both.
 
 Its TCP transport refuses writes outside the target's registered buffers, but it does not authenticate peers:
-any process that reaches an engine's port can read and write its registered memory. And it listens on every
-interface whatever host it is given: the handshake socket on 0.0.0.0 and the data socket on :: (Mooncake's
-SocketHandShakePlugin binds INADDR_ANY, its TcpContext a v6 wildcard; MC_TCP_BIND_ADDRESS only names the
-address it advertises). So a plane starts only with ``listen_any`` (`clusters.mooncake.listen_any: true`), the
-operator's word that those ports are firewalled to the deployment's nodes; the receiver copies each landed
-chunk out of the region into private memory as it checks it (staging.py), so a write after landing never
-reaches what is installed; the prefill side's send region holds a request's state while it is sent.
+any process that reaches an engine's port can read and write its registered memory. And it binds every interface
+whatever host it is given (the handshake socket 0.0.0.0, the data socket ::). So a plane keeps the engine's
+listeners on its host (listeners.py: a preloaded bind() and a check of the process' own sockets) unless the
+operator opts in to ``listen_any`` (`clusters.mooncake.listen_any: true`: the ports firewalled instead); the
+registered regions hold only sealed state (chunk_seal.py), and the receiver decrypts each landed chunk into
+private memory as it checks it (staging.py), so a write after landing never reaches what is installed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from k3serve.transfer.buffers import RegionBuffers
+from k3serve.transfer.mooncake.listeners import ListenerError, confined
 
 PROTOCOLS = ("tcp", "rdma")
 INSTALL_HINT = "pip install 'k3serve[mooncake]' (and apt-get install libibverbs1 librdmacm1 libnuma1)"
-
-
-LISTEN_ANY_REFUSAL = (
-    "mooncake.listen_any: the Mooncake Transfer Engine listens on every interface (0.0.0.0 and ::) whatever "
-    "host or bind_host says, and lets any peer that reaches it read and write registered memory; set "
-    "clusters.mooncake.listen_any: true once its ports are firewalled to the deployment's nodes, or use "
-    "transfer: grpc")
 
 
 class DataPlaneError(RuntimeError):
@@ -57,7 +51,7 @@ class MooncakeConfig:
     send_bytes: int = 256 << 20  # a prefill rank's registered send region (its exported state is copied in)
     quarantine_s: float = 120.0  # a cancelled transfer's range is reused only after this (late remote writes)
     batch_bytes: int = 4 << 20  # payload per engine batch: the receiver CRCs one batch while the next lands
-    listen_any: bool = False  # the operator accepts the engine's listeners on every interface (see above)
+    listen_any: bool = False  # the engine may listen on every interface (the operator firewalls it); else on host
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -86,8 +80,6 @@ class DataPlane:
     """One TransferEngine for this process. Thread-safe: writes from several streams run concurrently."""
 
     def __init__(self, config: MooncakeConfig) -> None:
-        if not config.listen_any:
-            raise DataPlaneError(LISTEN_ANY_REFUSAL)
         why = mooncake_available()
         if why:
             raise DataPlaneError(why)
@@ -95,7 +87,11 @@ class DataPlane:
 
         self.config = config
         self._engine = TransferEngine()
-        rc = self._engine.initialize(config.host, config.metadata, config.protocol, config.device)
+        try:
+            with contextlib.nullcontext() if config.listen_any else confined(config.host):
+                rc = self._engine.initialize(config.host, config.metadata, config.protocol, config.device)
+        except ListenerError as e:
+            raise DataPlaneError(str(e)) from None
         if rc != 0:
             raise DataPlaneError(f"TransferEngine.initialize({config.host!r}, {config.metadata!r}, "
                                  f"{config.protocol!r}) returned {rc}")

@@ -1,0 +1,43 @@
+/* k3serve's bind() for processes that run a Mooncake Transfer Engine (transfer/mooncake/listeners.py).
+ *
+ * The engine binds its handshake socket to 0.0.0.0 and its TCP transport to the v6 wildcard whatever host it is
+ * given. Preloaded (LD_PRELOAD), this bind() moves a wildcard bind to K3SERVE_BIND_HOST (an IPv4 address) while
+ * that variable is set: 0.0.0.0 -> the host, :: -> ::ffff:host (the dual-stack socket then takes IPv4 peers of
+ * that address only). Binds to a named address, and every bind while the variable is unset, are left alone. */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <netinet/in.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
+
+int k3serve_bind_to_host_loaded = 1; /* the marker listeners.py looks for */
+
+int bind(int fd, const struct sockaddr *addr, socklen_t len) {
+    static bind_fn real;
+    if (!real) real = (bind_fn)dlsym(RTLD_NEXT, "bind");
+    const char *host = getenv("K3SERVE_BIND_HOST");
+    struct in_addr v4;
+    if (!host || !addr || inet_pton(AF_INET, host, &v4) != 1) return real(fd, addr, len);
+    if (addr->sa_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
+        struct sockaddr_in a;
+        memcpy(&a, addr, sizeof a);
+        if (a.sin_addr.s_addr != htonl(INADDR_ANY)) return real(fd, addr, len);
+        a.sin_addr = v4;
+        return real(fd, (const struct sockaddr *)&a, sizeof a);
+    }
+    if (addr->sa_family == AF_INET6 && len >= (socklen_t)sizeof(struct sockaddr_in6)) {
+        struct sockaddr_in6 a;
+        memcpy(&a, addr, sizeof a);
+        if (!IN6_IS_ADDR_UNSPECIFIED(&a.sin6_addr)) return real(fd, addr, len);
+        memset(&a.sin6_addr, 0, sizeof a.sin6_addr);
+        a.sin6_addr.s6_addr[10] = 0xff; /* ::ffff:a.b.c.d, the v4-mapped form */
+        a.sin6_addr.s6_addr[11] = 0xff;
+        memcpy(&a.sin6_addr.s6_addr[12], &v4, 4);
+        return real(fd, (const struct sockaddr *)&a, sizeof a);
+    }
+    return real(fd, addr, len);
+}
