@@ -1,27 +1,29 @@
 /* k3serve's bind() for processes that run a Mooncake Transfer Engine (transfer/mooncake/listeners.py).
  *
  * The engine binds its handshake socket to 0.0.0.0 and its TCP transport to the v6 wildcard whatever host it is
- * given. Preloaded (LD_PRELOAD), this bind() moves a wildcard bind to K3SERVE_BIND_HOST (an IPv4 address) while
- * that variable is set: 0.0.0.0 -> the host, :: -> ::ffff:host (the dual-stack socket then takes IPv4 peers of
- * that address only). Binds to a named address, and every bind while the variable is unset, are left alone. */
+ * given. Preloaded (LD_PRELOAD), this bind() moves a wildcard bind to the IPv4 address in k3serve_bind_host while
+ * that holds one (listeners.py writes it around the engine's start): 0.0.0.0 -> the host, :: -> ::ffff:host (the
+ * dual-stack socket then takes IPv4 peers of that address only). Binds to a named address, and every bind while
+ * k3serve_bind_host is empty, are left alone. A global, not the environment: setenv races other threads. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <dlfcn.h>
 #include <netinet/in.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 
 typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
 
-int k3serve_bind_to_host_loaded = 1; /* the marker listeners.py looks for */
+char k3serve_bind_host[INET_ADDRSTRLEN]; /* "" or an IPv4 address; written by listeners.py */
 
 int bind(int fd, const struct sockaddr *addr, socklen_t len) {
     static bind_fn real;
     if (!real) real = (bind_fn)dlsym(RTLD_NEXT, "bind");
-    const char *host = getenv("K3SERVE_BIND_HOST");
+    char host[INET_ADDRSTRLEN];
+    memcpy(host, k3serve_bind_host, sizeof host);
+    host[sizeof host - 1] = 0;
     struct in_addr v4;
-    if (!host || !addr || inet_pton(AF_INET, host, &v4) != 1) return real(fd, addr, len);
+    if (!host[0] || !addr || inet_pton(AF_INET, host, &v4) != 1) return real(fd, addr, len);
     if (addr->sa_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
         struct sockaddr_in a;
         memcpy(&a, addr, sizeof a);

@@ -5,10 +5,10 @@ given, and it authenticates no peer. It has no setting that changes this (``MC_T
 address it advertises), so k3serve confines it from outside:
 
 ```
- bind_to_host.c     bind(): a wildcard bind becomes K3SERVE_BIND_HOST (:: -> ::ffff:host) while that is set
+ bind_to_host.c     bind(): a wildcard bind becomes the host in k3serve_bind_host (:: -> ::ffff:host) while set
  build_shim()       cc -> <venv>/lib/k3serve/bind_to_host-<source digest>.so, once per source (atomic)
  process_env(path)  LD_PRELOAD for a rank actor's runtime_env: the library must be in the process from its start
- confined(host)     K3SERVE_BIND_HOST=host around the engine's initialize; every listener it adds is checked
+ confined(host)     k3serve_bind_host = host around the engine's initialize; every listener it adds is checked
 ```
 A rank process without the library, or an engine that still opened a wildcard listener, is refused
 (``DataPlaneError``) unless the operator opted in to ``listen_any``. Each node needs the library at the same
@@ -31,8 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("bind_to_host.c")
-MARKER = "k3serve_bind_to_host_loaded"  # a symbol the library exports
-HOST_VAR = "K3SERVE_BIND_HOST"
+HOST_SYMBOL = "k3serve_bind_host"  # the library's char[16]: "" or the IPv4 address wildcard binds go to
 
 
 class ListenerError(RuntimeError):
@@ -75,7 +74,7 @@ def process_env(path: Path) -> dict[str, str]:
 
 
 def shim_loaded() -> bool:
-    return hasattr(ctypes.CDLL(None), MARKER)
+    return hasattr(ctypes.CDLL(None), HOST_SYMBOL)
 
 
 def ipv4_of(host: str) -> str:
@@ -99,15 +98,12 @@ def confined(host: str) -> Iterator[None]:
             "on every interface: deploy through k3serve (its rank actors preload it; on another node build it with "
             "`python -m k3serve.transfer.mooncake.listeners`), or set clusters.mooncake.listen_any: true")
     before = wide_listeners()
-    old = os.environ.get(HOST_VAR)
-    os.environ[HOST_VAR] = ipv4_of(host)
+    target = (ctypes.c_char * 16).in_dll(ctypes.CDLL(None), HOST_SYMBOL)
+    target.value = ipv4_of(host).encode()
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(HOST_VAR, None)
-        else:
-            os.environ[HOST_VAR] = old
+        target.value = b""
     added = wide_listeners() - before
     if added:
         raise ListenerError(f"the Mooncake engine still listens on {sorted(added)} (not {host})")
