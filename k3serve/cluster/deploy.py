@@ -138,6 +138,8 @@ class ClusterSpec:
     step_token_budget: int = 2048
     long_step_tokens: int = 0  # most long-prompt tokens per prefill step (0: step_token_budget); chunk_plan.py
     prefix_scheme: str = "k3"
+    checkpoint_every_blocks: int = 8  # k3: a KDA checkpoint every this many 512-token blocks, besides turn ends
+    max_checkpoints_per_session: int = 4  # k3: the deepest this many of a prompt's checkpoints (fairness guard)
     transfer: str = "grpc"  # "grpc": k3serve.transfer between the groups; "mooncake": the same control over gRPC,
     # payload by the Mooncake Transfer Engine (pip install 'k3serve[mooncake]'); "object_store": tensors via Ray
     mooncake: MooncakeSpec = field(default_factory=lambda: MooncakeSpec())
@@ -162,9 +164,14 @@ class ClusterSpec:
         from k3serve.contracts.prefix_policy import PrefixCachePolicy
 
         try:
-            return PrefixCachePolicy(scheme=self.prefix_scheme, page_size=self.prefill_pools.page_size)
-        except ValueError as e:
-            raise DeployError(f"clusters: {e}") from None
+            return PrefixCachePolicy(scheme=self.prefix_scheme, page_size=self.prefill_pools.page_size,
+                                     checkpoint_every_blocks=self.checkpoint_every_blocks,
+                                     max_checkpoints_per_session=self.max_checkpoints_per_session)
+        except ValueError as e:  # the policy names its own fields; say the deploy file's keys
+            msg = str(e)
+            for field_, key in (("scheme", "prefix_scheme"), ("page_size", "prefill_pools.page_size")):
+                msg = msg.replace(f"prefix_cache.{field_}", f"clusters.{key}")
+            raise DeployError(msg.replace("prefix_cache.", "clusters.")) from None
 
 
 @dataclass(frozen=True)
@@ -288,6 +295,7 @@ class DeployConfig:
         if c.transfer not in TRANSFER_PLANES:
             raise DeployError(f"clusters.transfer must be one of {', '.join(TRANSFER_PLANES)}, got {c.transfer!r}")
         c.mooncake.config()  # raises DeployError naming the field
+        c.prefix_policy()  # raises DeployError naming the field
         if not isinstance(c.mooncake.listen_any, bool):
             raise DeployError(f"clusters.mooncake.listen_any must be true or false, got {c.mooncake.listen_any!r}")
         seen: set[str] = set()

@@ -146,3 +146,16 @@ def test_kill_node_needs_a_node():
     assert Fault.parse("node:k3_node_b") == Fault("node", "k3_node_b")
     with pytest.raises(ValueError, match="--kill node needs a node"):
         Fault.parse("node")
+
+
+def test_checkpoint_density_keys_reach_the_policy_and_bad_values_name_the_key(tmp_path):
+    cfg = load_deploy(Path(__file__).resolve().parents[2] / "configs" / "shared-prefixes.yaml")
+    policy = cfg.clusters.prefix_policy()
+    assert (policy.checkpoint_every_blocks, policy.max_checkpoints_per_session) == (1, 4)
+    assert policy.checkpoint_boundaries(6 * 512, 0) == [3 * 512, 4 * 512, 5 * 512, 6 * 512]  # every block end
+    assert load_deploy(_write(tmp_path, "routers: 1\n")).clusters.prefix_policy().checkpoint_every_blocks == 8
+    for key in ("checkpoint_every_blocks", "max_checkpoints_per_session"):
+        with pytest.raises(DeployError, match=rf"^clusters\.{key} must be >= 1, got 0$"):
+            load_deploy(_write(tmp_path, f"clusters: {{{key}: 0}}\n"))
+    with pytest.raises(DeployError, match=r"^clusters\.prefix_scheme must be one of"):
+        load_deploy(_write(tmp_path, "clusters: {prefix_scheme: dense}\n"))
