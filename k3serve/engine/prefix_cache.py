@@ -134,6 +134,16 @@ class HybridPrefixCache:
                               evicted_checkpoints=0, rejected_checkpoints=0)
 
     # ----------------------------------------------------------------------------------------------- queries
+    def block_hashes(self, tokens: Sequence[int], salt: str = "") -> list[int]:
+        """The chained hashes of ``tokens``' full blocks under this cache's key and the tenant ``salt``."""
+        return block_hashes(tokens, self.policy.block_size, self._key, salt)
+
+    def restorable(self, hashes: Sequence[int], prompt_len: int) -> int:
+        """Tokens ``lookup`` would restore now for a prompt of ``prompt_len`` tokens with these block ``hashes``,
+        without touching recency, counters or pins."""
+        top = min(len(hashes), max(prompt_len - 1, 0) // self.policy.block_size)
+        return next((k * self.policy.block_size for k in range(top, 0, -1) if self.has_checkpoint(hashes[k - 1])), 0)
+
     def lookup(self, tokens: Sequence[int], salt: str = "") -> PrefixHit:
         """Longest cached prefix of ``tokens`` that ends at a KDA checkpoint and leaves >= 1 token to compute.
 

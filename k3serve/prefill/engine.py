@@ -17,6 +17,7 @@ that can never fit is refused with RESOURCE_EXHAUSTED.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -72,6 +73,8 @@ class _Running:
     is_long: bool
     boundaries: list[int]
     checkpoints: dict[int, int] = field(default_factory=dict)
+    order: int = 0  # arrival order (add_request)
+    hashes: tuple[int, ...] = ()  # the prompt's block hashes (what it registers at its end)
     started_s: float = field(default_factory=time.monotonic)
     captured: list[tuple[int, dict]] = field(default_factory=list)  # (first position, {layer: [r, d]}) per chunk
 
@@ -98,6 +101,8 @@ class PrefillEngine:
         self.pages = PageAllocator(config.pools.mla_pages)
         self.cache = HybridPrefixCache(config.cache, self.pages, self.slots, hash_key)
         self.waiting: deque[PrefillRequest] = deque()
+        self._order: dict[str, int] = {}  # arrival order of the waiting requests
+        self._arrivals = itertools.count()
         self.running: list[_Running] = []
         self.failures: list[RequestFailure] = []
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0}
@@ -123,12 +128,14 @@ class PrefillEngine:
                 f"prompt of {len(req.prompt_ids)} tokens needs {need} MLA pages; this prefill group has "
                 f"{self.pages.capacity}"))
             return
+        self._order[req.request_id] = next(self._arrivals)
         self.waiting.append(req)
 
     def cancel(self, request_id: str) -> bool:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
+                self._order.pop(request_id, None)
                 return True
         for run in self.running:
             if run.req.request_id == request_id:
@@ -237,10 +244,13 @@ class PrefillEngine:
             short = len(req.prompt_ids) < self.config.long_threshold
             if long_blocked and not short:
                 continue
+            if self._follows_running(req):
+                continue  # it starts once the prefill ahead of it has registered its checkpoints
             try:
                 run = self._try_start(req)
             except OpFailed as e:  # its slot could not be prepared: fail this request only
                 self.waiting.remove(req)
+                self._order.pop(req.request_id, None)
                 self.failures.append(RequestFailure(req.request_id, ErrorCode.INTERNAL,
                                                     f"prefill failed: {str(e).splitlines()[0]}"))
                 continue
@@ -250,7 +260,30 @@ class PrefillEngine:
                 long_blocked = True
                 continue
             self.waiting.remove(req)
+            run.order = self._order.pop(req.request_id, 0)
             self.running.append(run)
+
+    def _follows_running(self, req: PrefillRequest) -> bool:
+        """Whether a prefill running here, of a request that arrived before this one, will save a checkpoint
+        deeper into this prompt than the cache restores now. Starting after it has registered restores that
+        much more (SGLang defers a request that shares a prefix within a batch for the same reason); the wait is
+        bounded by the prefills that arrived before it."""
+        if not self.running or not self.config.enable_prefix_cache:
+            return False
+        bs = self.cache.policy.block_size
+        mine = self.cache.block_hashes(req.prompt_ids, req.cache_salt)
+        have = self.cache.restorable(mine, len(req.prompt_ids))
+        limit = (len(req.prompt_ids) - 1) // bs * bs  # a hit leaves the last token to compute
+        order = self._order.get(req.request_id, 0)
+        for run in self.running:
+            if run.order > order:
+                continue
+            common = next((i for i, (a, b) in enumerate(zip(mine, run.hashes)) if a != b),
+                          min(len(mine), len(run.hashes)))
+            reach = min(common * bs, limit)
+            if any(have < b <= reach for b in (*run.boundaries, *run.checkpoints)):
+                return True
+        return False
 
     def _try_start(self, req: PrefillRequest) -> _Running | None:
         prompt = list(req.prompt_ids)
@@ -286,7 +319,8 @@ class PrefillEngine:
         bounds = self.cache.checkpoint_boundaries(len(prompt), cached, branch) \
             if self.config.enable_prefix_cache else []
         return _Running(req, slot, pages, cached, cached, len(prompt) - cached >= self.config.long_threshold,
-                        list(bounds))
+                        list(bounds), hashes=tuple(self.cache.block_hashes(prompt, req.cache_salt))
+                        if self.config.enable_prefix_cache else ())
 
     def _save_checkpoint(self, run: _Running, boundary: int) -> None:
         if self.slots.num_free < 1:

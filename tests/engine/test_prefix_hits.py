@@ -115,3 +115,19 @@ def test_branch_point_checkpoint_lets_the_third_conversation_hit_the_shared_pref
             tiny_refs.check(prompt, PARAMS, outs[-1].token_ids, label="third")
     assert [o.cached_tokens for o in outs] == [0, 0, 1024]
     assert pipe.prefill.cache.stats()["shared_checkpoints"] == 1
+
+
+def test_a_prompt_sent_with_the_one_it_continues_waits_for_its_checkpoint(pipe, tiny_refs):
+    """Two prompts in one batch, the second extending the first: the second starts after the first registered
+    its turn-end checkpoint (1024) and resumes there, with a cold run's tokens; an unrelated third prompt in the
+    batch does not wait. Before, all three started together and the second restored nothing."""
+    pipe.prefill.cache.clear()
+    first = _tokens(1100, seed=21)
+    second = first + _tokens(200, seed=22)
+    other = _tokens(1100, seed=23)
+    reqs = [PrefillRequest(rid, tuple(p), PARAMS) for rid, p in (("first", first), ("second", second),
+                                                                 ("other", other))]
+    outs = pipe.generate(reqs)
+    assert [outs[r].cached_tokens for r in ("first", "second", "other")] == [0, 1024, 0]
+    tiny_refs.check(second, PARAMS, outs["second"].token_ids, label="second")
+    assert not pipe.prefill.running and not pipe.prefill.waiting and not pipe.prefill._order
