@@ -101,7 +101,8 @@ class PrefillEngine:
         self.pages = PageAllocator(config.pools.mla_pages)
         self.cache = HybridPrefixCache(config.cache, self.pages, self.slots, hash_key)
         self.waiting: deque[PrefillRequest] = deque()
-        self._order: dict[str, int] = {}  # arrival order of the waiting requests
+        # waiting request -> (arrival order, its prompt's block hashes once computed: hashed once, not per step)
+        self._queued: dict[str, tuple[int, tuple[int, ...] | None]] = {}
         self._arrivals = itertools.count()
         self.running: list[_Running] = []
         self.failures: list[RequestFailure] = []
@@ -128,14 +129,14 @@ class PrefillEngine:
                 f"prompt of {len(req.prompt_ids)} tokens needs {need} MLA pages; this prefill group has "
                 f"{self.pages.capacity}"))
             return
-        self._order[req.request_id] = next(self._arrivals)
+        self._queued[req.request_id] = (next(self._arrivals), None)
         self.waiting.append(req)
 
     def cancel(self, request_id: str) -> bool:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                self._order.pop(request_id, None)
+                self._queued.pop(request_id, None)
                 return True
         for run in self.running:
             if run.req.request_id == request_id:
@@ -250,7 +251,7 @@ class PrefillEngine:
                 run = self._try_start(req)
             except OpFailed as e:  # its slot could not be prepared: fail this request only
                 self.waiting.remove(req)
-                self._order.pop(req.request_id, None)
+                self._queued.pop(req.request_id, None)
                 self.failures.append(RequestFailure(req.request_id, ErrorCode.INTERNAL,
                                                     f"prefill failed: {str(e).splitlines()[0]}"))
                 continue
@@ -260,7 +261,7 @@ class PrefillEngine:
                 long_blocked = True
                 continue
             self.waiting.remove(req)
-            run.order = self._order.pop(req.request_id, 0)
+            run.order = self._queued.pop(req.request_id, (0, None))[0]
             self.running.append(run)
 
     def _follows_running(self, req: PrefillRequest) -> bool:
@@ -271,10 +272,10 @@ class PrefillEngine:
         if not self.running or not self.config.enable_prefix_cache:
             return False
         bs = self.cache.policy.block_size
-        mine = self.cache.block_hashes(req.prompt_ids, req.cache_salt)
+        mine = self._hashes(req)
         have = self.cache.restorable(mine, len(req.prompt_ids))
         limit = (len(req.prompt_ids) - 1) // bs * bs  # a hit leaves the last token to compute
-        order = self._order.get(req.request_id, 0)
+        order = self._queued.get(req.request_id, (0, None))[0]
         for run in self.running:
             if run.order > order:
                 continue
@@ -284,6 +285,14 @@ class PrefillEngine:
             if any(have < b <= reach for b in (*run.boundaries, *run.checkpoints)):
                 return True
         return False
+
+    def _hashes(self, req: PrefillRequest) -> tuple[int, ...]:
+        """A waiting request's block hashes, computed on first use and kept while it waits."""
+        order, hashes = self._queued.get(req.request_id, (0, None))
+        if hashes is None:
+            hashes = tuple(self.cache.block_hashes(req.prompt_ids, req.cache_salt))
+            self._queued[req.request_id] = (order, hashes)
+        return hashes
 
     def _try_start(self, req: PrefillRequest) -> _Running | None:
         prompt = list(req.prompt_ids)
@@ -319,8 +328,7 @@ class PrefillEngine:
         bounds = self.cache.checkpoint_boundaries(len(prompt), cached, branch) \
             if self.config.enable_prefix_cache else []
         return _Running(req, slot, pages, cached, cached, len(prompt) - cached >= self.config.long_threshold,
-                        list(bounds), hashes=tuple(self.cache.block_hashes(prompt, req.cache_salt))
-                        if self.config.enable_prefix_cache else ())
+                        list(bounds), hashes=self._hashes(req) if self.config.enable_prefix_cache else ())
 
     def _save_checkpoint(self, run: _Running, boundary: int) -> None:
         if self.slots.num_free < 1:

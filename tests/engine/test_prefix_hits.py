@@ -130,4 +130,4 @@ def test_a_prompt_sent_with_the_one_it_continues_waits_for_its_checkpoint(pipe, 
     outs = pipe.generate(reqs)
     assert [outs[r].cached_tokens for r in ("first", "second", "other")] == [0, 1024, 0]
     tiny_refs.check(second, PARAMS, outs["second"].token_ids, label="second")
-    assert not pipe.prefill.running and not pipe.prefill.waiting and not pipe.prefill._order
+    assert not pipe.prefill.running and not pipe.prefill.waiting and not pipe.prefill._queued
