@@ -45,9 +45,15 @@ if [ "$MOONCAKE" != 0 ]; then
   fi
   # the bind() library that keeps each engine's listeners on its host (k3serve/transfer/mooncake/listeners.py)
   if [ -f "$mc_stamp" ]; then
-    command -v cc >/dev/null 2>&1 || { $SUDO apt-get update -qq >/dev/null && \
-      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc >/dev/null; }
-    .venv/bin/python -m k3serve.transfer.mooncake.listeners >/dev/null
+    if ! { command -v cc >/dev/null 2>&1 || { $SUDO apt-get update -qq >/dev/null && \
+             DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc >/dev/null; }; } \
+       || ! .venv/bin/python -m k3serve.transfer.mooncake.listeners >/dev/null; then
+      if [ "$MOONCAKE" = auto ]; then
+        echo "setup: WARNING: could not build the Mooncake bind() library (needs gcc); Mooncake deployments will refuse to start" >&2
+      else
+        echo "setup: building the Mooncake bind() library failed (needs gcc)" >&2; exit 1
+      fi
+    fi
   fi
 fi
 
